@@ -1,0 +1,133 @@
+"""The typed root config: Hydra composes YAML from configs/, this module turns it into dataclasses and
+validates it before any expensive work. Each component's options live next to the component."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+from scalevec_train.data import DataConfig
+from scalevec_train.errors import ScalevecError
+from scalevec_train.logger import LoggerConfig
+from scalevec_train.model import ModelConfig
+from scalevec_train.optim import OptimConfig
+from scalevec_train.schedules import ScheduleConfig
+from scalevec_train.strategies import ScaleConfig
+
+# configs/ at the repository root (the package is installed in editable mode next to it).
+CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
+
+
+@dataclass
+class TrainConfig:
+    # optimizer steps
+    steps: int = 1000
+    # sequences per optimizer step, summed over all data-parallel ranks
+    global_batch: int = 32
+    # sequences per forward pass on one rank; global_batch / (micro_batch * ranks) = accumulation steps
+    micro_batch: int = 8
+    # tokens per training sequence
+    seq_len: int = 256
+    # clip the global gradient norm to this; 0 disables clipping
+    grad_clip: float = 1.0
+    # write metrics every this many steps
+    log_every: int = 10
+    # validate every this many steps (and at the first and last step); 0: only at the last step
+    eval_every: int = 100
+    # validation batches (of micro_batch sequences) per evaluation; the same batches every time
+    eval_batches: int = 8
+    # compute precision: auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
+    dtype: str = "auto"
+
+    def validate(self, world_size: int) -> None:
+        for key in ("steps", "global_batch", "micro_batch", "seq_len", "log_every", "eval_batches"):
+            if getattr(self, key) <= 0:
+                raise ScalevecError(f"train.{key}", f"must be positive, got {getattr(self, key)}.")
+        if self.eval_every < 0 or self.grad_clip < 0:
+            raise ScalevecError("train.eval_every" if self.eval_every < 0 else "train.grad_clip",
+                                "must not be negative.")
+        per_step = self.micro_batch * world_size
+        if self.global_batch % per_step:
+            raise ScalevecError(
+                "train.global_batch",
+                f"{self.global_batch} sequences are not divisible by micro_batch * ranks = "
+                f"{self.micro_batch} * {world_size}.",
+                f"use a multiple of {per_step}, or change train.micro_batch.")
+        if self.dtype not in ("auto", "fp32", "bf16"):
+            raise ScalevecError("train.dtype", f"unknown value {self.dtype!r}.", "use auto, fp32 or bf16.")
+
+
+@dataclass
+class CheckpointConfig:
+    # save every this many steps (and at the end of the run); 0: only at the end
+    every: int = 0
+    # keep the newest this many complete checkpoints; older ones are deleted
+    keep_last: int = 2
+
+    def validate(self) -> None:
+        if self.every < 0 or self.keep_last < 1:
+            raise ScalevecError("checkpoint.every" if self.every < 0 else "checkpoint.keep_last",
+                                "every must be >= 0 and keep_last >= 1.")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    scale: ScaleConfig = field(default_factory=ScaleConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # seeds model init, data order and everything random
+    seed: int = 0
+    # where metrics, the resolved config and checkpoints go
+    run_dir: str = "runs/default"
+    # none: start fresh (refuses a run_dir that already holds checkpoints) | auto: continue from the
+    # newest complete checkpoint in run_dir if there is one | a checkpoint directory path
+    resume: str = "none"
+    # auto (cuda if available) | cpu | cuda
+    device: str = "auto"
+    # normalization kernels: auto (Triton on CUDA, PyTorch elsewhere) | triton | torch
+    kernels: str = "auto"
+
+    def validate(self, world_size: int = 1) -> None:
+        self.model.validate()
+        self.scale.validate()
+        self.optim.validate()
+        self.train.validate(world_size)
+        self.schedule.validate(self.train.steps)
+        self.data.validate()
+        self.logger.validate()
+        self.checkpoint.validate()
+        if self.train.seq_len > self.model.max_seq_len:
+            raise ScalevecError("train.seq_len", f"{self.train.seq_len} is longer than the model's "
+                                f"positions (model.max_seq_len={self.model.max_seq_len}).",
+                                "shorten train.seq_len or raise model.max_seq_len.")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ScalevecError("device", f"unknown device {self.device!r}.", "use auto, cpu or cuda.")
+        if self.kernels not in ("auto", "triton", "torch"):
+            raise ScalevecError("kernels", f"unknown value {self.kernels!r}.", "use auto, triton or torch.")
+        if not self.run_dir:
+            raise ScalevecError("run_dir", "is empty.", "set run_dir=<a directory>.")
+
+
+def to_config(raw: DictConfig, world_size: int = 1) -> Config:
+    """Type-check the composed config against the dataclasses, then validate it."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
+        cfg = OmegaConf.to_object(merged)
+    except (ConfigKeyError, ConfigAttributeError) as e:
+        raise ScalevecError(e.full_key or "config", f"unknown key ({e.msg.splitlines()[0]}).",
+                            "check the spelling against the config file that defines this group.") from None
+    except OmegaConfBaseException as e:
+        raise ScalevecError(e.full_key or "config", e.msg.splitlines()[0],
+                            "give a value of the type the config file documents.") from None
+    cfg.validate(world_size)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,0 +1,122 @@
+"""`python -m scalevec_train.describe model=<preset> scale=<preset> [format=json]`: every scale site of a
+model under a strategy, what it costs in parameters and FLOPs. Builds the model on the meta device,
+so any preset describes instantly."""
+
+import json
+import sys
+
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+
+from scalevec_train.config import CONFIG_DIR, to_config
+from scalevec_train.errors import ScalevecError
+from scalevec_train.flops import train_flops_per_token
+from scalevec_train.model import Linear, PreNorm, Transformer
+from scalevec_train.strategies import ScaleConfig, scale_sites, site_display_name
+
+# Per element and token, forward: a normalization N costs 3 FLOPs (square-accumulate, scale by the
+# inverse RMS, and the RMS itself amortized), a scale site 1 multiply. Training costs 3x forward.
+NORM_FLOPS, SITE_FLOPS = 3, 1
+
+
+def norm_flops_per_token(model: Transformer) -> int:
+    """Forward FLOPs per token spent in normalizations and scale sites."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, PreNorm):
+            width = model.cfg.dim
+            total += NORM_FLOPS * width + SITE_FLOPS * width * sum(s.param != "fixed" for s in m.sites.values())
+        elif isinstance(m, Linear):
+            d_out, d_in = m.weight.shape
+            if m.in_site is not None and m.in_site.param != "fixed":
+                total += SITE_FLOPS * d_in
+            if m.out_norm is not None:
+                total += NORM_FLOPS * d_out
+            if m.out_site is not None and m.out_site.param != "fixed":
+                total += SITE_FLOPS * d_out
+        elif hasattr(m, "norm_flops_per_token"):  # MoE layers account for their own sites
+            total += m.norm_flops_per_token()
+    return total
+
+
+def build_meta(model_cfg, scale_cfg) -> Transformer:
+    with torch.device("meta"):
+        return Transformer(model_cfg, scale_cfg)
+
+
+def describe(cfg) -> dict:
+    model = build_meta(cfg.model, cfg.scale)
+    baseline = build_meta(cfg.model, ScaleConfig(name="baseline"))
+    total = sum(p.numel() for p in model.parameters())
+    sites = []
+    for path, site in scale_sites(model):
+        layer, name = site_display_name(path)
+        sites.append({
+            "name": path, "layer": layer, "site": name, "role": site.role, "param": site.param,
+            "shape": list(site.shape), "behind_norm": site.behind_norm,
+            "params": sum(p.numel() for p in site.parameters()),
+            "weight_decay": site.param != "fixed" and cfg.scale.decays(site.role),
+        })
+    scale_params = sum(s["params"] for s in sites)
+    extra = 3 * (norm_flops_per_token(model) - norm_flops_per_token(baseline))
+    model_flops = train_flops_per_token(model, cfg.train.seq_len)
+    out = {
+        "model": cfg.model.name, "scale": cfg.scale.name, "total_params": total,
+        "scale_params": scale_params, "scale_share": scale_params / total,
+        "extra_train_flops_per_token": extra, "extra_flops_share": extra / model_flops,
+        "train_flops_per_token": model_flops, "sites": sites,
+    }
+    if cfg.model.moe is not None:
+        from scalevec_train.moe import active_params
+
+        out["active_params"] = active_params(model)
+    return out
+
+
+def format_table(d: dict) -> str:
+    lines = [f"{'layer':>5}  {'site':<28} {'role':<6} {'param':<5} {'shape':<12} {'decay':<5} params"]
+    for s in d["sites"]:
+        layer = "-" if s["layer"] is None else str(s["layer"])
+        shape = "x".join(map(str, s["shape"]))
+        site = s["site"] + (" (norm)" if s["behind_norm"] else "")
+        lines.append(f"{layer:>5}  {site:<28} {s['role']:<6} {s['param']:<5} {shape:<12} "
+                     f"{'yes' if s['weight_decay'] else 'no':<5} {s['params']:,}")
+    lines.append("")
+    lines.append(f"model {d['model']}, scale {d['scale']}: {d['total_params']:,} parameters"
+                 + (f" ({d['active_params']:,} active per token)" if "active_params" in d else ""))
+    lines.append(f"scale parameters: {d['scale_params']:,} ({100 * d['scale_share']:.4f}% of the model)")
+    lines.append(f"extra training FLOPs per token against baseline: {d['extra_train_flops_per_token']:,} "
+                 f"({100 * d['extra_flops_share']:.4f}% of {d['train_flops_per_token']:,.0f})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    fmt = "table"
+    overrides = []
+    for arg in argv:
+        if arg.startswith("format="):
+            fmt = arg.split("=", 1)[1]
+        else:
+            overrides.append(arg)
+    try:
+        if fmt not in ("table", "json"):
+            raise ScalevecError("format", f"unknown format {fmt!r}.", "use format=table or format=json.")
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+            raw = compose(config_name="config", overrides=overrides)
+        cfg = to_config(raw)
+        d = describe(cfg)
+    except (ScalevecError, HydraException) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if fmt == "json":
+        d = dict(d, sites=[{k: s[k] for k in ("name", "role", "param", "shape", "weight_decay")}
+                           for s in d["sites"]])
+        print(json.dumps(d))
+    else:
+        print(format_table(d))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
