@@ -8,6 +8,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from scalevec_train.data import DataConfig
+from scalevec_train.distributed import DistributedConfig
 from scalevec_train.errors import ScalevecError
 from scalevec_train.logger import LoggerConfig
 from scalevec_train.model import ModelConfig
@@ -64,6 +65,8 @@ class CheckpointConfig:
     every: int = 0
     # keep the newest this many complete checkpoints; older ones are deleted
     keep_last: int = 2
+    # write checkpoints in the background while training goes on (torch.distributed.checkpoint.async_save)
+    async_save: bool = False
 
     def validate(self) -> None:
         if self.every < 0 or self.keep_last < 1:
@@ -81,6 +84,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     # seeds model init, data order and everything random
     seed: int = 0
     # where metrics, the resolved config and checkpoints go
@@ -102,6 +106,7 @@ class Config:
         self.data.validate()
         self.logger.validate()
         self.checkpoint.validate()
+        self.distributed.validate()
         if self.train.seq_len > self.model.max_seq_len:
             raise ScalevecError("train.seq_len", f"{self.train.seq_len} is longer than the model's "
                                 f"positions (model.max_seq_len={self.model.max_seq_len}).",

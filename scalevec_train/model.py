@@ -17,13 +17,12 @@ scale site starts at s = 1. Values depend only on (seed, parameter name), never 
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from scalevec_kernels import head_rms_norm, rms_norm_scales
 from torch import nn
 
-from scalevec_kernels import head_rms_norm, rms_norm_scales
 from scalevec_train.errors import ScalevecError
 from scalevec_train.moe import MoEConfig, MoEFeedForward
 from scalevec_train.strategies import ScaleConfig, ScaleSite, input_branches, plan_map
@@ -56,7 +55,7 @@ class ModelConfig:
     # std of the normal init of embeddings and matrices (see the module docstring)
     init_std: float = 0.02
     # null for a dense model; see moe.py for the options
-    moe: Optional[MoEConfig] = None
+    moe: MoEConfig | None = None
 
     @property
     def head_dim(self) -> int:

@@ -1,0 +1,87 @@
+"""Compare training runs (local run directories and/or wandb runs); see --help."""
+
+import argparse
+import sys
+
+from scalevec_train.compare import load_run_dir, load_wandb, write_comparison, write_scaling
+from scalevec_train.errors import ScalevecError
+
+DESCRIPTION = """\
+Groups runs by their resolved config minus the seed and bookkeeping (run_dir, resume, logger.*,
+checkpoint.*, data.cache_dir, path-like keys; more with --ignore) and compares the groups.
+
+Default mode writes OUT/curves.png (loss and validation loss against tokens), OUT/summary.md and
+OUT/summary.csv, and prints the table:
+  terminal loss   per run: the final val_loss (--metric val_loss), or the mean of the last
+                  --last-k logged training losses (--metric loss); per group: mean and sample
+                  std (ddof=1) over its runs (seeds). T_G: mean tokens at the runs' terminal points.
+  Δ vs ref        group terminal loss minus the reference group's.
+  token efficiency  T_R / T_G, where T_R is the first token count at which the reference's curve
+                  (mean over its seeds, linear in tokens; for `loss` each point is the trailing mean
+                  of --last-k values) reaches the group's terminal loss, interpolated linearly
+                  between logged points. >1: the group needs fewer tokens than the reference for that
+                  loss. "not reached" when the reference never gets that low.
+
+--scaling mode fits L(N) = E + A*N^(-alpha) per strategy (runs split by the config keys under
+--series, default the `scale` section) to the mean terminal loss at each parameter count N
+(describe.json total_params, else `params` in the metrics), and writes OUT/scaling.png,
+OUT/scaling.md and OUT/scaling.csv.
+"""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dirs", nargs="*", metavar="RUN_DIR", help="trainer run directories")
+    p.add_argument("--wandb", action="append", default=[], metavar="ENTITY/PROJECT/RUN_ID",
+                   help="a wandb run to include (repeatable)")
+    p.add_argument("--wandb-filter", action="append", default=[], metavar="SPEC",
+                   help="""wandb runs matching ENTITY/PROJECT:{"config.scale.name": "unified"} """
+                        "(JSON passed to wandb.Api().runs as filters; repeatable)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--reference", help="reference group: its label or key=value terms, e.g. 'scale=baseline' "
+                                       "(required unless --scaling)")
+    p.add_argument("--metric", choices=["val_loss", "loss"], default="val_loss",
+                   help="the loss that defines terminal loss and token efficiency (default val_loss)")
+    p.add_argument("--last-k", type=int, default=10,
+                   help="--metric loss: average the last K logged training losses (default 10)")
+    p.add_argument("--ema", type=float, help="plot only: smooth training-loss curves with this EMA factor")
+    p.add_argument("--logx", action="store_true", help="log-scale tokens axis")
+    p.add_argument("--logy", action="store_true", help="log-scale loss axis")
+    p.add_argument("--ignore", action="append", default=[], metavar="KEY",
+                   help="also ignore this config key or section when grouping (repeatable)")
+    p.add_argument("--scaling", action="store_true", help="fit L(N) = E + A*N^(-alpha) per strategy")
+    p.add_argument("--series", action="append", metavar="KEY",
+                   help="--scaling: config keys or sections that define a strategy (default: scale)")
+    args = p.parse_args(argv)
+    if not (args.run_dirs or args.wandb or args.wandb_filter):
+        p.error("give at least one RUN_DIR, --wandb or --wandb-filter")
+    if not args.scaling and not args.reference:
+        p.error("--reference is required (unless --scaling)")
+    if args.last_k < 1:
+        p.error("--last-k must be at least 1")
+    if args.ema is not None and not 0.0 <= args.ema < 1.0:
+        p.error("--ema must be in [0, 1)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        runs = [load_run_dir(d) for d in args.run_dirs]
+        if args.wandb or args.wandb_filter:
+            runs += load_wandb(args.wandb, args.wandb_filter)
+        if args.scaling:
+            table = write_scaling(runs, args.out, args.metric, args.last_k, args.series or ["scale"],
+                                  args.ignore)
+        else:
+            table = write_comparison(runs, args.reference, args.out, args.metric, args.last_k, args.ema,
+                                     args.logx, args.logy, args.ignore)
+    except ScalevecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(table, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Config errors name the key and the fix, in-process and through the command line."""
+
+import subprocess
+import sys
+
+import pytest
+from hydra.errors import HydraException
+
+from scalevec_train.errors import ScalevecError
+from tests.helpers import make_config
+
+CASES = [
+    (["model.dim=100", "model.n_heads=3"], "model.dim: hidden size 100 is not divisible by model.n_heads=3"),
+    (["model.n_kv_heads=3"], "model.n_kv_heads: 3 does not divide n_heads=4"),
+    (["train.seq_len=2048"],
+     r"train.seq_len: 2048 is longer than the model's positions \(model.max_seq_len=1024\)"),
+    (["train.global_batch=20", "train.micro_batch=8"], "train.global_batch: 20 sequences are not divisible"),
+    (["+train.warmup=5"], "train.warmup: unknown key"),
+    (["train.steps=many"], "train.steps"),
+    (["scale.placement=sideways"], "scale.placement: unknown value 'sideways'"),
+    (["scale.targets=[q,z]"], r"scale.targets: unknown linear maps \['z'\]"),
+    (["schedule.warmup_steps=5000"], "schedule.warmup_steps"),
+    (["optim.lr=-1"], "optim.lr"),
+    (["data.source=ftp"], "data.source: unknown source 'ftp'"),
+    (["data.source=text_dir"], "data.path: data.source=text_dir needs a path"),
+    (["device=tpu"], "device: unknown device 'tpu'"),
+    (["kernels=cuda"], "kernels: unknown value 'cuda'"),
+    (["train.dtype=fp8"], "train.dtype: unknown value 'fp8'"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", CASES)
+def test_config_error_names_key(overrides, message):
+    with pytest.raises(ScalevecError, match=message) as info:
+        make_config(*overrides)
+    assert info.value.where
+
+
+def test_global_batch_must_divide_by_world_size():
+    with pytest.raises(ScalevecError, match=r"micro_batch \* ranks = 16 \* 3"):
+        make_config(world_size=3)
+
+
+def test_unknown_preset_is_refused_with_the_options():
+    with pytest.raises(HydraException, match="dense-tiny"):
+        make_config("model=dense-huge")
+
+
+def test_defaults_compose_and_validate():
+    cfg = make_config()
+    assert (cfg.model.name, cfg.scale.name, cfg.optim.name, cfg.schedule.name) == (
+        "dense-tiny", "baseline", "adamw", "cosine")
+    assert cfg.run_dir == "runs/dense-tiny-baseline-adamw-cosine-s0"
+
+
+def test_command_line_errors_exit_nonzero_with_one_message(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "scalevec_train.train", "model.dim=100", "model.n_heads=3",
+                          f"run_dir={tmp_path / 'r'}"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert "model.dim: hidden size 100 is not divisible" in run.stderr
+    assert "Traceback" not in run.stderr
+    assert not (tmp_path / "r").exists()
