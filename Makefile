@@ -28,6 +28,15 @@ test: setup
 test-gpu: setup
 	$(PY) -m pytest tests/gpu
 
+# dense-tiny under baseline and unified (a few minutes on a CPU), then the comparison plot and table.
+DEMO := runs/demo
+demo: setup
+	$(PY) -m scalevec_train.train -m +experiment=demo
+	$(PY) scripts/compare_runs.py $(DEMO)/dense-tiny-baseline-adamw-cosine-s0 \
+	  $(DEMO)/dense-tiny-unified-adamw-cosine-s0 --reference scale=baseline --out $(DEMO)/compare
+	@echo "comparison plot:  $(DEMO)/compare/curves.png"
+	@echo "comparison table: $(DEMO)/compare/summary.md (and summary.csv)"
+
 lint: setup
 	$(PY) -m ruff check .
 

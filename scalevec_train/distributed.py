@@ -1,17 +1,59 @@
 """Process groups and parallelism, applied to the model from outside.
 
-Without torchrun everything here is a no-op on one process.
+One process (no torchrun, or torchrun with one process) trains the plain model. Several processes
+shard it with FSDP2 over a DeviceMesh: `fully_shard` on every transformer block, then on the root.
+With `distributed.replicate` > 1 the mesh is (replicate, shard) and FSDP2 runs as HSDP: parameters
+are sharded within a group of ranks (a node, by default) and replicated across groups; gradients are
+reduce-scattered within the group and all-reduced across groups.
+
+Parameters are built on the meta device, sharded, allocated on the device, and then filled with their
+initial values: every rank computes the full initial tensor of a parameter from (seed, name)
+(Transformer.initial_value) and keeps its own slice, so the weights never depend on the sharding.
+
+Activation checkpointing and torch.compile wrap each block's forward in place, so parameter names (and
+with them initial values, optimizer groups and checkpoints) are the same under every setting:
+  none       keep all activations.
+  selective  keep the outputs of matrix multiplies and attention; recompute the cheap element-wise work
+             between them (norms, RoPE, SiLU * up) in the backward pass.
+  full       keep only each block's input; recompute the whole block in the backward pass.
 """
 
 import os
-from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from scalevec_train.errors import ScalevecError
+
+AC_MODES = ("none", "selective", "full")
+
+
+@dataclass
+class DistributedConfig:
+    # HSDP replica groups: 1 = FSDP over all ranks; k = shard within groups of world/k ranks and
+    # replicate across the k groups; 0 = one group per node (world / LOCAL_WORLD_SIZE)
+    replicate: int = 0
+    # activation checkpointing per block: none | selective (recompute element-wise ops, keep matmul and
+    # attention outputs) | full (recompute whole blocks)
+    activation_checkpointing: str = "none"
+    # torch.compile each transformer block (the first steps are slower while it compiles)
+    compile: bool = False
+
+    def validate(self) -> None:
+        if self.replicate < 0:
+            raise ScalevecError("distributed.replicate", f"{self.replicate} is negative.",
+                                "use 0 (one replica group per node), 1 (plain FSDP) or a group count.")
+        if self.activation_checkpointing not in AC_MODES:
+            raise ScalevecError("distributed.activation_checkpointing",
+                                f"unknown mode {self.activation_checkpointing!r}.",
+                                f"use one of {', '.join(AC_MODES)}.")
 
 
 def init() -> None:
+    """Join the process group that torchrun describes in the environment (nothing on one process)."""
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
@@ -40,6 +82,20 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(value):
+    """Rank 0's `value` on every rank (a picklable object)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         t = t.clone()
@@ -49,15 +105,122 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a DTensor (e.g. a gradient norm under FSDP); plain tensors as they are."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def no_sync(model: nn.Module, last: bool):
-    return nullcontext()
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Whether the next backward pass reduces gradients across ranks. Off on the inner micro-steps of
+    gradient accumulation: gradients accumulate locally (unsharded) and are reduced once, on the last."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)
 
 
-def materialize(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
-    """Allocate a meta-device model on `device` and initialize it."""
-    model = model.to_empty(device=device)
-    model.init_weights(seed)
+def mesh_shape(cfg: DistributedConfig, world: int) -> tuple[int, int]:
+    """(replicate, shard) sizes of the data-parallel mesh for `world` ranks."""
+    replicate = cfg.replicate
+    if replicate == 0:  # one group per node; plain FSDP when nodes run different numbers of ranks
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        replicate = world // per_node if per_node and world % per_node == 0 else 1
+    if world % replicate:
+        raise ScalevecError("distributed.replicate", f"{replicate} replica groups do not divide the "
+                            f"{world} ranks.", "use a divisor of the world size (1: plain FSDP).")
+    return replicate, world // replicate
+
+
+def build_mesh(cfg: DistributedConfig, device: torch.device):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    replicate, shard = mesh_shape(cfg, world_size())
+    if replicate == 1:
+        return init_device_mesh(device.type, (shard,), mesh_dim_names=("shard",))
+    return init_device_mesh(device.type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def uses_bf16(dtype: str, device: torch.device) -> bool:
+    """train.dtype resolved: auto means bf16 on GPU and fp32 elsewhere."""
+    return dtype == "bf16" or (dtype == "auto" and device.type == "cuda")
+
+
+def parallelize(model: nn.Module, cfg: DistributedConfig, device: torch.device, seed: int,
+                dtype: str) -> nn.Module:
+    """Wrap the blocks of a meta-device Transformer (activation checkpointing, compile), shard it when
+    there are several processes, and materialize and initialize it on `device`."""
+    for block in model.layers:
+        wrap_block(block, cfg.activation_checkpointing, cfg.compile)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        model = model.to_empty(device=device)
+        model.init_weights(seed)
+        return model
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = build_mesh(cfg, device)
+    # bf16 weights for compute, fp32 gradient reduction, fp32 master weights; only on GPU (gloo on CPU
+    # trains in fp32, and train.dtype=bf16 there stays an autocast matter).
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if device.type == "cuda" and uses_bf16(dtype, device) else MixedPrecisionPolicy())
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    # The root's parameters (embedding = tied head, final norm) are needed again right at the start of
+    # the backward pass: keep them gathered after the forward.
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    model.to_empty(device=device)
+    init_sharded(model, seed)
     return model
+
+
+@torch.no_grad()
+def init_sharded(model: nn.Module, seed: int) -> None:
+    """Fill every sharded parameter with its slice of Transformer.initial_value, then the buffers."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, p in model.named_parameters():
+        full = model.initial_value(name, p.shape, seed)
+        if isinstance(p, DTensor):
+            # src_data_rank=None: every rank holds the same full value, so each keeps its slice locally.
+            local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+            p.to_local().copy_(local)
+        else:
+            p.copy_(full)
+    model.init_buffers()
+
+
+# Ops whose outputs selective checkpointing keeps: the matrix multiplies and attention (expensive to
+# recompute). Everything else in a block is element-wise or a reduction and is recomputed.
+_KEEP = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _KEEP else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(_keep_matmuls)
+
+
+def wrap_block(block: nn.Module, ac: str, compile_block: bool) -> None:
+    """Replace `block.forward` by its checkpointed and/or compiled version. Done on the instance, not
+    with a wrapper module, so that parameter names stay as they are."""
+    if ac == "none" and not compile_block:
+        return
+    inner = block.forward
+    if ac == "full":
+        def forward(*args):
+            return checkpoint(inner, *args, use_reentrant=False)
+    elif ac == "selective":
+        def forward(*args):
+            return checkpoint(inner, *args, use_reentrant=False, context_fn=_selective_contexts)
+    else:
+        forward = inner
+    if compile_block:
+        forward = torch.compile(forward)
+    block.forward = forward

@@ -3,6 +3,7 @@
 Only rank 0 logs. wandb is imported only when logger=wandb; without an API key it runs offline.
 """
 
+import hashlib
 import json
 import os
 import sys
@@ -43,6 +44,36 @@ def wandb_mode(cfg: LoggerConfig) -> str:
     if cfg.mode != "auto":
         return cfg.mode
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+# Keys that differ between the seeds of one experiment arm, or are bookkeeping: not part of the group.
+_NOT_GROUPING = ("seed", "run_dir", "resume", "logger", "checkpoint", "data.cache_dir")
+
+
+def wandb_init_args(cfg: LoggerConfig, config: dict, run_dir: Path) -> dict:
+    """wandb.init arguments derived from the resolved config: a group shared by every seed of the same
+    setting (readable prefix + hash of everything but the seed and bookkeeping), tags naming model,
+    strategy, optimizer, schedule and seed, and the whole config."""
+    flat = _flatten(config)
+    kept = {k: v for k, v in flat.items() if not any(k == n or k.startswith(n + ".") for n in _NOT_GROUPING)}
+    digest = hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    names = [str(flat.get(f"{k}.name", "")) for k in ("model", "scale", "optim", "schedule")]
+    tags = [f"model={names[0]}", f"scale={names[1]}", f"optim={names[2]}", f"schedule={names[3]}",
+            f"seed={flat.get('seed')}", *cfg.tags]
+    # A run resumed in the same run_dir continues the same wandb run.
+    run_id = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
+    return {"project": cfg.project, "entity": cfg.entity or None, "group": cfg.group or f"{'-'.join(names)}-{digest}",
+            "tags": tags, "name": run_dir.name, "id": run_id, "resume": "allow", "config": config}
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 class MetricsLogger:

@@ -66,7 +66,8 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for micro in range(self.accum):
             inputs, targets = (t.to(self.device, non_blocking=True) for t in self.train_loader.next_batch())
-            with distributed.no_sync(self.model, last=micro == self.accum - 1), autocast(cfg, self.device):
+            distributed.set_gradient_sync(self.model, micro == self.accum - 1)
+            with autocast(cfg, self.device):
                 loss = cross_entropy(self.model(inputs), targets)
             (loss / self.accum).backward()
             total += loss.detach()
@@ -92,7 +93,7 @@ class Trainer:
         checkpointing.save(self.run_dir, self.step, self.model, self.optimizer,
                            {"loader": self.train_loader.state_dict(),
                             "model_config": asdict(self.cfg.model)},
-                           self.cfg.checkpoint.keep_last)
+                           self.cfg.checkpoint.keep_last, self.cfg.checkpoint.async_save)
 
     def fit(self, logger: MetricsLogger) -> None:
         cfg = self.cfg
@@ -129,8 +130,9 @@ class Trainer:
 def build(cfg: Config):
     """Everything a run needs, built in data-flow order; validates inputs before expensive work."""
     device = resolve_device(cfg.device)
-    run_dir = Path(cfg.run_dir)
-    resume_from = checkpointing.find_resume(run_dir, cfg.resume)
+    # Every rank uses rank 0's run_dir and checkpoint choice.
+    run_dir = Path(distributed.broadcast_object(cfg.run_dir))
+    resume_from = distributed.broadcast_object(checkpointing.find_resume(run_dir, cfg.resume))
     train_state = checkpointing.read_train_state(resume_from) if resume_from else None
     if train_state is not None:
         saved = train_state["model_config"]
@@ -144,7 +146,7 @@ def build(cfg: Config):
 
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.scale)
-    model = distributed.materialize(model, device, cfg.seed)
+    model = distributed.parallelize(model, cfg.distributed, device, cfg.seed, cfg.train.dtype)
     model.set_kernels(cfg.kernels)
     optimizer = build_optimizer(model, cfg.optim, cfg.scale)
 
@@ -173,6 +175,7 @@ def run(cfg: Config) -> Path:
     logger = MetricsLogger(cfg.logger, run_dir, cfg.train.steps, trainer.step, enabled=main)
     try:
         trainer.fit(logger)
+        checkpointing.finish()
     finally:
         logger.close()
     return run_dir

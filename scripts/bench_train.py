@@ -1,0 +1,164 @@
+"""Training throughput: tokens/s per device, MFU, peak memory and where a step's time goes.
+
+Each (preset, scale) pair is built the way `python -m scalevec_train.train` builds a run (Hydra
+composes configs/ with the overrides, then train.build), warmed up (the warm-up includes torch.compile),
+and timed in two phases:
+  1. throughput: --steps optimizer steps back to back, the device synchronized before and after;
+  2. split: --steps more steps with the device synchronized around data loading and the optimizer step.
+     "fwd+bwd" is the rest of the step: forward, backward, host-to-device copies, gradient clipping and
+     the loss all-reduce. The extra synchronization makes phase 2 a little slower than phase 1.
+MFU = tokens/s per device * training FLOPs per token / the device's dense bf16 peak (the FLOPs formula,
+attention included, is documented in scalevec_train/flops.py). Peak memory is the most GPU memory
+allocated at any point of the build, warm-up and both phases.
+
+    python scripts/bench_train.py --presets dense-0.12b,dense-1b --scales baseline,unified
+    python scripts/bench_train.py --presets dense-1b --micro-batch 4 -- distributed.activation_checkpointing=full
+    torchrun --nproc_per_node=8 scripts/bench_train.py --presets dense-1b     # rank 0 prints
+    python scripts/bench_train.py --presets dense-tiny --no-compile --seq-len 128 --steps 3 --warmup 1  # CPU smoke
+
+Arguments after `--` are Hydra overrides for every run. The data is the default stdlib corpus unless
+overridden; its tokenizer and shards are prepared on first use and cached in data_cache/.
+"""
+
+import argparse
+import gc
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from scalevec_train import distributed
+from scalevec_train.config import CONFIG_DIR, to_config
+from scalevec_train.errors import ScalevecError
+from scalevec_train.train import build
+
+COLUMNS = ["preset", "scale", "ranks", "params", "tokens/step", "step ms", "tokens/s/device", "MFU",
+           "peak mem GiB", "fwd+bwd ms", "optimizer ms", "data ms"]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--presets", default="dense-0.12b,dense-1b", help="model presets, comma-separated")
+    p.add_argument("--scales", default="baseline", help="scale strategies, comma-separated")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+    p.add_argument("--micro-batch", type=int, default=8,
+                   help="sequences per rank and step (no gradient accumulation)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per phase")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="torch.compile each block (distributed.compile)")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides applied to every run (after --)")
+    return p.parse_args()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Timed:
+    """Wraps a callable and sums its wall time, with the device synchronized on both sides."""
+
+    def __init__(self, fn, device: torch.device):
+        self.fn, self.device, self.seconds = fn, device, 0.0
+
+    def __call__(self, *args, **kwargs):
+        sync(self.device)
+        start = time.perf_counter()
+        out = self.fn(*args, **kwargs)
+        sync(self.device)
+        self.seconds += time.perf_counter() - start
+        return out
+
+
+def bench(preset: str, scale: str, args: argparse.Namespace) -> dict:
+    world = distributed.world_size()
+    # build() only looks for checkpoints there; nothing is written.
+    run_dir = distributed.broadcast_object(tempfile.mkdtemp(prefix="scalevec_bench_") if distributed.is_main()
+                                           else None)
+    overrides = [f"model={preset}", f"scale={scale}", f"train.seq_len={args.seq_len}",
+                 f"train.micro_batch={args.micro_batch}", f"train.global_batch={args.micro_batch * world}",
+                 "train.steps=100000", f"distributed.compile={str(args.compile).lower()}",
+                 "logger.progress_bar=false", f"run_dir={run_dir}", "resume=none", *args.overrides]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        cfg = to_config(compose(config_name="config", overrides=overrides), world)
+    row = {"preset": preset, "scale": scale, "ranks": world}
+    device = None
+    try:
+        trainer = build(cfg)
+        device = trainer.device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        row["params"] = f"{sum(p.numel() for p in trainer.model.parameters()) / 1e6:.1f}M"
+        tokens = cfg.train.global_batch * cfg.train.seq_len
+        row["tokens/step"] = tokens
+        for _ in range(args.warmup):
+            trainer.train_step()
+
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            trainer.train_step()
+        sync(device)
+        step_s = (time.perf_counter() - start) / args.steps
+        per_device = tokens / step_s / world
+        row["step ms"] = f"{step_s * 1e3:.1f}"
+        row["tokens/s/device"] = f"{per_device:,.0f}"
+        if trainer.peak:
+            row["MFU"] = f"{100 * per_device * trainer.flops_per_token / trainer.peak:.1f}%"
+
+        data = trainer.train_loader.next_batch = Timed(trainer.train_loader.next_batch, device)
+        optim = trainer.optimizer.step = Timed(trainer.optimizer.step, device)
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            trainer.train_step()
+        sync(device)
+        total = time.perf_counter() - start
+        row["fwd+bwd ms"] = f"{(total - data.seconds - optim.seconds) / args.steps * 1e3:.1f}"
+        row["optimizer ms"] = f"{optim.seconds / args.steps * 1e3:.1f}"
+        row["data ms"] = f"{data.seconds / args.steps * 1e3:.1f}"
+    except torch.cuda.OutOfMemoryError:
+        row["step ms"] = "out of memory"
+    finally:
+        if device is not None and device.type == "cuda":
+            row["peak mem GiB"] = f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f}"
+        trainer = None
+        if distributed.is_main():
+            shutil.rmtree(run_dir, ignore_errors=True)
+        gc.collect()
+        torch._dynamo.reset()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(str(r.get(c, "-")) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = parse_args()
+    distributed.init()
+    try:
+        rows = [bench(p, s, args) for p in args.presets.split(",") for s in args.scales.split(",")]
+        if distributed.is_main():
+            device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+            print(f"{device}, torch {torch.__version__}, {distributed.world_size()} rank(s), "
+                  f"seq_len {args.seq_len}, micro-batch {args.micro_batch}, compile {args.compile}, "
+                  f"overrides {args.overrides or 'none'}")
+            print(table(rows))
+    except ScalevecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
