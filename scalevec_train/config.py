@@ -36,7 +36,8 @@ class TrainConfig:
     log_every: int = 10
     # validate every this many steps (and at the first and last step); 0: only at the last step
     eval_every: int = 100
-    # validation batches (of micro_batch sequences) per evaluation; the same batches every time
+    # validation batches of micro_batch sequences per evaluation, over all ranks (a multiple of the
+    # rank count); the same sequences every time and on any world size
     eval_batches: int = 8
     # compute precision: auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
     dtype: str = "auto"
@@ -55,6 +56,9 @@ class TrainConfig:
                 f"{self.global_batch} sequences are not divisible by micro_batch * ranks = "
                 f"{self.micro_batch} * {world_size}.",
                 f"use a multiple of {per_step}, or change train.micro_batch.")
+        if self.eval_batches % world_size:
+            raise ScalevecError("train.eval_batches", f"{self.eval_batches} validation batches cannot be split "
+                                f"evenly over {world_size} ranks.", f"use a multiple of {world_size}.")
         if self.dtype not in ("auto", "fp32", "bf16"):
             raise ScalevecError("train.dtype", f"unknown value {self.dtype!r}.", "use auto, fp32 or bf16.")
 

@@ -3,6 +3,8 @@
 config -> data + model + optimizer -> training loop -> metrics and checkpoints.
 """
 
+import json
+import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -12,14 +14,15 @@ from pathlib import Path
 import hydra
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from scalevec_train import checkpointing, distributed
 from scalevec_train.config import CONFIG_DIR, Config, to_config, to_yaml
 from scalevec_train.data import TokenLoader, check_vocab, prepare_data
+from scalevec_train.describe import describe
 from scalevec_train.errors import ScalevecError
 from scalevec_train.flops import peak_flops, train_flops_per_token
-from scalevec_train.logger import MetricsLogger
+from scalevec_train.logger import MetricsLogger, wandb_init_args
 from scalevec_train.model import Transformer
 from scalevec_train.optim import build_optimizer, describe_groups
 from scalevec_train.schedules import lr_multiplier
@@ -35,7 +38,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def autocast(cfg: Config, device: torch.device):
-    bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda")
+    bf16 = distributed.uses_bf16(cfg.train.dtype, device)
     return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
 
@@ -123,8 +126,12 @@ class Trainer:
                                "val_loss": self.evaluate()})
             if record:
                 logger.log(record)
-            if last or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
+            saving = last or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0)
+            if saving:
                 self.save()
+            if saving or "val_loss" in record:
+                # Evaluation and checkpoint time does not count against the next throughput window.
+                window_start, window_steps = time.perf_counter(), 0
 
 
 def build(cfg: Config):
@@ -152,27 +159,39 @@ def build(cfg: Config):
 
     rank, world = distributed.rank(), distributed.world_size()
     train_loader = TokenLoader(data, "train", cfg.train.seq_len, cfg.train.micro_batch, cfg.seed, rank, world)
+    # The validation set is the first eval_batches * micro_batch sequences of the val split, split
+    # over the ranks: the same sequences (and so the same val_loss) on any world size.
     val_loader = TokenLoader(data, "val", cfg.train.seq_len, cfg.train.micro_batch, cfg.seed, rank, world)
-    val_data = [val_loader.next_batch() for _ in range(cfg.train.eval_batches)]
+    val_data = [val_loader.next_batch() for _ in range(cfg.train.eval_batches // world)]
     start_step = 0
     if resume_from is not None:
         checkpointing.load(resume_from, model, optimizer)
         train_loader.load_state_dict(train_state["loader"])
         start_step = train_state["step"]
-    return Trainer(cfg, model, optimizer, train_loader, val_data, device, run_dir, start_step)
+    return Trainer(cfg, model, optimizer, train_loader, val_data, device, run_dir, start_step), data
+
+
+def write_run_files(cfg: Config, run_dir: Path, tokenizer_path: Path) -> None:
+    """The resolved config, the model description and the tokenizer: a run directory is self-contained."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    (run_dir / "describe.json").write_text(json.dumps(describe(cfg), indent=1))
+    shutil.copyfile(tokenizer_path, run_dir / "tokenizer.model")
 
 
 def run(cfg: Config) -> Path:
     """Train to cfg.train.steps; returns the run directory."""
-    trainer = build(cfg)
+    trainer, data = build(cfg)
     run_dir = trainer.run_dir
     main = distributed.is_main()
+    wandb_init = None
     if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        write_run_files(cfg, run_dir, data.tokenizer_path)
         print(f"run_dir: {run_dir}  params: {sum(p.numel() for p in trainer.model.parameters()):,}  "
               f"optimizer: {describe_groups(trainer.optimizer)}", file=sys.stderr)
-    logger = MetricsLogger(cfg.logger, run_dir, cfg.train.steps, trainer.step, enabled=main)
+        if cfg.logger.name == "wandb":
+            wandb_init = wandb_init_args(cfg.logger, OmegaConf.to_container(OmegaConf.structured(cfg)), run_dir)
+    logger = MetricsLogger(cfg.logger, run_dir, cfg.train.steps, trainer.step, wandb_init, enabled=main)
     try:
         trainer.fit(logger)
         checkpointing.finish()
