@@ -11,6 +11,8 @@ head counts. MoE layers count only the experts a token is routed to.
 import torch
 from torch import nn
 
+from scalevec_train.strategies import scale_sites
+
 # Dense bf16 peak FLOP/s (no sparsity), by a substring of torch.cuda.get_device_name().
 PEAK_BF16 = {
     "H200": 989e12,
@@ -27,9 +29,10 @@ def matmul_params_per_token(model: nn.Module) -> int:
     """Weights a token multiplies with: everything but the embedding table (unless tied: then it is
     the head) and scale sites, with routed experts counted top_k / num_experts."""
     cfg = model.cfg
+    site_params = {id(p) for _, site in scale_sites(model) for p in site.parameters()}
     total = 0
     for name, p in model.named_parameters():
-        if p.ndim < 2 or name == "tok_emb.weight":
+        if id(p) in site_params or name == "tok_emb.weight":
             continue
         if ".experts." in name:
             total += p.numel() * cfg.moe.top_k // cfg.moe.num_experts

@@ -52,10 +52,10 @@ def fold(model: Transformer) -> Transformer:
             for which in ("in_site", "out_site"):
                 site = getattr(module, which)
                 if site is not None:
-                    owners[id(site)] = (module.weight, which)
+                    owners.setdefault(id(site), []).append((module.weight, which))
         if hasattr(module, "fold_pairs"):  # MoE experts fold their own internal sites
             for site, weight, which in module.fold_pairs():
-                owners[id(site)] = (weight, which)
+                owners.setdefault(id(site), []).append((weight, which))
     for path, site in scale_sites(folded):
         s = site()
         if s is None:
@@ -70,7 +70,8 @@ def fold(model: Transformer) -> Transformer:
             for weight in consumers[id(site)]:
                 weight.mul_(s.unsqueeze(-2))
         else:
-            weight, which = owners[id(site)]
-            weight.mul_(s.unsqueeze(-2) if which == "in_site" else s.unsqueeze(-1))
+            # A site may scale several maps (an MoE output site: the experts and the shared expert).
+            for weight, which in owners[id(site)]:
+                weight.mul_(s.unsqueeze(-2) if which == "in_site" else s.unsqueeze(-1))
         _replace(folded, path, ScaleSite(site.shape, site.role, "fixed", behind_norm=site.behind_norm))
     return folded

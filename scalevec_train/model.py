@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from scalevec_kernels import head_rms_norm, rms_norm_scales
 from torch import nn
 
+from scalevec_kernels import head_rms_norm, rms_norm_scales
 from scalevec_train.errors import ScalevecError
 from scalevec_train.moe import MoEConfig, MoEFeedForward
 from scalevec_train.strategies import ScaleConfig, ScaleSite, input_branches, plan_map

@@ -24,6 +24,7 @@ from scalevec_train.errors import ScalevecError
 from scalevec_train.flops import peak_flops, train_flops_per_token
 from scalevec_train.logger import MetricsLogger, wandb_init_args
 from scalevec_train.model import Transformer
+from scalevec_train.moe import moe_aux_loss, moe_metrics, update_moe_bias
 from scalevec_train.optim import build_optimizer, describe_groups
 from scalevec_train.schedules import lr_multiplier
 from scalevec_train.strategies import site_stats
@@ -72,12 +73,14 @@ class Trainer:
             distributed.set_gradient_sync(self.model, micro == self.accum - 1)
             with autocast(cfg, self.device):
                 loss = cross_entropy(self.model(inputs), targets)
-            (loss / self.accum).backward()
+            # MoE auxiliary losses (zero for dense models) train the router but are not the logged loss.
+            ((loss + moe_aux_loss(self.model)) / self.accum).backward()
             total += loss.detach()
         clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        update_moe_bias(self.model)
         self.step += 1
         mean_loss = distributed.all_reduce_mean(total / self.accum)
         return mean_loss.item(), distributed.full_value(grad_norm).item()
@@ -120,6 +123,7 @@ class Trainer:
                 if self.peak:
                     record["mfu"] = tokens_per_s * self.flops_per_token / (self.peak * distributed.world_size())
                 record.update(site_stats(self.model))
+                record.update(moe_metrics(self.model))
                 window_start, window_steps = time.perf_counter(), 0
             if last or (every and self.step % every == 0):
                 record.update({"step": self.step, "tokens": self.step * self.tokens_per_step,

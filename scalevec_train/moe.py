@@ -1,0 +1,442 @@
+"""Mixture-of-experts feed-forward layer: a drop-in for the dense SwiGLU block (`model.moe`).
+
+    logits = W_r x_r                         fp32, even under autocast; x_r: the router's input
+    p      = softmax(logits) | sigmoid(logits)
+    chosen = top_k(p + bias)                 the expert bias only chooses, it never weights
+    g      = p[chosen], renormalized to sum 1 over the k chosen if `renormalize`
+    y      = sum_j g_j E_{chosen_j}(x) + S(x)  summed in fp32; S: the shared expert(s), if any
+    out    = u_down * N(y) | u_down * y | y  as the strategy's plan for `down` says
+
+Every expert is a SwiGLU, E_e(x) = W_down,e (silu(W_gate,e x_g) * W_up,e x_u), stored as 3-D weights
+[experts, out, in]. Dropless: tokens are sorted by expert and every expert takes all of its tokens,
+through torch._grouped_mm or a loop of matmuls. The routing weight g multiplies an expert's hidden
+activation (W_down is linear, so this equals weighting its output); a token's k expert outputs are
+then summed in fp32. Several shared experts act as one SwiGLU of their summed width.
+
+Scale sites (strategies.py): the pre-norm hands this layer {"ffn"} (one site read by the router and
+all experts), {"gate", "up", "router"} under HG, or {"router", "norm"} with `per_expert`, where the
+experts scale N(x) themselves with (experts, dim) sites and the shared expert with (dim,) ones. Sites
+inside the experts (per-expert inputs, gate/up outputs under `dual`, the new input site of `down`)
+are applied to the weights, W * s, which is the same function and cheaper than scaling tokens. The
+output site of `down` (with its normalization under dual_norm or post_norm) acts on the combined y,
+as on the dense block's output.
+
+Load balancing: the auxiliary-loss-free expert bias moves every optimizer step by
+bias += bias_update_rate * sign(mean load - load), with the loads (token counts of the step's training
+forwards, summed over data-parallel ranks) gathered by update_bias(). Evaluation (eval mode or
+no_grad) never counts, so it never moves the bias. Optionally a load-balancing loss
+E * sum_e f_e P_e (f_e: share of the micro-batch's assignments going to e, P_e: mean routing
+probability of e; 1 when balanced) and the router z-loss mean(logsumexp(logits)^2) are added to the
+training loss through moe_aux_loss(model).
+"""
+
+import math
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from scalevec_kernels import rms_norm_scales
+from scalevec_train.errors import ScalevecError
+from scalevec_train.strategies import ScaleConfig, ScaleSite, plan_map
+
+if TYPE_CHECKING:
+    from scalevec_train.model import ModelConfig
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+BACKENDS = ("auto", "grouped_mm", "loop")
+
+
+@dataclass
+class MoEConfig:
+    # routed experts per MoE layer
+    num_experts: int = 8
+    # experts each token is sent to
+    top_k: int = 2
+    # hidden width of each routed expert's SwiGLU (a multiple of 8 lets grouped_mm run)
+    expert_dim: int = 256
+    # shared experts every token passes through, added to the routed output; 0 = none
+    num_shared_experts: int = 0
+    # hidden width of each shared expert; null = model.ffn_dim
+    shared_expert_dim: int | None = None
+    # router scores: softmax (over the experts) | sigmoid (each expert on its own)
+    score_func: str = "softmax"
+    # rescale each token's top-k scores to sum to 1
+    renormalize: bool = True
+    # expert-bias step per optimizer step: bias += rate * sign(mean load - load); 0 disables
+    bias_update_rate: float = 1e-3
+    # weight of the load-balancing loss E * sum_e f_e P_e in the training loss; 0 disables
+    aux_loss_coef: float = 0.0
+    # weight of the router z-loss mean(logsumexp(logits)^2) in the training loss; 0 disables
+    z_loss_coef: float = 0.0
+    # expert matmuls: auto (grouped_mm where supported, else loop) | grouped_mm | loop
+    backend: str = "auto"
+
+    def validate(self, dim: int) -> None:
+        for key in ("num_experts", "expert_dim"):
+            if getattr(self, key) <= 0:
+                raise ScalevecError(f"model.moe.{key}", f"must be positive, got {getattr(self, key)}.")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ScalevecError("model.moe.top_k", f"{self.top_k} is outside [1, num_experts="
+                                f"{self.num_experts}].", "pick top_k between 1 and num_experts.")
+        if self.top_k == 1 and self.renormalize:
+            raise ScalevecError("model.moe.renormalize", "with top_k=1 renormalizing makes every routing "
+                                "weight 1, so the router would learn nothing from the loss.",
+                                "set model.moe.renormalize=false or top_k > 1.")
+        if self.num_shared_experts < 0:
+            raise ScalevecError("model.moe.num_shared_experts",
+                                f"must be >= 0, got {self.num_shared_experts}.")
+        if self.shared_expert_dim is not None and self.shared_expert_dim <= 0:
+            raise ScalevecError("model.moe.shared_expert_dim", f"must be positive or null, got "
+                                f"{self.shared_expert_dim}.")
+        if self.score_func not in SCORE_FUNCS:
+            raise ScalevecError("model.moe.score_func", f"unknown value {self.score_func!r}.",
+                                f"use one of: {', '.join(SCORE_FUNCS)}.")
+        if self.backend not in BACKENDS:
+            raise ScalevecError("model.moe.backend", f"unknown value {self.backend!r}.",
+                                f"use one of: {', '.join(BACKENDS)}.")
+        for key in ("bias_update_rate", "aux_loss_coef", "z_loss_coef"):
+            if getattr(self, key) < 0:
+                raise ScalevecError(f"model.moe.{key}", f"must not be negative, got {getattr(self, key)}.")
+        if self.backend == "grouped_mm":
+            if not hasattr(torch, "_grouped_mm"):
+                raise ScalevecError("model.moe.backend", f"torch {torch.__version__} has no _grouped_mm.",
+                                    "use model.moe.backend=auto or loop, or a newer torch.")
+            if dim % 8 or self.expert_dim % 8:
+                raise ScalevecError("model.moe.backend", f"grouped_mm needs 16-byte aligned rows, so "
+                                    f"model.dim={dim} and expert_dim={self.expert_dim} must be multiples "
+                                    "of 8.", "use model.moe.backend=auto (it falls back to loop) or "
+                                    "multiples of 8.")
+
+
+def _fold(w: torch.Tensor, s_in: ScaleSite | None, s_out: ScaleSite | None) -> torch.Tensor:
+    """W with an input site on its columns and an output site on its rows (W [..., out, in])."""
+    s = s_in() if s_in is not None else None
+    if s is not None:
+        w = w * s.unsqueeze(-2)
+    s = s_out() if s_out is not None else None
+    if s is not None:
+        w = w * s.unsqueeze(-1)
+    return w
+
+
+def _expert_sites(module: nn.Module, cfg: "ModelConfig", scale: ScaleConfig, hidden: int,
+                  lead: tuple[int, ...]) -> None:
+    """Give `module` the sites inside a SwiGLU expert (each of shape lead + (width,)): its own gate/up
+    input sites under per_expert, gate/up output sites under `dual`, the input site of a targeted
+    down map. Missing sites are None."""
+    module.gate_in = module.up_in = module.gate_out = module.up_out = module.down_in = None
+    if scale.per_expert:
+        module.gate_in = ScaleSite(lead + (cfg.dim,), "input", scale.site_param("input"))
+        module.up_in = ScaleSite(lead + (cfg.dim,), "input", scale.site_param("input"))
+    for name in ("gate", "up"):
+        plan = plan_map(scale, name, cfg.qk_norm, cfg.post_norm)
+        if plan.out_norm is not None:
+            raise ScalevecError("scale.targets", f"dual_norm on '{name}' would normalize each expert's "
+                                "hidden activations, which MoE experts do not support.",
+                                "remove gate and up from scale.targets, or use scale.placement=dual.")
+        if plan.out_site:
+            setattr(module, f"{name}_out", ScaleSite(lead + (hidden,), "output", scale.site_param("output")))
+    if plan_map(scale, "down", cfg.qk_norm, cfg.post_norm).in_site:
+        module.down_in = ScaleSite(lead + (hidden,), "input", scale.site_param("input"))
+
+
+def _site_pairs(module: nn.Module, w_gate, w_up, w_down) -> list[tuple[ScaleSite, torch.Tensor, str]]:
+    pairs = [(module.gate_in, w_gate, "in_site"), (module.up_in, w_up, "in_site"),
+             (module.gate_out, w_gate, "out_site"), (module.up_out, w_up, "out_site"),
+             (module.down_in, w_down, "in_site")]
+    return [p for p in pairs if p[0] is not None]
+
+
+def _site_flops(module: nn.Module, site_flops: int) -> int:
+    """Per token through this expert: one multiply per element of each non-fixed site's vector."""
+    sites = (module.gate_in, module.up_in, module.gate_out, module.up_out, module.down_in)
+    return sum(site_flops * s.shape[-1] for s in sites if s is not None and s.param != "fixed")
+
+
+def _compute_dtype(w: torch.Tensor, device: torch.device) -> torch.dtype:
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return w.dtype
+
+
+def _grouped_mm_supported(x: torch.Tensor, widths: tuple[int, ...]) -> bool:
+    """Whether backend=auto uses torch._grouped_mm for x (already in the compute dtype)."""
+    if not hasattr(torch, "_grouped_mm") or any(n * x.element_size() % 16 for n in widths):
+        return False
+    if x.device.type == "cuda":
+        # Other GPUs run torch's own fallback loop (with a host sync): no gain over ours.
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    if x.device.type == "cpu":
+        # Eager CPU takes fp32 too, but the op's compile-time checks accept bf16 only.
+        return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and not torch.compiler.is_compiling())
+    return False
+
+
+def _expert_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """Rows of x sorted by expert times each expert's matrix: x [rows, in], w [E, out, in]."""
+    if grouped:
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
+    chunks = x.split(counts.tolist())
+    return torch.cat([F.linear(chunk, w[e]) for e, chunk in enumerate(chunks)])
+
+
+class RoutedExperts(nn.Module):
+    """The E routed SwiGLU experts, as weight stacks w_gate, w_up [E, expert_dim, dim] and
+    w_down [E, dim, expert_dim]."""
+
+    def __init__(self, cfg: "ModelConfig", scale: ScaleConfig):
+        super().__init__()
+        moe = cfg.moe
+        self.backend = moe.backend
+        self.w_gate = nn.Parameter(torch.empty(moe.num_experts, moe.expert_dim, cfg.dim))
+        self.w_up = nn.Parameter(torch.empty(moe.num_experts, moe.expert_dim, cfg.dim))
+        self.w_down = nn.Parameter(torch.empty(moe.num_experts, cfg.dim, moe.expert_dim))
+        _expert_sites(self, cfg, scale, moe.expert_dim, (moe.num_experts,) if scale.per_expert else ())
+
+    def per_expert_numel(self) -> int:
+        """Parameters that belong to one expert each (what a token skips when not routed there)."""
+        stacks = (self.w_gate, self.w_up, self.w_down)
+        sites = [s for s, _, _ in self.site_pairs() if len(s.shape) == 2]
+        return sum(p.numel() for p in stacks) + sum(p.numel() for s in sites for p in s.parameters())
+
+    def site_pairs(self) -> list[tuple[ScaleSite, torch.Tensor, str]]:
+        return _site_pairs(self, self.w_gate, self.w_up, self.w_down)
+
+    def forward(self, x_gate: torch.Tensor, x_up: torch.Tensor, chosen: torch.Tensor,
+                weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x_*: [tokens, dim]; chosen, weights: [tokens, k]; counts: [E] (bincount of chosen).
+        Returns sum_j weights_j E_{chosen_j}(x) per token, in fp32."""
+        tokens, k = chosen.shape
+        order = chosen.flatten().argsort(stable=True)
+        token_of = order // k
+        dtype = _compute_dtype(self.w_gate, x_gate.device)
+        w_gate = _fold(self.w_gate, self.gate_in, self.gate_out).to(dtype)
+        w_up = _fold(self.w_up, self.up_in, self.up_out).to(dtype)
+        w_down = _fold(self.w_down, self.down_in, None).to(dtype)
+        xs_gate = x_gate.to(dtype).index_select(0, token_of)
+        xs_up = xs_gate if x_up is x_gate else x_up.to(dtype).index_select(0, token_of)
+        if self.backend == "auto":
+            grouped = _grouped_mm_supported(xs_gate, (w_gate.shape[-1], w_gate.shape[-2]))
+        else:
+            grouped = self.backend == "grouped_mm"
+        gate = _expert_mm(xs_gate, w_gate, counts, grouped)
+        hidden = F.silu(gate) * _expert_mm(xs_up, w_up, counts, grouped)
+        hidden = hidden * weights.flatten().index_select(0, order).unsqueeze(-1).to(dtype)
+        out = _expert_mm(hidden, w_down, counts, grouped)
+        # Back to token order (a permutation: no atomics, so deterministic), then the fp32 sum over k.
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        return out.index_select(0, inverse).view(tokens, k, -1).sum(1, dtype=torch.float32)
+
+
+class SharedExpert(nn.Module):
+    """A dense SwiGLU every token passes through (several shared experts are one of their summed width)."""
+
+    def __init__(self, cfg: "ModelConfig", scale: ScaleConfig, hidden: int):
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.dim, hidden, bias=False)
+        self.w_up = nn.Linear(cfg.dim, hidden, bias=False)
+        self.w_down = nn.Linear(hidden, cfg.dim, bias=False)
+        _expert_sites(self, cfg, scale, hidden, ())
+
+    def site_pairs(self) -> list[tuple[ScaleSite, torch.Tensor, str]]:
+        return _site_pairs(self, self.w_gate.weight, self.w_up.weight, self.w_down.weight)
+
+    def forward(self, x_gate: torch.Tensor, x_up: torch.Tensor) -> torch.Tensor:
+        gate = F.linear(x_gate, _fold(self.w_gate.weight, self.gate_in, self.gate_out))
+        up = F.linear(x_up, _fold(self.w_up.weight, self.up_in, self.up_out))
+        return F.linear(F.silu(gate) * up, _fold(self.w_down.weight, self.down_in, None))
+
+
+class MoEFeedForward(nn.Module):
+    """The MoE block: router, routed experts, optional shared expert, and the `down` output sites."""
+
+    def __init__(self, cfg: "ModelConfig", scale: ScaleConfig):
+        super().__init__()
+        self.cfg = moe = cfg.moe
+        self.router = nn.Linear(cfg.dim, moe.num_experts, bias=False)
+        self.experts = RoutedExperts(cfg, scale)
+        self.shared = None
+        if moe.num_shared_experts:
+            width = moe.num_shared_experts * (moe.shared_expert_dim or cfg.ffn_dim)
+            self.shared = SharedExpert(cfg, scale, width)
+        plan = plan_map(scale, "down", cfg.qk_norm, cfg.post_norm)
+        self.out_norm, self.eps, self.kernels = plan.out_norm, cfg.norm_eps, "auto"
+        self.down_out = None
+        if plan.out_site:
+            self.down_out = ScaleSite((cfg.dim,), "output", scale.site_param("output"),
+                                      behind_norm=plan.out_norm is not None)
+        # Chooses experts only; a checkpointed training state, changed only by update_bias().
+        self.register_buffer("expert_bias", torch.zeros(moe.num_experts))
+        # Expert assignments of the current optimizer step's training forwards (this rank).
+        self.register_buffer("token_counts", torch.zeros(moe.num_experts, dtype=torch.long), persistent=False)
+        # The last finished step's counts over all ranks, for metrics.
+        self.register_buffer("last_load", torch.zeros(moe.num_experts, dtype=torch.long), persistent=False)
+        # Of the last forward: the weighted auxiliary loss to add to the training loss (None when
+        # both coefficients are 0), and the unweighted losses for metrics.
+        self.aux_loss: torch.Tensor | None = None
+        self.lb_loss: torch.Tensor | None = None
+        self.z_loss: torch.Tensor | None = None
+
+    def __getstate__(self) -> dict:
+        # The last forward's aux_loss holds an autograd graph, which deepcopy and pickle refuse.
+        return {**super().__getstate__(), "aux_loss": None}
+
+    def init_buffers(self) -> None:
+        self.expert_bias.zero_()
+        self.token_counts.zero_()
+        self.last_load.zero_()
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [tokens, dim] -> (fp32 logits [tokens, E], fp32 scores, chosen experts [tokens, k],
+        fp32 routing weights [tokens, k])."""
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.router.weight.float())
+        scores = logits.softmax(-1) if self.cfg.score_func == "softmax" else logits.sigmoid()
+        chosen = (scores.detach() + self.expert_bias.float()).topk(self.cfg.top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        if self.cfg.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, scores, chosen, weights
+
+    def _record_aux(self, logits: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor) -> None:
+        assignments = counts.float() / counts.sum()
+        probs = scores if self.cfg.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+        lb = self.cfg.num_experts * (assignments * probs.mean(0)).sum()
+        z = torch.logsumexp(logits, -1).square().mean()
+        self.lb_loss, self.z_loss = lb.detach(), z.detach()
+        self.aux_loss = None
+        if self.cfg.aux_loss_coef or self.cfg.z_loss_coef:
+            self.aux_loss = self.cfg.aux_loss_coef * lb + self.cfg.z_loss_coef * z
+
+    def forward(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        shared = b.get("ffn", b.get("norm"))
+        x_router = b.get("router", shared)
+        x_gate, x_up = b.get("gate", shared), b.get("up", shared)
+        dim = x_router.shape[-1]
+        flat_gate = x_gate.reshape(-1, dim)
+        flat_up = flat_gate if x_up is x_gate else x_up.reshape(-1, dim)
+        logits, scores, chosen, weights = self.route(x_router.reshape(-1, dim))
+        counts = torch.bincount(chosen.flatten(), minlength=self.cfg.num_experts)
+        if self.training and torch.is_grad_enabled():
+            # Activation checkpointing recomputes this forward and counts again, for every
+            # micro-batch alike: the relative loads, all the bias update and metrics use, stay.
+            self.token_counts += counts
+        self._record_aux(logits, scores, counts)
+        y = self.experts(flat_gate, flat_up, chosen, weights, counts)
+        if self.shared is not None:
+            y = y + self.shared(flat_gate, flat_up).float()
+        s = self.down_out() if self.down_out is not None else None
+        if self.out_norm is not None:
+            y = rms_norm_scales(y, [s], self.eps, backend=self.kernels)[0]
+        elif s is not None:
+            y = y * s
+        return y.to(x_router.dtype).view(x_router.shape)
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """Once per optimizer step, after the step's forwards: sum the counts over data-parallel
+        ranks (a collective: every rank must call it) and move the bias toward balanced loads."""
+        counts = self.token_counts
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(counts)
+        load = counts.float()
+        # sign(0) = 0: a step without training forwards leaves the bias alone.
+        self.expert_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
+        self.last_load.copy_(counts)
+        counts.zero_()
+
+    def input_weights(self, branch: str) -> list[torch.Tensor]:
+        """The weights whose input the pre-norm site `branch` scales (for folding)."""
+        gate = [self.experts.w_gate] + ([self.shared.w_gate.weight] if self.shared is not None else [])
+        up = [self.experts.w_up] + ([self.shared.w_up.weight] if self.shared is not None else [])
+        return {"ffn": [self.router.weight] + gate + up, "gate": gate, "up": up,
+                "router": [self.router.weight], "norm": []}[branch]
+
+    def fold_pairs(self) -> list[tuple[ScaleSite, torch.Tensor, str]]:
+        """(site, weight, in_site | out_site) for every site that folds into a weight; the output site
+        of `down` (when not behind a normalization) folds into every expert's down map."""
+        pairs = self.experts.site_pairs() + (self.shared.site_pairs() if self.shared is not None else [])
+        if self.down_out is not None and self.out_norm is None:
+            pairs.append((self.down_out, self.experts.w_down, "out_site"))
+            if self.shared is not None:
+                pairs.append((self.down_out, self.shared.w_down.weight, "out_site"))
+        return pairs
+
+    def norm_flops_per_token(self) -> int:
+        """Forward FLOPs per token in this layer's own sites and normalization (describe.py)."""
+        from scalevec_train.describe import NORM_FLOPS, SITE_FLOPS
+
+        total = self.cfg.top_k * _site_flops(self.experts, SITE_FLOPS)
+        if self.shared is not None:
+            total += _site_flops(self.shared, SITE_FLOPS)
+        dim = self.router.weight.shape[1]
+        if self.out_norm is not None:
+            total += NORM_FLOPS * dim
+        if self.down_out is not None and self.down_out.param != "fixed":
+            total += SITE_FLOPS * dim
+        return total
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoEFeedForward]]:
+    """(layer label, layer): the label is the block index when the path has one."""
+    found = []
+    for name, m in model.named_modules():
+        if isinstance(m, MoEFeedForward):
+            index = re.search(r"layers\.(\d+)\.", name)
+            found.append((f"layer{index.group(1)}" if index else name, m))
+    return found
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor:
+    """The sum of the MoE layers' weighted auxiliary losses of the last forward (0 when none)."""
+    losses = [m.aux_loss for _, m in moe_layers(model) if m.aux_loss is not None]
+    if not losses:
+        return torch.zeros((), device=next(model.parameters()).device)
+    return torch.stack(losses).sum()
+
+
+def update_moe_bias(model: nn.Module) -> None:
+    """Call update_bias() on every MoE layer: once per optimizer step, on every rank."""
+    for _, m in moe_layers(model):
+        m.update_bias()
+
+
+@torch.no_grad()
+def moe_metrics(model: nn.Module) -> dict[str, float]:
+    """Per MoE layer: expert load of the last finished step (max and min share of the assignments,
+    entropy normalized to 1 for a perfect balance), the unweighted losses of the last forward, and
+    the range of the expert bias. Keys look like moe/layer3/load_max."""
+    out = {}
+    for label, m in moe_layers(model):
+        prefix = f"moe/{label}/"
+        load = m.last_load.float()
+        if load.sum() > 0:
+            share = load / load.sum()
+            out[prefix + "load_max"] = share.max().item()
+            out[prefix + "load_min"] = share.min().item()
+            entropy = torch.special.entr(share).sum().item()
+            out[prefix + "load_entropy"] = entropy / math.log(len(share)) if len(share) > 1 else 1.0
+        if m.lb_loss is not None:
+            out[prefix + "lb_loss"] = m.lb_loss.item()
+            out[prefix + "z_loss"] = m.z_loss.item()
+        out[prefix + "bias_min"] = m.expert_bias.min().item()
+        out[prefix + "bias_max"] = m.expert_bias.max().item()
+    return out
+
+
+def total_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def active_params(model: nn.Module) -> int:
+    """Parameters a token uses: all of them minus, per MoE layer, the routed experts it skips
+    (their per-expert parameters times 1 - top_k / num_experts)."""
+    skipped = 0
+    for _, m in moe_layers(model):
+        skipped += m.experts.per_expert_numel() * (m.cfg.num_experts - m.cfg.top_k) // m.cfg.num_experts
+    return total_params(model) - skipped
