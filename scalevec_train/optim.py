@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from scalevec_train.errors import ScalevecError
+from scalevec_train.muon import Muon
 from scalevec_train.strategies import ScaleConfig, scale_sites
 
 KINDS = ("matrix", "embedding", "head", "scale_decay", "scale_no_decay")
@@ -18,7 +19,7 @@ KINDS = ("matrix", "embedding", "head", "scale_decay", "scale_no_decay")
 
 @dataclass
 class OptimConfig:
-    # adamw
+    # adamw | muon (hidden matrices with Muon; embeddings, head and scale vectors with AdamW)
     name: str = "adamw"
     # peak learning rate (the schedule multiplies it)
     lr: float = 3e-3
@@ -30,10 +31,32 @@ class OptimConfig:
     decay_embeddings: bool = False
     # decay an untied output head too
     decay_head: bool = True
+    # muon only (configs/optim/muon.yaml documents each): momentum, Nesterov, Newton-Schulz settings,
+    # LR adjustment, routing of the MoE router, and the AdamW groups' own peak LR (null: lr)
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    ns_coefficients: str = "quintic"
+    ns_dtype: str = "bfloat16"
+    lr_adjust: str = "match_rms_adamw"
+    ns_eps: float = 1e-7
+    muon_router: bool = False
+    adamw_lr: float | None = None
 
     def validate(self) -> None:
-        if self.name != "adamw":
-            raise ScalevecError("optim.name", f"unknown optimizer {self.name!r}.", "use optim=adamw.")
+        if self.name not in ("adamw", "muon"):
+            raise ScalevecError("optim.name", f"unknown optimizer {self.name!r}.", "use optim=adamw or optim=muon.")
+        choices = {"ns_coefficients": ("quintic", "polar_express"), "ns_dtype": ("bfloat16", "float32", "float16"),
+                   "lr_adjust": ("match_rms_adamw", "original")}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ScalevecError(f"optim.{key}", f"unknown value {getattr(self, key)!r}.",
+                                    f"use one of: {', '.join(allowed)}.")
+        if self.ns_steps < 1 or not 0 <= self.momentum < 1:
+            raise ScalevecError("optim.ns_steps" if self.ns_steps < 1 else "optim.momentum",
+                                "ns_steps must be >= 1 and momentum in [0, 1).")
+        if self.adamw_lr is not None and self.adamw_lr <= 0:
+            raise ScalevecError("optim.adamw_lr", f"{self.adamw_lr} is not positive.", "use null or a positive LR.")
         if self.lr <= 0 or self.weight_decay < 0:
             raise ScalevecError("optim.lr" if self.lr <= 0 else "optim.weight_decay",
                                 "lr must be positive and weight_decay non-negative.")
@@ -62,6 +85,9 @@ def classify(model: nn.Module, scale: ScaleConfig) -> dict[str, list[tuple[str, 
 
 
 def param_groups(model: nn.Module, cfg: OptimConfig, scale: ScaleConfig) -> list[dict]:
+    """One group per kind. Each group keeps its peak LR in `base_lr`: the schedule multiplies it.
+    Under Muon, hidden matrices (and the MoE router only with muon_router) are Muon groups; every
+    other kind is an AdamW group."""
     decay = {
         "matrix": cfg.weight_decay,
         "embedding": cfg.weight_decay if cfg.decay_embeddings else 0.0,
@@ -69,15 +95,31 @@ def param_groups(model: nn.Module, cfg: OptimConfig, scale: ScaleConfig) -> list
         "scale_decay": cfg.weight_decay,
         "scale_no_decay": 0.0,
     }
-    return [
-        {"name": kind, "params": [p for _, p in members],
-         "weight_decay": decay[kind]}
-        for kind, members in classify(model, scale).items() if members
-    ]
+    kinds = classify(model, scale)
+    if cfg.name == "muon" and not cfg.muon_router:
+        # The router is a matrix, but a tiny, fast-moving one: AdamW unless asked for.
+        kinds["router"] = [(n, p) for n, p in kinds["matrix"] if n.endswith("router.weight")]
+        kinds["matrix"] = [(n, p) for n, p in kinds["matrix"] if not n.endswith("router.weight")]
+        decay["router"] = cfg.weight_decay
+    groups = []
+    for kind, members in kinds.items():
+        if not members:
+            continue
+        group = {"name": kind, "params": [p for _, p in members], "weight_decay": decay[kind], "base_lr": cfg.lr}
+        if cfg.name == "muon":
+            group["use_muon"] = kind == "matrix"
+            if kind != "matrix" and cfg.adamw_lr is not None:
+                group["base_lr"] = cfg.adamw_lr
+        groups.append(group)
+    return groups
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, scale: ScaleConfig) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg, scale)
+    if cfg.name == "muon":
+        return Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                    ns_steps=cfg.ns_steps, ns_coefficients=cfg.ns_coefficients, ns_dtype=cfg.ns_dtype,
+                    lr_adjust=cfg.lr_adjust, eps=cfg.ns_eps, adamw_betas=tuple(cfg.betas), adamw_eps=cfg.eps)
     on_cuda = next(model.parameters()).is_cuda
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=on_cuda)
 
@@ -87,5 +129,7 @@ def describe_groups(optimizer: torch.optim.Optimizer) -> str:
     rows = []
     for g in optimizer.param_groups:
         count = sum(p.numel() for p in g["params"])
-        rows.append(f"{g['name']}: {len(g['params'])} tensors, {count:,} params, wd={g['weight_decay']}")
+        how = ("muon" if g["use_muon"] else "adamw") if "use_muon" in g else ""
+        rows.append(f"{g['name']}: {len(g['params'])} tensors, {count:,} params, wd={g['weight_decay']}"
+                    + (f", {how}" if how else ""))
     return "; ".join(rows)
