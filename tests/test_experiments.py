@@ -13,7 +13,8 @@ from scalevec_train.logger import LoggerConfig, wandb_init_args
 from scalevec_train.train import run
 from tests.helpers import make_config
 
-EXPERIMENTS = sorted(p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("*.yaml"))
+# study_base holds the study's shared settings; it is not a sweep by itself.
+EXPERIMENTS = sorted(p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("*.yaml") if p.stem != "study_base")
 
 
 def sweep_points(experiment: str) -> list[list[str]]:
@@ -32,7 +33,7 @@ def test_every_sweep_point_composes_and_validates(experiment):
     for point in points:
         cfg = make_config(f"+experiment={experiment}", *point)
         run_dirs.add(cfg.run_dir)
-        assert cfg.run_dir.startswith(f"runs/{experiment}/")
+        assert cfg.run_dir.startswith("runs/study/" if experiment.startswith("study") else f"runs/{experiment}/")
         assert f"-s{cfg.seed}" in cfg.run_dir and cfg.scale.name in cfg.run_dir
     assert len(run_dirs) == len(points), "two runs of one sweep would share a run_dir"
 
