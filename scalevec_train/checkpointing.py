@@ -2,14 +2,22 @@
 
 Layout: run_dir/checkpoints/step_000050/ holds
     the DCP shards and metadata of model and optimizer  (each rank writes its own shards)
-    train_state.json   step, world size, the data loader's global sample position, the model config
+    train_state.json   step, world size, the data loader's global sample position, the model config,
+                       the optimizer's name and the trainer's numerical-guard counters
     rng_rank<r>.pt     rank r's RNG states
     COMPLETE           the marker of a whole checkpoint
 A save is written into a temporary directory (.tmp_step_000050_<id>). Once every rank has finished
 writing, rank 0 adds train_state.json and COMPLETE and renames the directory to step_000050 (one atomic
 rename), then deletes checkpoints beyond the newest `keep_last` and leftovers of interrupted saves. An
 interrupted save therefore never replaces the last good checkpoint, and `resume=auto` only ever picks
-complete ones.
+complete ones. Deleting removes the COMPLETE marker first, and a checkpoint that is written again (a
+resumed run reaching the same step) is first renamed away as a leftover, so that a process killed at
+any moment never leaves a marked directory with missing files.
+
+Before a resume reads any tensor, inspect() checks that the train state is readable, that every file
+the DCP metadata names exists and is long enough, and check_model_fits() that the saved tensors have
+the names and shapes of the model being built: a damaged checkpoint or one of another model fails
+before data preparation and model initialization, naming the file.
 
 Asynchronous saves (checkpoint.async_save) stage a CPU copy of the state and write it in a background
 thread, which talks over its own gloo process group so that its collectives never interleave with the
@@ -32,6 +40,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -120,8 +130,8 @@ def finish() -> Path | None:
     if distributed.is_main():
         (done.tmp / STATE_FILE).write_text(json.dumps(done.train_state, indent=1))
         (done.tmp / COMPLETE).write_text("")
-        if done.final.exists():
-            shutil.rmtree(done.final)
+        if done.final.exists():  # the same step saved before: it becomes a leftover, deleted below
+            done.final.rename(done.final.parent / f"{TMP_PREFIX}{done.final.name}_{uuid.uuid4().hex[:8]}")
         done.tmp.rename(done.final)
         _retain(done.final.parent, done.keep_last)
     distributed.barrier()
@@ -139,6 +149,7 @@ def _checkpoint_group():
 def _retain(root: Path, keep_last: int) -> None:
     """Delete complete checkpoints beyond the newest keep_last, and leftovers of interrupted saves."""
     for old in complete_checkpoints(root.parent)[:-keep_last]:
+        (old / COMPLETE).unlink()  # first: a deletion cut short leaves no checkpoint that looks whole
         shutil.rmtree(old)
     for leftover in root.glob(f"{TMP_PREFIX}*"):
         shutil.rmtree(leftover, ignore_errors=True)
@@ -156,6 +167,13 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
         found = complete_checkpoints(run_dir)
         return found[-1] if found else None
     path = Path(resume)
+    if not path.is_dir():
+        raise ScalevecError("resume", f"{path} does not exist or is not a folder.",
+                            "point resume at a checkpoints/step_* folder, or use resume=auto or none.")
+    if checkpoint_root(path).is_dir():
+        raise ScalevecError("resume", f"{path} is a run directory, not a checkpoint.",
+                            f"pass run_dir={path} resume=auto to continue it, or point resume at one of "
+                            "its checkpoints/step_* folders.")
     if not (path / COMPLETE).is_file():
         raise ScalevecError("resume", f"{path} is not a complete checkpoint (no {COMPLETE} marker).",
                             "point resume at a checkpoints/step_* directory of a finished save, or use "
@@ -163,12 +181,69 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
     return path
 
 
+_DAMAGED = "the checkpoint is damaged: resume from an older one (resume=<its checkpoints/step_* path>)."
+
+
 def read_train_state(path: Path) -> dict:
     try:
         return json.loads((path / STATE_FILE).read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ScalevecError(str(path / STATE_FILE), f"cannot be read ({e}).",
-                            "the checkpoint is damaged: resume from an older one.") from None
+        raise ScalevecError(str(path / STATE_FILE), f"cannot be read ({e}).", _DAMAGED) from None
+
+
+def inspect(path: Path) -> dict:
+    """The train state of checkpoint `path` after checking, without reading any tensor, that it is
+    well-formed and that every file it needs is there and long enough."""
+    state = read_train_state(path)
+    where = str(path / STATE_FILE)
+    if not isinstance(state, dict):
+        raise ScalevecError(where, "is not a JSON object.", _DAMAGED)
+    for key, kind in (("step", int), ("world_size", int), ("loader", dict), ("model_config", dict)):
+        if not isinstance(state.get(key), kind):
+            raise ScalevecError(where, f"has no valid {key!r} entry.", _DAMAGED)
+    if state["step"] < 0 or state["world_size"] < 1:
+        raise ScalevecError(where, f"has step={state['step']} and world_size={state['world_size']}.", _DAMAGED)
+    sizes: dict[str, int] = {}
+    for info in read_metadata(path).storage_data.values():
+        sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), info.offset + info.length)
+    for name, need in sorted(sizes.items()):
+        file = path / name
+        have = file.stat().st_size if file.is_file() else None
+        if have is None or have < need:
+            problem = "is missing" if have is None else f"is truncated: {have} bytes, the metadata needs {need}"
+            raise ScalevecError(str(file), f"{problem}.", _DAMAGED)
+    for r in range(state["world_size"]):
+        if not (path / f"rng_rank{r}.pt").is_file():
+            raise ScalevecError(str(path / f"rng_rank{r}.pt"), "is missing.", _DAMAGED)
+    return state
+
+
+def read_metadata(path: Path) -> Metadata:
+    """The DCP metadata of checkpoint `path`: which tensors it holds, their shapes and their files."""
+    try:
+        return FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a pickle: damage shows as any of several exception types
+        raise ScalevecError(str(path / ".metadata"), f"cannot be read ({type(e).__name__}: {e}).",
+                            _DAMAGED) from None
+
+
+def check_model_fits(path: Path, model: torch.nn.Module) -> None:
+    """Raises unless checkpoint `path` holds exactly the tensors of `model`'s state (names and shapes;
+    a meta-device model will do)."""
+    saved = {k.removeprefix("model."): tuple(v.size) for k, v in read_metadata(path).state_dict_metadata.items()
+             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    problems = [f"{k} has shape {list(saved[k])}, this model {list(wanted[k])}"
+                for k in sorted(saved.keys() & wanted.keys()) if saved[k] != wanted[k]]
+    missing, extra = sorted(wanted.keys() - saved.keys()), sorted(saved.keys() - wanted.keys())
+    if missing:
+        problems.append(f"it lacks {len(missing)} tensor(s) such as {missing[0]}")
+    if extra:
+        problems.append(f"it has {len(extra)} tensor(s) this model does not, such as {extra[0]}")
+    if problems:
+        raise ScalevecError(str(path), f"does not fit this model: {'; '.join(problems[:3])}.",
+                            "resume with the model and scale config of the run that wrote it, or start "
+                            "a new run_dir.")
 
 
 def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -177,15 +252,21 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as e:  # DCP raises several types for missing keys and shape mismatches
+    except Exception as e:  # DCP raises several types for missing keys, shapes and damaged files
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ScalevecError(str(path), f"does not fit this model/optimizer ({first}).",
-                            "resume with the config the checkpoint was written with.") from None
+        raise ScalevecError(str(path), f"cannot be loaded into this model/optimizer ({first}).",
+                            "resume with the config the checkpoint was written with; if it is damaged, "
+                            "resume from an older one.") from None
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
     saved_world = read_train_state(path).get("world_size", 1)
     if saved_world == distributed.world_size():
-        _set_rng_state(torch.load(path / f"rng_rank{distributed.rank()}.pt", weights_only=True))
+        rng_file = path / f"rng_rank{distributed.rank()}.pt"
+        try:
+            rng = torch.load(rng_file, weights_only=True)
+        except Exception as e:  # a damaged file shows as any of several exception types
+            raise ScalevecError(str(rng_file), f"cannot be read ({type(e).__name__}).", _DAMAGED) from None
+        _set_rng_state(rng)
     elif distributed.is_main():
         print(f"resume: {path} was written by {saved_world} ranks, this run has "
               f"{distributed.world_size()}: model, optimizer and data position reshard; the per-rank RNG "

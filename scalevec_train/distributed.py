@@ -19,6 +19,7 @@ with them initial values, optimizer groups and checkpoints) are the same under e
 """
 
 import os
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +59,51 @@ def init() -> None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(local_rank())
-        dist.init_process_group(backend)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend, store=_attempt_store(rank, world), rank=rank, world_size=world)
+        else:
+            dist.init_process_group(backend)
+
+
+def _attempt_store(rank: int, world: int) -> dist.Store:
+    """torchrun's key-value store under a prefix that only the processes of this attempt share.
+
+    torchrun hands its workers its own store and keeps it across restarts (--max-restarts), so a new
+    attempt can read the addresses an earlier attempt's process group left there and fail to connect
+    (pytorch/pytorch#135712). The restart count cannot name the attempt: it differs between nodes. So
+    rank 0 publishes a fresh token; every other rank joins under the token it read, with an id of its
+    own, and proceeds once rank 0 has answered that id. Rank 0 only answers joins under its own token,
+    and ids are new in every process, so no value of an earlier attempt is ever taken for this one.
+    """
+    from datetime import timedelta
+
+    from torch.distributed.constants import default_pg_timeout
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=default_pg_timeout)
+    me = uuid.uuid4().hex
+    if rank == 0:
+        store.set("scalevec/leader", me)
+        joins = [f"scalevec/{me}/join/{r}" for r in range(1, world)]
+        store.wait(joins)
+        for key in joins:
+            store.set(f"scalevec/answer/{store.get(key).decode()}", me)
+        token = me
+    else:
+        joined, answer = None, f"scalevec/answer/{me}"
+        while True:
+            leader = store.get("scalevec/leader").decode()
+            if leader != joined:  # a stale leader is replaced once this attempt's rank 0 is up
+                store.set(f"scalevec/{leader}/join/{rank}", me)
+                joined = leader
+            try:
+                store.wait([answer], timedelta(seconds=1))
+                break
+            except dist.DistStoreError:
+                continue
+        token = store.get(answer).decode()
+    return dist.PrefixStore(f"scalevec/{token}/", store)
 
 
 def shutdown() -> None:
@@ -102,6 +147,15 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t)
         t /= dist.get_world_size()
     return t
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if `flag` is true on any rank (e.g. a signal that reached only some)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor(float(flag), device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:

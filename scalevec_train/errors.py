@@ -1,12 +1,15 @@
-"""The one exception type for bad user input: configs, data, checkpoints.
+"""The exception types for bad user input (configs, data, checkpoints) and for a run that diverged.
 
-Entry points catch it, print its message on one line and exit non-zero, so that a user sees what is
-wrong and how to fix it instead of a traceback.
+Entry points catch them, print the message on one line and exit with `exit_code`, so that a user sees
+what is wrong and how to fix it instead of a traceback. Any other exception is a bug and keeps its
+traceback (exit code 1).
 """
 
 
 class ScalevecError(Exception):
     """Bad input. `where` names the config key or file; `fix` says what to do about it."""
+
+    exit_code = 2
 
     def __init__(self, where: str, problem: str, fix: str = ""):
         self.where, self.problem, self.fix = where, problem, fix
@@ -14,3 +17,10 @@ class ScalevecError(Exception):
         if fix:
             msg += f" Fix: {fix}"
         super().__init__(msg)
+
+
+class DivergedError(ScalevecError):
+    """Training stopped after train.max_bad_steps consecutive non-finite steps; the last good state is
+    saved. Its own exit code tells it apart from bad input."""
+
+    exit_code = 3

@@ -150,7 +150,7 @@ class Trainer:
         self.flops_per_token = train_flops_per_token(model, cfg.train.seq_len)
         self.peak = peak_flops(device)
         self.guard = StepGuard(cfg.train.max_bad_steps, cfg.train.spike_factor)
-        self.nan_steps = fault_nan_steps()
+        self.nan_steps: frozenset[int] = frozenset()  # fault injection, set by build()
 
     def train_step(self) -> tuple[float, float]:
         """One optimizer step over global_batch sequences; returns (mean loss, grad norm).
@@ -290,6 +290,7 @@ def build(cfg: Config):
     nothing is written: the run directory and the checkpoint to resume from (its files, its model)
     before data preparation, the data and the saved data position before the model is initialized."""
     device = resolve_device(cfg.device)
+    nan_steps = fault_nan_steps()
     # Every rank uses rank 0's run_dir and checkpoint choice.
     run_dir = Path(distributed.broadcast_object(cfg.run_dir))
     check_run_dir(run_dir)
@@ -304,9 +305,10 @@ def build(cfg: Config):
 
     rank, world = distributed.rank(), distributed.world_size()
     train_loader = TokenLoader(data, "train", cfg.train.seq_len, cfg.train.micro_batch, cfg.seed, rank, world)
-    # The validation set is the first eval_batches * micro_batch sequences of the val split, split
-    # over the ranks: the same sequences (and so the same val_loss) on any world size.
-    val_loader = TokenLoader(data, "val", cfg.train.seq_len, cfg.train.micro_batch, cfg.seed, rank, world)
+    # The validation set is the first eval_batches * micro_batch sequences of the val split in a fixed
+    # order (seed 0, whatever the run's seed), split over the ranks: the same sequences, and so a
+    # comparable val_loss, for every seed and world size.
+    val_loader = TokenLoader(data, "val", cfg.train.seq_len, cfg.train.micro_batch, 0, rank, world)
     val_data = [val_loader.next_batch() for _ in range(cfg.train.eval_batches // world)]
     if train_state is not None:
         train_loader.load_state_dict(train_state["loader"])
@@ -315,6 +317,7 @@ def build(cfg: Config):
     model.set_kernels(cfg.kernels)
     optimizer = build_optimizer(model, cfg.optim, cfg.scale)
     trainer = Trainer(cfg, model, optimizer, train_loader, val_data, device, run_dir, 0)
+    trainer.nan_steps = nan_steps
     if resume_from is not None:
         checkpointing.load(resume_from, model, optimizer)
         trainer.step = train_state["step"]
