@@ -88,7 +88,7 @@ def bench(preset: str, scale: str, args: argparse.Namespace) -> dict:
     row = {"preset": preset, "scale": scale, "ranks": world}
     device = None
     try:
-        trainer = build(cfg)
+        trainer, _ = build(cfg)
         device = trainer.device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)

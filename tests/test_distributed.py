@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS, SAVE_EVERY = 10, 5
 # A global batch of 4 sequences per step; each launch picks micro_batch (and so the accumulation).
 TINY = ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128", "model.n_layers=2",
-        "train.seq_len=32", "train.global_batch=4", "train.eval_batches=1", f"train.eval_every={SAVE_EVERY}",
+        "train.seq_len=32", "train.global_batch=4", "train.eval_batches=2", f"train.eval_every={SAVE_EVERY}",
         "schedule.warmup_steps=2", f"train.steps={STEPS}", "train.log_every=1",
         f"checkpoint.every={SAVE_EVERY}"]
 LAUNCH_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
