@@ -171,9 +171,11 @@ class Trainer:
                 loss = cross_entropy(self.model(inputs), targets)
             if self.step + 1 in self.nan_steps:
                 loss = loss * float("nan")
-            # MoE auxiliary losses (zero for dense models) train the router but are not the logged loss.
-            ((loss + moe_aux_loss(self.model)) / self.accum).backward()
             total += loss.detach()
+            if cfg.model.moe is not None:
+                # MoE auxiliary losses train the router but are not the logged loss.
+                loss = loss + moe_aux_loss(self.model)
+            (loss / self.accum).backward()
         clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
         grad_norm = distributed.full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)).item()
         mean_loss = distributed.all_reduce_mean(total / self.accum).item()
