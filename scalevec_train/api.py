@@ -11,9 +11,6 @@ metadata classes, and the tensors with torch.load(weights_only=True), so a craft
 run code.
 """
 
-import io
-import pathlib
-import pickle
 from pathlib import Path
 
 import sentencepiece as spm
@@ -22,9 +19,8 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
 
 from scalevec_train import checkpointing
 from scalevec_train.config import Config, to_config
@@ -35,7 +31,6 @@ from scalevec_train.model import Transformer
 
 CONFIG_FILE = "config.yaml"
 TOKENIZER_FILE = "tokenizer.model"
-_METADATA_FILE = ".metadata"
 
 
 def load(path: str | Path, fold: bool = False,
@@ -122,57 +117,10 @@ def tokenizer_path(run_dir: Path, cfg: Config) -> Path:
                         f"cache holds it: {cfg.data.cache_dir}/{cfg.data.source}-*/tokenizer.model).")
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits only what a DCP .metadata pickle holds: checkpoint metadata records, sizes, dtypes, paths."""
-
-    def find_class(self, module: str, name: str):
-        allowed = (
-            module == "torch.distributed.checkpoint.metadata"
-            or (module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo")
-            or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
-            or (module == "torch.serialization" and name == "_get_layout")
-            or (module == "pathlib" and name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath",
-                                                 "PureWindowsPath"))
-            or (module == "collections" and name == "OrderedDict"))
-        if not allowed:
-            raise pickle.UnpicklingError(f"unexpected object {module}.{name}")
-        if module == "pathlib":
-            return getattr(pathlib, name)
-        return super().find_class(module, name)
-
-
-class _SafeReader(FileSystemReader):
-    """DCP's file reader with the metadata read by _MetadataUnpickler (tensors are read with
-    torch.load(weights_only=True) by the base class)."""
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        metadata = read_metadata(Path(self.path))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = getattr(self, "load_id", None)
-        return metadata
-
-
-def read_metadata(checkpoint: Path) -> Metadata:
-    path = checkpoint / _METADATA_FILE
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
-    except FileNotFoundError:
-        raise ScalevecError(str(path), "is missing: this is not a whole checkpoint.",
-                            "use another checkpoint of the run.") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
-        raise ScalevecError(str(path), f"is damaged or not a torch.distributed.checkpoint metadata file ({e}).",
-                            "use another checkpoint of the run.") from None
-    if not isinstance(metadata, Metadata):
-        raise ScalevecError(str(path), f"holds a {type(metadata).__name__}, not checkpoint metadata.",
-                            "use another checkpoint of the run.")
-    return metadata
-
-
 def read_model_state(checkpoint: Path, model: nn.Module) -> None:
     """Load the "model" part of a DCP checkpoint into `model` in place, after checking that its tensor
     names and shapes are the model's and that its files hold every byte of them."""
-    metadata = read_metadata(checkpoint)
+    metadata = checkpointing.read_metadata(checkpoint)
     expected = model.state_dict()
     saved = {k.removeprefix("model."): v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
     missing, unexpected = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
@@ -188,9 +136,9 @@ def read_model_state(checkpoint: Path, model: nn.Module) -> None:
                             "load it with the config.yaml of the run that wrote it.")
     _check_file_sizes(checkpoint, metadata)
     try:
-        dcp.load({"model": expected}, storage_reader=_SafeReader(checkpoint))
+        dcp.load({"model": expected}, storage_reader=checkpointing.SafeReader(checkpoint))
     except (CheckpointException, Exception) as e:  # CheckpointException is a BaseException
-        raise ScalevecError(str(checkpoint), f"cannot be read ({_first_failure(e)}).",
+        raise ScalevecError(str(checkpoint), f"cannot be read ({checkpointing.first_failure(e)}).",
                             "the checkpoint is damaged: use another checkpoint of the run.") from None
 
 
@@ -206,13 +154,6 @@ def _check_file_sizes(checkpoint: Path, metadata: Metadata) -> None:
         if size < end:
             raise ScalevecError(str(path), f"is truncated: {size} bytes, but {index.fqn} ends at byte {end}.",
                                 "the checkpoint is damaged: use another checkpoint of the run.")
-
-
-def _first_failure(e: BaseException) -> str:
-    if isinstance(e, CheckpointException) and e.failures:
-        e = next(iter(e.failures.values()))[0]
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def _listing(items: list[str], limit: int = 5) -> str:

@@ -28,7 +28,10 @@ global samples, so both continue exactly. RNG states are per rank and are restor
 world size (training draws no random numbers today, so losses do not depend on them).
 """
 
+import io
 import json
+import pathlib
+import pickle
 import shutil
 import sys
 import uuid
@@ -41,7 +44,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -55,6 +59,7 @@ from scalevec_train.errors import ScalevecError
 COMPLETE = "COMPLETE"
 STATE_FILE = "train_state.json"
 TMP_PREFIX = ".tmp_step_"
+METADATA_FILE = ".metadata"  # DCP's name for it
 
 # One process without a process group is our normal single-device mode, not a mistake to warn about.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
@@ -181,7 +186,8 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
     return path
 
 
-_DAMAGED = "the checkpoint is damaged: resume from an older one (resume=<its checkpoints/step_* path>)."
+_DAMAGED = ("the checkpoint is damaged: use an older one (resume=<its checkpoints/step_* path>, or "
+            "scalevec_train.load(<that path>)).")
 
 
 def read_train_state(path: Path) -> dict:
@@ -218,13 +224,58 @@ def inspect(path: Path) -> dict:
     return state
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits only what a DCP .metadata pickle holds (checkpoint metadata records, sizes, dtypes, paths),
+    so that a crafted checkpoint cannot run code when it is inspected, resumed or loaded."""
+
+    def find_class(self, module: str, name: str):
+        allowed = (
+            module == "torch.distributed.checkpoint.metadata"
+            or (module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo")
+            or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
+            or (module == "torch.serialization" and name == "_get_layout")
+            or (module == "pathlib" and name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath",
+                                                 "PureWindowsPath"))
+            or (module == "collections" and name == "OrderedDict"))
+        if not allowed:
+            raise pickle.UnpicklingError(f"unexpected object {module}.{name}")
+        if module == "pathlib":
+            return getattr(pathlib, name)
+        return super().find_class(module, name)
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with the metadata read by _MetadataUnpickler (the base class reads the tensors
+    with torch.load(weights_only=True))."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        metadata = read_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
+
+
 def read_metadata(path: Path) -> Metadata:
     """The DCP metadata of checkpoint `path`: which tensors it holds, their shapes and their files."""
+    file = path / METADATA_FILE
     try:
-        return FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # a pickle: damage shows as any of several exception types
-        raise ScalevecError(str(path / ".metadata"), f"cannot be read ({type(e).__name__}: {e}).",
-                            _DAMAGED) from None
+        metadata = _MetadataUnpickler(io.BytesIO(file.read_bytes())).load()
+    except FileNotFoundError:
+        raise ScalevecError(str(file), "is missing: this is not a whole checkpoint.", _DAMAGED) from None
+    except Exception as e:  # damaged pickle bytes show as any of several exception types
+        raise ScalevecError(str(file), f"cannot be read ({type(e).__name__}: {e}).", _DAMAGED) from None
+    if not isinstance(metadata, Metadata):
+        raise ScalevecError(str(file), f"holds a {type(metadata).__name__}, not checkpoint metadata.", _DAMAGED)
+    return metadata
+
+
+def first_failure(e: BaseException) -> str:
+    """The first underlying error of a DCP failure, in one line."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def check_model_fits(path: Path, model: torch.nn.Module) -> None:
@@ -251,10 +302,9 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     states when the world size is the one the checkpoint was written with."""
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
     try:
-        dcp.load(state, checkpoint_id=str(path))
-    except Exception as e:  # DCP raises several types for missing keys, shapes and damaged files
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ScalevecError(str(path), f"cannot be loaded into this model/optimizer ({first}).",
+        dcp.load(state, storage_reader=SafeReader(str(path)))
+    except (CheckpointException, Exception) as e:  # CheckpointException is a BaseException
+        raise ScalevecError(str(path), f"cannot be loaded into this model/optimizer ({first_failure(e)}).",
                             "resume with the config the checkpoint was written with; if it is damaged, "
                             "resume from an older one.") from None
     set_model_state_dict(model, state["model"])

@@ -110,6 +110,9 @@ class Config:
     # none: start fresh (refuses a run_dir that already holds checkpoints) | auto: continue from the
     # newest complete checkpoint in run_dir if there is one | a checkpoint directory path
     resume: str = "none"
+    # a Hugging Face Llama folder (config.json + safetensors) whose weights start a fresh run under any
+    # dense model and strategy; empty: random initialization. A resumed run takes its checkpoint instead.
+    init_from: str = ""
     # auto (cuda if available) | cpu | cuda
     device: str = "auto"
     # normalization kernels: auto (Triton on CUDA, PyTorch elsewhere) | triton | torch

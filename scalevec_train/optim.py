@@ -52,16 +52,18 @@ class OptimConfig:
             if getattr(self, key) not in allowed:
                 raise ScalevecError(f"optim.{key}", f"unknown value {getattr(self, key)!r}.",
                                     f"use one of: {', '.join(allowed)}.")
-        if self.ns_steps < 1 or not 0 <= self.momentum < 1:
-            raise ScalevecError("optim.ns_steps" if self.ns_steps < 1 else "optim.momentum",
-                                "ns_steps must be >= 1 and momentum in [0, 1).")
+        if self.ns_steps < 1:
+            raise ScalevecError("optim.ns_steps", f"{self.ns_steps} is not a positive integer.", "use 5.")
+        if not 0 <= self.momentum < 1:
+            raise ScalevecError("optim.momentum", f"{self.momentum} is outside [0, 1).", "use 0.95.")
         if self.adamw_lr is not None and self.adamw_lr <= 0:
             raise ScalevecError("optim.adamw_lr", f"{self.adamw_lr} is not positive.", "use null or a positive LR.")
-        if self.lr <= 0 or self.weight_decay < 0:
-            raise ScalevecError("optim.lr" if self.lr <= 0 else "optim.weight_decay",
-                                "lr must be positive and weight_decay non-negative.")
+        if self.lr <= 0:
+            raise ScalevecError("optim.lr", f"{self.lr} is not positive.", "use a learning rate > 0.")
+        if self.weight_decay < 0:
+            raise ScalevecError("optim.weight_decay", f"{self.weight_decay} is negative.", "use 0 or more.")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ScalevecError("optim.betas", f"{self.betas} is not two numbers in [0, 1).")
+            raise ScalevecError("optim.betas", f"{self.betas} is not two numbers in [0, 1).", "use [0.9, 0.95].")
 
 
 def classify(model: nn.Module, scale: ScaleConfig) -> dict[str, list[tuple[str, nn.Parameter]]]:

@@ -5,12 +5,9 @@ What survives crashes, signals and bad numbers, and how failures are reported: d
 """
 
 import json
-import math
 import os
 import shutil
-import signal
 import sys
-import threading
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -27,6 +24,8 @@ from scalevec_train.data import TokenLoader, check_vocab, prepare_data
 from scalevec_train.describe import describe
 from scalevec_train.errors import DivergedError, ScalevecError
 from scalevec_train.flops import peak_flops, train_flops_per_token
+from scalevec_train.guards import StepGuard, StopSignal, fault_nan_steps
+from scalevec_train.hf_import import check_init_from, init_from_hf
 from scalevec_train.logger import MetricsLogger, wandb_init_args
 from scalevec_train.model import Transformer
 from scalevec_train.moe import moe_aux_loss, moe_layers, moe_metrics, update_moe_bias
@@ -52,88 +51,10 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-# Fault injection for testing the numerical guards (docs/reliability.md): the loss of these steps is
-# made NaN on every rank, e.g. SCALEVEC_FAULT_NAN_STEPS=3,4. Unset in real runs.
-FAULT_NAN_ENV = "SCALEVEC_FAULT_NAN_STEPS"
-
-
-def fault_nan_steps() -> frozenset[int]:
-    raw = os.environ.get(FAULT_NAN_ENV, "")
-    try:
-        return frozenset(int(s) for s in raw.split(",") if s.strip())
-    except ValueError:
-        raise ScalevecError(FAULT_NAN_ENV, f"{raw!r} is not a comma-separated list of step numbers.",
-                            "unset it (it only injects faults for tests), or write e.g. 3,4.") from None
-
-
 def discard_moe_counts(model: torch.nn.Module) -> None:
     """A skipped step's router token counts must not move the MoE expert bias."""
     for _, layer in moe_layers(model):
         layer.token_counts.zero_()
-
-
-class StepGuard:
-    """Bookkeeping of the numerical guards: non-finite steps (the trainer skips them) and loss spikes."""
-
-    EMA_DECAY = 0.9  # the running average loss spans about the last 10 finite steps
-
-    def __init__(self, max_bad_steps: int, spike_factor: float):
-        self.max_bad_steps, self.spike_factor = max_bad_steps, spike_factor
-        self.skipped = 0  # non-finite steps in the whole run
-        self.streak = 0  # consecutive non-finite steps, up to the latest one
-        self.loss_ema: float | None = None  # running average of the finite losses
-
-    @staticmethod
-    def finite(loss: float, grad_norm: float) -> bool:
-        return math.isfinite(loss) and math.isfinite(grad_norm)
-
-    def observe(self, loss: float, grad_norm: float) -> dict:
-        """Counts one step; returns what its metrics record must add (empty for an ordinary step)."""
-        if not self.finite(loss, grad_norm):
-            self.skipped += 1
-            self.streak += 1
-            # Strings: NaN and Infinity are not JSON.
-            return {"bad_step": True, "bad_loss": repr(loss), "bad_grad_norm": repr(grad_norm)}
-        self.streak = 0
-        ema = self.loss_ema
-        self.loss_ema = loss if ema is None else self.EMA_DECAY * ema + (1 - self.EMA_DECAY) * loss
-        if self.spike_factor and ema is not None and loss > self.spike_factor * ema:
-            return {"loss_spike": True, "loss_ema": ema}
-        return {}
-
-    @property
-    def diverged(self) -> bool:
-        return self.streak >= self.max_bad_steps
-
-    def state_dict(self) -> dict:
-        return {"skipped_steps": self.skipped, "bad_streak": self.streak, "loss_ema": self.loss_ema}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.skipped, self.streak, self.loss_ema = state["skipped_steps"], state["bad_streak"], state["loss_ema"]
-
-
-class StopSignal:
-    """While active, SIGTERM (what schedulers send before pre-emption or at a time limit) sets `received`
-    instead of ending the process, so that training can stop after the current step with a checkpoint.
-    Signal handlers belong to the main thread: elsewhere this does nothing."""
-
-    def __init__(self):
-        self.received = False
-        self._installed = False
-        self._previous = None
-
-    def __enter__(self) -> "StopSignal":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-            self._installed = True
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self.received = True
-
-    def __exit__(self, *exc) -> None:
-        if self._installed:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if self._previous is None else self._previous)
 
 
 class Trainer:
@@ -302,6 +223,10 @@ def build(cfg: Config):
         model = Transformer(cfg.model, cfg.scale)
     if train_state is not None:
         check_resumable(cfg, resume_from, train_state, model)
+    # A resumed run continues from its own weights; init_from only seeds a fresh one.
+    init_from = cfg.init_from if train_state is None else ""
+    if init_from:
+        check_init_from(model, init_from)
     data = prepare_data(cfg.data)
     check_vocab(data, cfg.model.vocab_size)
 
@@ -316,6 +241,8 @@ def build(cfg: Config):
         train_loader.load_state_dict(train_state["loader"])
 
     model = distributed.parallelize(model, cfg.distributed, device, cfg.seed, cfg.train.dtype)
+    if init_from:
+        init_from_hf(model, init_from)
     model.set_kernels(cfg.kernels)
     optimizer = build_optimizer(model, cfg.optim, cfg.scale)
     trainer = Trainer(cfg, model, optimizer, train_loader, val_data, device, run_dir, 0)

@@ -28,7 +28,7 @@ from scalevec_train.hf_import import check_init_from, import_llama, init_from_hf
 from scalevec_train.model import Transformer
 from scalevec_train.optim import build_optimizer
 from scalevec_train.strategies import ScaleConfig, scale_sites
-from scalevec_train.train import run
+from scalevec_train.train import build, run
 from tests.helpers import make_config
 
 TINY = ["model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64", "model.n_layers=2",
@@ -230,10 +230,10 @@ def test_export_refuses_a_non_empty_folder(runs, tmp_path, capsys):
 
 # --- import --------------------------------------------------------------------------------------
 
-def random_llama(transformers, folder: Path, tied: bool) -> object:
+def random_llama(transformers, folder: Path, tied: bool, vocab: int = 300) -> object:
     """A random transformers Llama whose norms carry non-trivial weights, saved to `folder`."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                       rms_norm_eps=1e-5, rope_theta=5000.0, tie_word_embeddings=tied)
     hf = transformers.LlamaForCausalLM(config).eval()
@@ -317,6 +317,26 @@ def test_init_from_hf_fills_fsdp_shards(tmp_path, transformers):
         dist.destroy_process_group()
 
 
+def test_training_run_starts_from_init_from(data_overrides, tmp_path, transformers):
+    """`init_from=` in a run's config: step 0 computes the Hugging Face function; a bad folder fails
+    before anything is written; a resumed run keeps its own weights."""
+    hf = random_llama(transformers, tmp_path / "hf", tied=False, vocab=512)
+    overrides = [*data_overrides, *TINY, "model.ffn_dim=48", "model.norm_eps=1e-5", "model.rope_theta=5000",
+                 "model.tie_embeddings=false", "scale=hg", f"run_dir={tmp_path / 'run'}"]
+    trainer, _ = build(make_config(*overrides, f"init_from={tmp_path / 'hf'}"))
+    ids = token_batch(512)
+    torch.testing.assert_close(logits(trainer.model.eval(), ids), logits(hf, ids), rtol=0, atol=1e-4)
+
+    with pytest.raises(ScalevecError, match=r"model\.ffn_dim=64 but the checkpoint has 48"):
+        build(make_config(*data_overrides, *TINY, f"run_dir={tmp_path / 'bad'}", f"init_from={tmp_path / 'hf'}"))
+    assert not (tmp_path / "bad").exists()
+
+    run_dir = run(make_config(*overrides, "train.steps=2"))
+    trained = logits(load(run_dir)[0], ids)
+    resumed, _ = build(make_config(*overrides, "train.steps=4", "resume=auto", f"init_from={tmp_path / 'hf'}"))
+    torch.testing.assert_close(logits(resumed.model.eval(), ids), trained, rtol=0, atol=1e-5)
+
+
 def test_export_import_export_is_identical(runs, tmp_path, transformers):
     first = tmp_path / "first"
     assert export.main([str(runs["baseline"]), f"out={first}"]) == 0
@@ -341,42 +361,39 @@ def run_copy(runs, tmp_path) -> tuple[Path, Path]:
     return run_dir, checkpointing.complete_checkpoints(run_dir)[-1]
 
 
-def test_truncated_checkpoint_names_the_file(run_copy):
-    run_dir, step = run_copy
+def truncate_shard(run_dir: Path, step: Path) -> None:
     shard = next(step.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:1000])  # into the model tensors, which come first
-    with pytest.raises(ScalevecError, match=rf"{shard.name}: is truncated"):
-        load(run_dir)
 
 
-def test_missing_checkpoint_metadata_is_named(run_copy):
+def remove(name: str):
+    return lambda run_dir, step: (step / name).unlink()
+
+
+def edit_config(old: str, new: str):
+    def damage(run_dir: Path, step: Path) -> None:
+        config = run_dir / "config.yaml"
+        config.write_text(config.read_text().replace(old, new))
+    return damage
+
+
+DAMAGES = {  # name: (damage, load the run dir or the checkpoint, the message)
+    "truncated_shard": (truncate_shard, "run", r"__0_0\.distcp: is truncated"),
+    "no_metadata": (remove(".metadata"), "step", r"\.metadata: is missing"),
+    "no_complete_marker": (remove(checkpointing.COMPLETE), "step", "not a complete checkpoint"),
+    "other_shape": (edit_config("ffn_dim: 64", "ffn_dim: 80"), "run",
+                    r"layers\.0\.ffn\.w_gate\.weight is \[64, 32\] in the checkpoint"),
+    "fewer_layers": (edit_config("n_layers: 2", "n_layers: 3"), "run", r"missing layers\.2\."),
+}
+
+
+@pytest.mark.parametrize("name", DAMAGES)
+def test_damaged_or_mismatched_checkpoint_is_named(run_copy, name):
+    damage, target, message = DAMAGES[name]
     run_dir, step = run_copy
-    (step / ".metadata").unlink()
-    with pytest.raises(ScalevecError, match=r"\.metadata: is missing"):
-        load(step)
-
-
-def test_checkpoint_of_another_shape_names_the_tensor(run_copy):
-    run_dir, _ = run_copy
-    config = run_dir / "config.yaml"
-    config.write_text(config.read_text().replace("ffn_dim: 64", "ffn_dim: 80"))
-    with pytest.raises(ScalevecError, match=r"layers\.0\.ffn\.w_gate\.weight is \[64, 32\] in the checkpoint"):
-        load(run_dir)
-
-
-def test_checkpoint_missing_keys_are_listed(run_copy):
-    run_dir, _ = run_copy
-    config = run_dir / "config.yaml"
-    config.write_text(config.read_text().replace("n_layers: 2", "n_layers: 3"))
-    with pytest.raises(ScalevecError, match=r"missing layers\.2\."):
-        load(run_dir)
-
-
-def test_incomplete_checkpoint_is_refused(run_copy):
-    _, step = run_copy
-    (step / checkpointing.COMPLETE).unlink()
-    with pytest.raises(ScalevecError, match="not a complete checkpoint"):
-        load(step)
+    damage(run_dir, step)
+    with pytest.raises(ScalevecError, match=message):
+        load(run_dir if target == "run" else step)
 
 
 def test_checkpoint_metadata_cannot_run_code(run_copy, tmp_path):

@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -33,7 +34,8 @@ from scalevec_train import checkpointing
 from scalevec_train.data import prepare_data
 from scalevec_train.data import tokenizer as sp_tokenizer
 from scalevec_train.errors import ScalevecError
-from scalevec_train.train import FAULT_NAN_ENV, StepGuard, run
+from scalevec_train.guards import FAULT_NAN_ENV, StepGuard
+from scalevec_train.train import run
 from tests.helpers import make_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -419,6 +421,17 @@ def corrupt_metadata(ckpt: Path) -> None:
     (ckpt / ".metadata").write_bytes(b"not a pickle")
 
 
+class CallOnLoad:
+    """Pickles to a function call: a crafted .metadata must be refused, not executed."""
+
+    def __reduce__(self):
+        return (os.getcwd, ())
+
+
+def code_in_metadata(ckpt: Path) -> None:
+    (ckpt / ".metadata").write_bytes(pickle.dumps(CallOnLoad()))
+
+
 def with_file(ctx: Ctx) -> Path:
     (ctx.tmp / "a_file").write_text("")
     return ctx.tmp / "a_file"
@@ -496,6 +509,7 @@ IN_PROCESS = [
     Case("truncated_checkpoint", "before_data", on_copy(lambda c: truncate(c / "__0_0.distcp")),
          "__0_0.distcp: is truncated"),
     Case("corrupt_metadata", "before_data", on_copy(corrupt_metadata), ".metadata: cannot be read"),
+    Case("code_in_metadata", "before_data", on_copy(code_in_metadata), "unexpected object posix.getcwd"),
     Case("corrupt_train_state", "before_data", on_copy(lambda c: truncate(c / "train_state.json", 10)),
          "train_state.json: cannot be read"),
     Case("other_seq_len", "before_model", existing_run("train.seq_len=16"), "data loader state (seq_len)"),
