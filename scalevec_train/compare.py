@@ -131,6 +131,21 @@ def flatten_config(config: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def with_current_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """A flattened run config plus the trainer's current default for every option it lacks. A run
+    written before an option existed ran with the behaviour that option's default keeps, so it belongs
+    in the same group as a newer run that leaves the option at its default."""
+    from scalevec_train.config import Config  # imports torch: only when runs are loaded
+
+    defaults = flatten_config(OmegaConf.to_container(OmegaConf.structured(Config)))
+    out = dict(config)
+    for key, value in defaults.items():
+        # a section the run holds as one value (model.moe: null) or as sub-keys is not missing
+        if not any(k == key or k.startswith(key + ".") or key.startswith(k + ".") for k in config):
+            out[key] = value
+    return out
+
+
 def _numeric(row: dict) -> dict[str, float]:
     return {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
@@ -197,7 +212,7 @@ def load_run_dir(path: str | Path) -> Run:
         total = json.loads(describe.read_text()).get("total_params")
         if total is not None:
             params = float(total)
-    return Run(str(run_dir), flatten_config(config), records, params)
+    return Run(str(run_dir), with_current_defaults(flatten_config(config)), records, params)
 
 
 def _unwrap_wandb_config(config: dict) -> dict:
@@ -224,7 +239,7 @@ def run_from_history(name: str, rows: Iterable[dict], config: dict, params: floa
     records = merge_records(converted)
     if params is None:
         params = _params_from_records(records)
-    return Run(name, flatten_config(_unwrap_wandb_config(config)), records, params)
+    return Run(name, with_current_defaults(flatten_config(_unwrap_wandb_config(config))), records, params)
 
 
 def parse_wandb_filter(spec: str) -> tuple[str, dict | None]:

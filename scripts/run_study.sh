@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The CPU reproduction study (docs/results.md): every arm's sweep, then one comparison per claim.
-#   bash scripts/run_study.sh            (from the repository root, after `make setup`)
+#   bash scripts/run_study.sh            the main study (from the repository root, after `make setup`)
+#   bash scripts/run_study.sh lr_sweep   the supplementary learning-rate sweep (reuses the main study's
+#                                        lr 3e-3 runs: run the main study first)
 # Two sweep streams run side by side, one CPU thread each (the same seeds give the same numbers on the
 # same machine). Finished runs are reused (resume=auto), so an interrupted study continues where it
 # stopped. Runs go to runs/study/, comparisons (curves.png, summary.md, summary.csv) to docs/results/.
@@ -9,32 +11,51 @@ cd "$(dirname "$0")/.."
 mkdir -p runs
 PY=${PY:-.venv/bin/python}
 export OMP_NUM_THREADS=1
-train() { $PY -m scalevec_train.train -m "$@"; }
-
-(
-  train +experiment=study_dense
-  train +experiment=study_wd
-) > runs/study_stream_a.log 2>&1 &
-stream_a=$!
-(
-  train +experiment=study_optim optim=muon
-  train +experiment=study_optim optim=adamw schedule=wsd
-  train +experiment=study_moe
-) > runs/study_stream_b.log 2>&1 &
-stream_b=$!
-wait $stream_a
-wait $stream_b
-
 R=runs/study
-compare() {  # name reference run-dir globs...
+train() { $PY -m scalevec_train.train -m "$@"; }
+compare() {  # name reference run-dirs...
   local name=$1 ref=$2
   shift 2
   $PY scripts/compare_runs.py "$@" --reference "$ref" --out docs/results/$name
 }
-compare removal scale=baseline $R/dense-study-{none,baseline}-adamw-cosine-s*
-compare single scale=baseline $R/dense-study-{baseline,iwd,hg,dp,dnp,or,er,unified}-adamw-cosine-s*
-compare wd_policy scale=baseline $R/dense-study-gemma-{baseline,wd_all,iwd}-adamw-cosine-s*
-compare muon_cosine scale=baseline $R/dense-study-{baseline,unified}-muon-cosine-s*
-compare adamw_wsd scale=baseline $R/dense-study-{baseline,unified}-adamw-wsd-s*
-compare muon_wsd scale=baseline $R/dense-study-{baseline,unified}-muon-wsd-s*
-compare moe scale=baseline $R/moe-study-{baseline,unified}-adamw-cosine-s*
+streams() {  # two commands (each a string of sweeps separated by ';'), run side by side
+  (eval "$1") > runs/study_stream_a.log 2>&1 &
+  local a=$!
+  (eval "$2") > runs/study_stream_b.log 2>&1 &
+  local b=$!
+  wait $a
+  wait $b
+}
+
+case ${1:-main} in
+  main)
+    streams "train +experiment=study_dense; train +experiment=study_wd" \
+      "train +experiment=study_optim optim=muon; train +experiment=study_optim optim=adamw schedule=wsd;
+       train +experiment=study_moe"
+    compare removal scale=baseline $R/dense-study-{none,baseline}-adamw-cosine-s*
+    compare single scale=baseline $R/dense-study-{baseline,iwd,hg,dp,dnp,or,er,unified}-adamw-cosine-s*
+    compare wd_policy scale=baseline $R/dense-study-gemma-{baseline,wd_all,iwd}-adamw-cosine-s*
+    compare muon_cosine scale=baseline $R/dense-study-{baseline,unified}-muon-cosine-s*
+    compare adamw_wsd scale=baseline $R/dense-study-{baseline,unified}-adamw-wsd-s*
+    compare muon_wsd scale=baseline $R/dense-study-{baseline,unified}-muon-wsd-s*
+    compare moe scale=baseline $R/moe-study-{baseline,unified}-adamw-cosine-s*
+    ;;
+  lr_sweep)
+    for scale in baseline dnp unified; do
+      for seed in 0 1 2; do
+        test -f $R/dense-study-$scale-adamw-cosine-s$seed/metrics.jsonl || {
+          echo "error: $R/dense-study-$scale-adamw-cosine-s$seed is missing. Fix: run the main study first" \
+            "(bash scripts/run_study.sh)." >&2
+          exit 2
+        }
+      done
+    done
+    streams "train +experiment=study_lr optim.lr=1.0e-3" "train +experiment=study_lr optim.lr=1.0e-2"
+    compare lr_sweep "scale=baseline optim.lr=0.003" $R/dense-study-{baseline,dnp,unified}-adamw-cosine-s* \
+      $R/dense-study-{baseline,dnp,unified}-adamw-cosine-lr*-s*
+    ;;
+  *)
+    echo "error: unknown part '$1'. Fix: use main (the default) or lr_sweep." >&2
+    exit 2
+    ;;
+esac

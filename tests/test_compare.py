@@ -227,6 +227,19 @@ def test_grouping_splits_on_real_differences(tmp_path):
         find_group(groups, "scale=unified")
 
 
+def test_options_added_later_take_their_default(tmp_path):
+    """A run written before `init_from` existed groups with one that leaves it at its default ("");
+    a run that sets it is a group of its own."""
+    rows = metric_rows(f_ref, 5, 0)
+    older = config(0)
+    newer, other = {**config(1), "init_from": ""}, {**config(2), "init_from": "models/llama"}
+    runs = [load_run_dir(write_run(tmp_path, name, cfg, rows))
+            for name, cfg in (("older", older), ("newer", newer), ("other", other))]
+    groups = group_runs(runs)
+    assert [(g.label, sorted(Path(r.name).name for r in g.runs)) for g in groups] == [
+        ("init_from=", ["newer", "older"]), ("init_from=models/llama", ["other"])]
+
+
 def test_missing_val_loss_is_a_clear_error(tmp_path):
     rows = [r for r in metric_rows(f_ref, 10, 0) if "loss" in r]
     run = load_run_dir(write_run(tmp_path, "r", config(0), rows))
