@@ -45,6 +45,7 @@ from scalevec_train.errors import ScalevecError
 _IGNORED_KEYS = frozenset({"run_dir", "resume", "data.cache_dir"})
 _IGNORED_PREFIXES = ("logger.", "checkpoint.", "hydra.")
 _PATH_SUFFIXES = ("dir", "path", "file")
+_STARTING_POINT_KEYS = frozenset({"init_from"})
 # Keys tried first when labelling groups, shown under their section name (`scale=unified`).
 _LABEL_KEYS = ("scale.name", "optim.name", "model.name", "schedule.name", "data.name")
 _UNSET = "(unset)"
@@ -286,13 +287,14 @@ def is_ignored(key: str, value: Any, extra: Sequence[str] = ()) -> bool:
     """True for config keys that differ per seed or are bookkeeping: `seed` (and any `*.seed`),
     `run_dir`, `resume`, `data.cache_dir`, `logger.*`, `checkpoint.*`, `hydra.*`, path-like keys (last
     part `dir`/`path`/`file` or ending in `_dir`/`_path`/`_file`), keys whose value is an absolute or
-    home path, and the keys (or sections) in `extra`."""
+    home path (except `init_from`), and the keys (or sections) in `extra`."""
     last = key.rsplit(".", 1)[-1]
     if key in _IGNORED_KEYS or last == "seed" or key.startswith(_IGNORED_PREFIXES):
         return True
     if any(last == s or last.endswith("_" + s) for s in _PATH_SUFFIXES):
         return True
-    if isinstance(value, str) and value.startswith(("/", "~")):
+    # the checkpoint a run starts from changes the experiment, wherever it is kept
+    if isinstance(value, str) and value.startswith(("/", "~")) and key not in _STARTING_POINT_KEYS:
         return True
     return any(key == e or key.startswith(e + ".") for e in extra)
 

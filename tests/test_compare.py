@@ -229,15 +229,16 @@ def test_grouping_splits_on_real_differences(tmp_path):
 
 def test_options_added_later_take_their_default(tmp_path):
     """A run written before `init_from` existed groups with one that leaves it at its default ("");
-    a run that sets it is a group of its own."""
+    a run that sets it, to a relative or an absolute path, is a group of its own."""
     rows = metric_rows(f_ref, 5, 0)
-    older = config(0)
-    newer, other = {**config(1), "init_from": ""}, {**config(2), "init_from": "models/llama"}
-    runs = [load_run_dir(write_run(tmp_path, name, cfg, rows))
-            for name, cfg in (("older", older), ("newer", newer), ("other", other))]
+    configs = {"older": config(0), "newer": {**config(1), "init_from": ""},
+               "relative": {**config(2), "init_from": "models/llama"},
+               "absolute": {**config(3), "init_from": "/ckpt/llama"}}
+    runs = [load_run_dir(write_run(tmp_path, name, cfg, rows)) for name, cfg in configs.items()]
     groups = group_runs(runs)
-    assert [(g.label, sorted(Path(r.name).name for r in g.runs)) for g in groups] == [
-        ("init_from=", ["newer", "older"]), ("init_from=models/llama", ["other"])]
+    assert sorted((g.label, sorted(Path(r.name).name for r in g.runs)) for g in groups) == [
+        ("init_from=", ["newer", "older"]), ("init_from=/ckpt/llama", ["absolute"]),
+        ("init_from=models/llama", ["relative"])]
 
 
 def test_missing_val_loss_is_a_clear_error(tmp_path):
