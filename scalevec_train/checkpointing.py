@@ -297,9 +297,11 @@ def check_model_fits(path: Path, model: torch.nn.Module) -> None:
                             "a new run_dir.")
 
 
-def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         saved_world: int | None = None) -> None:
     """Load model and optimizer state in place, resharding to the current world size; restore the RNG
-    states when the world size is the one the checkpoint was written with."""
+    states when the world size is the one the checkpoint was written with (`saved_world`, read from its
+    train state when not given)."""
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
     try:
         dcp.load(state, storage_reader=SafeReader(str(path)))
@@ -309,7 +311,8 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
                             "resume from an older one.") from None
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
-    saved_world = read_train_state(path).get("world_size", 1)
+    if saved_world is None:
+        saved_world = read_train_state(path).get("world_size", 1)
     if saved_world == distributed.world_size():
         rng_file = path / f"rng_rank{distributed.rank()}.pt"
         try:

@@ -13,6 +13,7 @@ from scalevec_train.config import CONFIG_DIR, to_config
 from scalevec_train.errors import ScalevecError
 from scalevec_train.flops import train_flops_per_token
 from scalevec_train.model import Linear, PreNorm, Transformer
+from scalevec_train.moe import active_params, total_params
 from scalevec_train.strategies import ScaleConfig, scale_sites, site_display_name
 
 # Per element and token, forward: a normalization N costs 3 FLOPs (square-accumulate, scale by the
@@ -48,7 +49,7 @@ def build_meta(model_cfg, scale_cfg) -> Transformer:
 def describe(cfg) -> dict:
     model = build_meta(cfg.model, cfg.scale)
     baseline = build_meta(cfg.model, ScaleConfig(name="baseline"))
-    total = sum(p.numel() for p in model.parameters())
+    total = total_params(model)
     sites = []
     for path, site in scale_sites(model):
         layer, name = site_display_name(path)
@@ -68,8 +69,6 @@ def describe(cfg) -> dict:
         "train_flops_per_token": model_flops, "sites": sites,
     }
     if cfg.model.moe is not None:
-        from scalevec_train.moe import active_params
-
         out["active_params"] = active_params(model)
     return out
 

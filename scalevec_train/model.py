@@ -262,7 +262,6 @@ class Transformer(nn.Module):
         self.init_buffers()
 
     def init_buffers(self) -> None:
-        self.rope.init_buffers()
         for m in self.modules():
-            if hasattr(m, "init_buffers") and m is not self and m is not self.rope:
+            if m is not self and hasattr(m, "init_buffers"):
                 m.init_buffers()

@@ -27,11 +27,10 @@ forwards, summed over data-parallel ranks) gathered by update_bias(). Evaluation
 no_grad) never counts, so it never moves the bias. Optionally a load-balancing loss
 E * sum_e f_e P_e (f_e: share of the micro-batch's assignments going to e, P_e: mean routing
 probability of e; 1 when balanced) and the router z-loss mean(logsumexp(logits)^2) are added to the
-training loss through moe_aux_loss(model).
+training loss through moe_aux_loss(moe_layers(model)).
 """
 
 import math
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,7 +41,7 @@ from torch import nn
 
 from scalevec_kernels import rms_norm_scales
 from scalevec_train.errors import ScalevecError
-from scalevec_train.strategies import ScaleConfig, ScaleSite, plan_map
+from scalevec_train.strategies import ScaleConfig, ScaleSite, plan_map, site_display_name
 
 if TYPE_CHECKING:
     from scalevec_train.model import ModelConfig
@@ -382,37 +381,44 @@ class MoEFeedForward(nn.Module):
         return total
 
 
-def moe_layers(model: nn.Module) -> list[tuple[str, MoEFeedForward]]:
+MoELayers = list[tuple[str, MoEFeedForward]]
+
+
+def moe_layers(model: nn.Module) -> MoELayers:
     """(layer label, layer): the label is the block index when the path has one."""
     found = []
     for name, m in model.named_modules():
         if isinstance(m, MoEFeedForward):
-            index = re.search(r"layers\.(\d+)\.", name)
-            found.append((f"layer{index.group(1)}" if index else name, m))
+            layer, _ = site_display_name(name)
+            found.append((name if layer is None else f"layer{layer}", m))
     return found
 
 
-def moe_aux_loss(model: nn.Module) -> torch.Tensor:
-    """The sum of the MoE layers' weighted auxiliary losses of the last forward (0 when none)."""
-    losses = [m.aux_loss for _, m in moe_layers(model) if m.aux_loss is not None]
-    if not losses:
-        return torch.zeros((), device=next(model.parameters()).device)
-    return torch.stack(losses).sum()
+def moe_aux_loss(layers: MoELayers) -> torch.Tensor:
+    """The sum of the layers' weighted auxiliary losses of the last forward (0 when none)."""
+    losses = [m.aux_loss for _, m in layers if m.aux_loss is not None]
+    return torch.stack(losses).sum() if losses else torch.zeros(())
 
 
-def update_moe_bias(model: nn.Module) -> None:
+def update_moe_bias(layers: MoELayers) -> None:
     """Call update_bias() on every MoE layer: once per optimizer step, on every rank."""
-    for _, m in moe_layers(model):
+    for _, m in layers:
         m.update_bias()
 
 
+def discard_moe_counts(layers: MoELayers) -> None:
+    """A skipped step's router token counts must not move the expert bias."""
+    for _, m in layers:
+        m.token_counts.zero_()
+
+
 @torch.no_grad()
-def moe_metrics(model: nn.Module) -> dict[str, float]:
+def moe_metrics(layers: MoELayers) -> dict[str, float]:
     """Per MoE layer: expert load of the last finished step (max and min share of the assignments,
     entropy normalized to 1 for a perfect balance), the unweighted losses of the last forward, and
     the range of the expert bias. Keys look like moe/layer3/load_max."""
     out = {}
-    for label, m in moe_layers(model):
+    for label, m in layers:
         prefix = f"moe/{label}/"
         load = m.last_load.float()
         if load.sum() > 0:

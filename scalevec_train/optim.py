@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from scalevec_train.errors import ScalevecError
-from scalevec_train.muon import Muon
+from scalevec_train.muon import LR_ADJUSTS, NS_COEFFICIENTS, NS_DTYPES, Muon
 from scalevec_train.strategies import ScaleConfig, scale_sites
 
 KINDS = ("matrix", "embedding", "head", "scale_decay", "scale_no_decay")
@@ -46,8 +46,7 @@ class OptimConfig:
     def validate(self) -> None:
         if self.name not in ("adamw", "muon"):
             raise ScalevecError("optim.name", f"unknown optimizer {self.name!r}.", "use optim=adamw or optim=muon.")
-        choices = {"ns_coefficients": ("quintic", "polar_express"), "ns_dtype": ("bfloat16", "float32", "float16"),
-                   "lr_adjust": ("match_rms_adamw", "original")}
+        choices = {"ns_coefficients": NS_COEFFICIENTS, "ns_dtype": NS_DTYPES, "lr_adjust": LR_ADJUSTS}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ScalevecError(f"optim.{key}", f"unknown value {getattr(self, key)!r}.",

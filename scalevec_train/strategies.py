@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from scalevec_train.distributed import full_value
 from scalevec_train.errors import ScalevecError
 
 ROLES = ("input", "output")
@@ -111,8 +112,11 @@ class ScaleSite(nn.Module):
         if self.param == "plain":
             return self.scale
         direction = self.alpha * torch.rsqrt(self.alpha.pow(2).mean(-1, keepdim=True))
-        magnitude = self.beta if self.param == "or" else torch.exp(self.b)
-        return magnitude * direction
+        return self.magnitude() * direction
+
+    def magnitude(self) -> torch.Tensor:
+        """beta of an or/er site: the learned beta (or) or exp(b) (er)."""
+        return self.beta if self.param == "or" else torch.exp(self.b)
 
     def extra_repr(self) -> str:
         where = ", behind_norm" if self.behind_norm else ""
@@ -179,38 +183,35 @@ def site_display_name(path: str) -> tuple[int | None, str]:
     return None, path
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a (possibly FSDP-sharded) parameter-derived value."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 @torch.no_grad()
 def site_stats(model: nn.Module) -> dict[str, float]:
     """Mean, std, min and max of every learnable site's s (and beta for or/er), per layer and
     aggregated over layers by site name: keys `scale/<name>/<stat>` and `scale/L<i>/<name>/<stat>`."""
     per_name: dict[str, list[torch.Tensor]] = {}
-    stats: dict[str, float] = {}
+    # Collected on the device and read back in one transfer: one host sync per log step, not per value.
+    keys: list[str] = []
+    values: list[torch.Tensor] = []
 
-    def add(key: str, values: torch.Tensor) -> None:
-        v = values.detach().float().flatten()
-        stats[f"{key}/mean"] = v.mean().item()
-        stats[f"{key}/std"] = v.std().item() if v.numel() > 1 else 0.0
-        stats[f"{key}/min"] = v.min().item()
-        stats[f"{key}/max"] = v.max().item()
+    def add(key: str, v: torch.Tensor) -> None:
+        v = v.detach().float().flatten()
+        std = v.std() if v.numel() > 1 else torch.zeros((), device=v.device)
+        keys.extend(f"{key}/{stat}" for stat in ("mean", "std", "min", "max"))
+        values.append(torch.stack([v.mean(), std, v.min(), v.max()]))
 
     for path, site in scale_sites(model):
         s = site()
         if s is None:
             continue
         layer, name = site_display_name(path)
-        tensors = {name: _full(s)}
+        tensors = {name: full_value(s)}
         if site.param != "plain":
-            magnitude = site.beta if site.param == "or" else torch.exp(site.b)
-            tensors[f"{name}.beta"] = _full(magnitude)
+            tensors[f"{name}.beta"] = full_value(site.magnitude())
         for key, value in tensors.items():
             per_name.setdefault(key, []).append(value.flatten())
             if layer is not None:
                 add(f"scale/L{layer}/{key}", value)
-    for key, values in per_name.items():
-        add(f"scale/{key}", torch.cat(values))
-    return stats
+    for key, parts in per_name.items():
+        add(f"scale/{key}", torch.cat(parts))
+    if not values:
+        return {}
+    return dict(zip(keys, torch.cat(values).tolist()))

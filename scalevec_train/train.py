@@ -28,7 +28,7 @@ from scalevec_train.guards import StepGuard, StopSignal, fault_nan_steps
 from scalevec_train.hf_import import check_init_from, init_from_hf
 from scalevec_train.logger import MetricsLogger, wandb_init_args
 from scalevec_train.model import Transformer
-from scalevec_train.moe import moe_aux_loss, moe_layers, moe_metrics, update_moe_bias
+from scalevec_train.moe import discard_moe_counts, moe_aux_loss, moe_layers, moe_metrics, total_params, update_moe_bias
 from scalevec_train.optim import build_optimizer, describe_groups
 from scalevec_train.schedules import lr_multiplier
 from scalevec_train.strategies import site_stats
@@ -51,27 +51,22 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def discard_moe_counts(model: torch.nn.Module) -> None:
-    """A skipped step's router token counts must not move the MoE expert bias."""
-    for _, layer in moe_layers(model):
-        layer.token_counts.zero_()
-
-
 class Trainer:
     """Runs the optimization loop; owns no construction logic (see build())."""
 
     def __init__(self, cfg: Config, model, optimizer, train_loader, val_data, device, run_dir: Path,
-                 start_step: int):
+                 start_step: int = 0, nan_steps: frozenset[int] = frozenset()):
         self.cfg, self.model, self.optimizer = cfg, model, optimizer
         self.train_loader, self.val_data = train_loader, val_data
         self.device, self.run_dir, self.step = device, run_dir, start_step
+        self.moe = moe_layers(model)  # found once: the module tree is final after parallelize()
         world = distributed.world_size()
         self.accum = cfg.train.global_batch // (cfg.train.micro_batch * world)
         self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
         self.flops_per_token = train_flops_per_token(model, cfg.train.seq_len)
         self.peak = peak_flops(device)
         self.guard = StepGuard(cfg.train.max_bad_steps, cfg.train.spike_factor)
-        self.nan_steps: frozenset[int] = frozenset()  # fault injection, set by build()
+        self.nan_steps = nan_steps  # fault injection (guards.fault_nan_steps)
 
     def train_step(self) -> tuple[float, float]:
         """One optimizer step over global_batch sequences; returns (mean loss, grad norm).
@@ -93,18 +88,18 @@ class Trainer:
             if self.step + 1 in self.nan_steps:
                 loss = loss * float("nan")
             total += loss.detach()
-            if cfg.model.moe is not None:
+            if self.moe:
                 # MoE auxiliary losses train the router but are not the logged loss.
-                loss = loss + moe_aux_loss(self.model)
+                loss = loss + moe_aux_loss(self.moe)
             (loss / self.accum).backward()
         clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
         grad_norm = distributed.full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)).item()
         mean_loss = distributed.all_reduce_mean(total / self.accum).item()
         if StepGuard.finite(mean_loss, grad_norm):
             self.optimizer.step()
-            update_moe_bias(self.model)
+            update_moe_bias(self.moe)
         else:
-            discard_moe_counts(self.model)
+            discard_moe_counts(self.moe)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return mean_loss, grad_norm
@@ -155,8 +150,9 @@ class Trainer:
                               "skipped_steps": self.guard.skipped}
                     if self.peak:
                         record["mfu"] = tokens_per_s * self.flops_per_token / (self.peak * distributed.world_size())
-                    record.update(site_stats(self.model))
-                    record.update(moe_metrics(self.model))
+                    record.update(site_stats(self.model))  # on every rank: gathers sharded sites
+                    if distributed.is_main():  # only rank 0 writes records
+                        record.update(moe_metrics(self.moe))
                     if "bad_step" in verdict:
                         del record["loss"], record["grad_norm"]
                     record.update(verdict)
@@ -224,9 +220,7 @@ def build(cfg: Config):
     if train_state is not None:
         check_resumable(cfg, resume_from, train_state, model)
     # A resumed run continues from its own weights; init_from only seeds a fresh one.
-    init_from = cfg.init_from if train_state is None else ""
-    if init_from:
-        check_init_from(model, init_from)
+    init_weights = check_init_from(model, cfg.init_from) if cfg.init_from and train_state is None else None
     data = prepare_data(cfg.data)
     check_vocab(data, cfg.model.vocab_size)
 
@@ -241,15 +235,14 @@ def build(cfg: Config):
         train_loader.load_state_dict(train_state["loader"])
 
     model = distributed.parallelize(model, cfg.distributed, device, cfg.seed, cfg.train.dtype)
-    if init_from:
-        init_from_hf(model, init_from)
+    if init_weights is not None:
+        init_from_hf(model, init_weights)
     model.set_kernels(cfg.kernels)
     optimizer = build_optimizer(model, cfg.optim, cfg.scale)
-    trainer = Trainer(cfg, model, optimizer, train_loader, val_data, device, run_dir, 0)
-    trainer.nan_steps = nan_steps
+    trainer = Trainer(cfg, model, optimizer, train_loader, val_data, device, run_dir,
+                      train_state["step"] if train_state else 0, nan_steps)
     if resume_from is not None:
-        checkpointing.load(resume_from, model, optimizer)
-        trainer.step = train_state["step"]
+        checkpointing.load(resume_from, model, optimizer, train_state["world_size"])
         if "guard" in train_state:
             trainer.guard.load_state_dict(train_state["guard"])
     return trainer, data
@@ -323,7 +316,7 @@ def run(cfg: Config) -> Path:
     if main:
         write_run_files(cfg, run_dir, data.tokenizer_path)
         drop_partial_line(run_dir / "metrics.jsonl")
-        print(f"run_dir: {run_dir}  params: {sum(p.numel() for p in trainer.model.parameters()):,}  "
+        print(f"run_dir: {run_dir}  params: {total_params(trainer.model):,}  "
               f"optimizer: {describe_groups(trainer.optimizer)}", file=sys.stderr)
         if cfg.logger.name == "wandb":
             wandb_init = wandb_init_args(cfg.logger, OmegaConf.to_container(OmegaConf.structured(cfg)), run_dir)

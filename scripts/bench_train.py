@@ -33,6 +33,7 @@ from hydra import compose, initialize_config_dir
 from scalevec_train import distributed
 from scalevec_train.config import CONFIG_DIR, to_config
 from scalevec_train.errors import ScalevecError
+from scalevec_train.moe import total_params
 from scalevec_train.train import build
 
 COLUMNS = ["preset", "scale", "ranks", "params", "tokens/step", "step ms", "tokens/s/device", "MFU",
@@ -92,7 +93,7 @@ def bench(preset: str, scale: str, args: argparse.Namespace) -> dict:
         device = trainer.device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        row["params"] = f"{sum(p.numel() for p in trainer.model.parameters()) / 1e6:.1f}M"
+        row["params"] = f"{total_params(trainer.model) / 1e6:.1f}M"
         tokens = cfg.train.global_batch * cfg.train.seq_len
         row["tokens/step"] = tokens
         for _ in range(args.warmup):

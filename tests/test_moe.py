@@ -18,6 +18,7 @@ from scalevec_train.moe import (
     MoEFeedForward,
     active_params,
     moe_aux_loss,
+    moe_layers,
     moe_metrics,
     total_params,
     update_moe_bias,
@@ -323,17 +324,18 @@ def test_moe_tiny_trains(strategy):
     data = torch.randint(0, cfg.vocab_size, (4, 25))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     losses = []
+    layers = moe_layers(model)
     for _ in range(50):
         logits = model(data[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), data[:, 1:].flatten())
-        (loss + moe_aux_loss(model)).backward()
+        (loss + moe_aux_loss(layers)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        update_moe_bias(model)
+        update_moe_bias(layers)
         losses.append(loss.item())
     assert all(math.isfinite(v) for v in losses)
     assert sum(losses[-5:]) / 5 < losses[0] - 2.0
-    metrics = moe_metrics(model)
+    metrics = moe_metrics(layers)
     assert metrics.keys() >= {f"moe/layer{i}/{k}" for i in range(cfg.n_layers)
                               for k in ("load_max", "load_min", "load_entropy", "lb_loss", "z_loss",
                                         "bias_min", "bias_max")}
