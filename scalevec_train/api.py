@@ -40,14 +40,15 @@ def load(path: str | Path, fold: bool = False,
     folded model (every foldable scale site absorbed into its linear map; same logits)."""
     run_dir, checkpoint = resolve(Path(path))
     cfg = read_config(run_dir)
-    model = empty_model(cfg)
-    read_model_state(checkpoint, model)
+    # The tokenizer is cheap to check: a bad one fails before any weight is read.
     tok_path = tokenizer_path(run_dir, cfg)
     tokenizer = sp_tokenizer.load(tok_path)
     if tokenizer.get_piece_size() > cfg.model.vocab_size:
         raise ScalevecError(str(tok_path), f"has {tokenizer.get_piece_size()} pieces, more "
                             f"than the model's vocab_size={cfg.model.vocab_size}.",
                             "put the tokenizer the run trained with next to its config.yaml.")
+    model = empty_model(cfg)
+    read_model_state(checkpoint, model)
     if fold:
         model = fold_model(model)
     return model.to(device).eval(), tokenizer

@@ -28,6 +28,7 @@ runs at each parameter count N; see `fit_power_law`.
 """
 
 import csv
+import functools
 import json
 import math
 from collections.abc import Iterable, Sequence
@@ -132,15 +133,19 @@ def flatten_config(config: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+@functools.cache
+def _trainer_defaults() -> dict[str, Any]:
+    from scalevec_train.config import Config  # imports torch: only when runs are loaded
+
+    return flatten_config(OmegaConf.to_container(OmegaConf.structured(Config)))
+
+
 def with_current_defaults(config: dict[str, Any]) -> dict[str, Any]:
     """A flattened run config plus the trainer's current default for every option it lacks. A run
     written before an option existed ran with the behaviour that option's default keeps, so it belongs
     in the same group as a newer run that leaves the option at its default."""
-    from scalevec_train.config import Config  # imports torch: only when runs are loaded
-
-    defaults = flatten_config(OmegaConf.to_container(OmegaConf.structured(Config)))
     out = dict(config)
-    for key, value in defaults.items():
+    for key, value in _trainer_defaults().items():
         # a section the run holds as one value (model.moe: null) or as sub-keys is not missing
         if not any(k == key or k.startswith(key + ".") or key.startswith(k + ".") for k in config):
             out[key] = value

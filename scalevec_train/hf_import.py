@@ -156,11 +156,11 @@ def import_llama(hf_dir: str | Path, scale: ScaleConfig | None = None, **model_o
     return model
 
 
-def init_from_hf(model: Transformer, hf_dir: str | Path) -> None:
+def init_from_hf(model: Transformer, hf: str | Path | HFWeights) -> None:
     """Overwrite the weights of a built dense model (plain or FSDP-sharded, after initialization) with a
     Hugging Face Llama folder's, every scale site starting at 1. The model's config must match the
-    folder's in every dimension."""
-    _copy_in(model, check_init_from(model, hf_dir))
+    folder's in every dimension. `hf` is the folder, or what check_init_from returned for it."""
+    _copy_in(model, hf if isinstance(hf, HFWeights) else check_init_from(model, hf))
 
 
 def check_init_from(model: Transformer, hf_dir: str | Path) -> HFWeights:

@@ -46,9 +46,11 @@ class HfCorpus:
                 raise ScalevecError("data.text_field", f"column {cfg.text_field!r} of {cfg.path} holds "
                                     f"{type(text).__name__}, not text.", "name a column of strings.")
             if cfg.max_corpus_bytes:
-                total += len(text.encode())
-                if total > cfg.max_corpus_bytes and i > 0:
+                size = len(text.encode())
+                # whole documents only, and at least one however large it is
+                if total and total + size > cfg.max_corpus_bytes:
                     return
+                total += size
             yield str(i), text
 
     def _load(self):
