@@ -381,6 +381,19 @@ def test_hf_without_datasets_says_how_to_install(tmp_path, monkeypatch):
                                 vocab_size=VOCAB))
 
 
+def test_hf_byte_cap_keeps_whole_leading_documents(tmp_path, monkeypatch):
+    """As for files: whole documents up to the cap, and at least the first real one however large;
+    skipped empty rows do not count as documents. The rows stand in for `datasets`' reader."""
+    from scalevec_train.data.hf import HfCorpus
+
+    rows = [{"text": None}, {"text": "x" * 100}, {"text": "y" * 10}, {"text": "z" * 10}]
+    monkeypatch.setattr(HfCorpus, "_load", lambda self: iter(rows))
+    corpus = HfCorpus(DataConfig(source="hf", path=str(tmp_path), max_corpus_bytes=50))
+    assert list(corpus.documents()) == [("1", "x" * 100)]
+    corpus = HfCorpus(DataConfig(source="hf", path=str(tmp_path), max_corpus_bytes=115))
+    assert list(corpus.documents()) == [("1", "x" * 100), ("2", "y" * 10)]
+
+
 def test_hf_local_jsonl_parquet_and_streaming(corpus, tmp_path):
     pytest.importorskip("datasets")
     pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")  # datasets needs them
