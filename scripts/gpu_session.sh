@@ -20,7 +20,9 @@ export PYTHONPATH=/tmp/site:$PWD:$PWD/.gpu_shim${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p .gpu_shim && ln -sfn ../kernels .gpu_shim/scalevec_kernels
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
-python3 -m pytest -q tests/gpu 2>&1 | tail -n 30 | tee "$out/kernels_gpu_tests.log"
+# the whole log is kept (tracebacks included) with the exit status; the console gets its tail
+python3 -m pytest -q tests/gpu > "$out/kernels_gpu_tests.log" 2>&1; echo "rc=$?" >> "$out/kernels_gpu_tests.log"
+tail -n 30 "$out/kernels_gpu_tests.log"
 python3 scripts/bench_kernels.py 2>&1 | tee "$out/bench_kernels.md"
 python3 scripts/bench_train.py --presets dense-0.12b --scales baseline,unified 2>&1 | tee "$out/bench_train.md"
 python3 scripts/bench_train.py --presets dense-1b --scales baseline,unified --seq-len 4096 --micro-batch 4 \

@@ -20,11 +20,12 @@ compare() {  # name reference run-dirs...
 }
 streams() {  # two commands (each a string of sweeps separated by ';'), run side by side
   (eval "$1") > runs/study_stream_a.log 2>&1 &
-  local a=$!
+  local a=$! rc=0
   (eval "$2") > runs/study_stream_b.log 2>&1 &
   local b=$!
-  wait $a
-  wait $b
+  wait $a || rc=$?  # wait for both streams even when one fails
+  wait $b || rc=$?
+  return $rc
 }
 
 case ${1:-main} in

@@ -196,7 +196,9 @@ if _INTERPRETED:
         x = torch.randn(37, 200, generator=gen).requires_grad_()
         r = torch.randn(37, 200, generator=gen).requires_grad_()
         s1, s3 = (torch.randn(200, generator=gen).requires_grad_() for _ in range(2))
-        for scales, res in (([s1, None, s3, None], r), (None, None), ([None, s3], r)):
+        # the last case scales the fourth slot, which no other CPU case reaches
+        cases = (([s1, None, s3, None], r), (None, None), ([None, s3], r), ([None, s1, None, s3], None))
+        for scales, res in cases:
             leaves = [x] + ([r] if res is not None else []) + [s for s in scales or [] if s is not None]
             got = rms_norm_scales(x, scales, EPS, residual=res, backend="triton")
             want = rms_norm_scales(x, scales, EPS, residual=res, backend="torch")

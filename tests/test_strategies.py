@@ -124,7 +124,6 @@ def test_reparam_gradients_match_closed_form(param):
     grad_mag = site.beta.grad if param == "or" else site.b.grad
     torch.testing.assert_close(site.alpha.grad, expected_alpha)
     torch.testing.assert_close(grad_mag.squeeze(), expected_mag)
-    assert torch.autograd.gradcheck(lambda al: al / al.pow(2).mean().sqrt(), (a.clone().requires_grad_(),))
 
 
 def test_iwd_decays_exactly_the_input_sites():
