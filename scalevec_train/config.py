@@ -4,6 +4,7 @@ validates it before any expensive work. Each component's options live next to th
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
@@ -153,6 +154,14 @@ def to_config(raw: DictConfig, world_size: int = 1) -> Config:
                             "give a value of the type the config file documents.") from None
     cfg.validate(world_size)
     return cfg
+
+
+def compose_config(overrides: list[str], world_size: int = 1) -> Config:
+    """The config Hydra composes from configs/ with command-line style overrides, typed and validated:
+    what the training command would run (for tools, scripts and tests that are not Hydra apps)."""
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        raw = compose(config_name="config", overrides=list(overrides))
+    return to_config(raw, world_size)
 
 
 def to_yaml(cfg: Config) -> str:

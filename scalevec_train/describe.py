@@ -6,10 +6,9 @@ import json
 import sys
 
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 
-from scalevec_train.config import CONFIG_DIR, to_config
+from scalevec_train.config import compose_config
 from scalevec_train.errors import ScalevecError
 from scalevec_train.flops import train_flops_per_token
 from scalevec_train.model import Linear, PreNorm, Transformer
@@ -101,9 +100,7 @@ def main(argv: list[str]) -> int:
     try:
         if fmt not in ("table", "json"):
             raise ScalevecError("format", f"unknown format {fmt!r}.", "use format=table or format=json.")
-        with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-            raw = compose(config_name="config", overrides=overrides)
-        cfg = to_config(raw)
+        cfg = compose_config(overrides)
         d = describe(cfg)
     except (ScalevecError, HydraException) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -3,19 +3,16 @@ token shards) ahead of training. Training does the same on first use; both reuse
 
 import sys
 
-from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 
-from scalevec_train.config import CONFIG_DIR, to_config
+from scalevec_train.config import compose_config
 from scalevec_train.data import prepare_data
 from scalevec_train.errors import ScalevecError
 
 
 def main(argv: list[str]) -> int:
     try:
-        with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-            raw = compose(config_name="config", overrides=argv)
-        data = prepare_data(to_config(raw).data)
+        data = prepare_data(compose_config(argv).data)
     except (ScalevecError, HydraException) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -28,10 +28,9 @@ import tempfile
 import time
 
 import torch
-from hydra import compose, initialize_config_dir
 
 from scalevec_train import distributed
-from scalevec_train.config import CONFIG_DIR, to_config
+from scalevec_train.config import compose_config
 from scalevec_train.errors import ScalevecError
 from scalevec_train.moe import total_params
 from scalevec_train.train import build
@@ -84,8 +83,7 @@ def bench(preset: str, scale: str, args: argparse.Namespace) -> dict:
                  f"train.micro_batch={args.micro_batch}", f"train.global_batch={args.micro_batch * world}",
                  "train.steps=100000", f"distributed.compile={str(args.compile).lower()}",
                  "logger.progress_bar=false", f"run_dir={run_dir}", "resume=none", *args.overrides]
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-        cfg = to_config(compose(config_name="config", overrides=overrides), world)
+    cfg = compose_config(overrides, world)
     row = {"preset": preset, "scale": scale, "ranks": world}
     device = None
     try:
