@@ -1,10 +1,15 @@
 """The typed root config: Hydra composes YAML from configs/, this module turns it into dataclasses and
-validates it before any expensive work. Each component's options live next to the component."""
+validates it before any expensive work. Each component's options live next to the component.
+
+The dataclasses are the one source of every option's default and documentation. Hydra composes on top
+of those defaults (registered as `scalevec_defaults`, untyped, so that every option can be overridden
+with `key=value` and this module's checks give the one-line errors); presets set only what differs."""
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
@@ -24,19 +29,19 @@ CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 @dataclass
 class TrainConfig:
     # optimizer steps
-    steps: int = 1000
+    steps: int = 300
     # sequences per optimizer step, summed over all data-parallel ranks
-    global_batch: int = 32
+    global_batch: int = 16
     # sequences per forward pass on one rank; global_batch / (micro_batch * ranks) = accumulation steps
-    micro_batch: int = 8
+    micro_batch: int = 16
     # tokens per training sequence
-    seq_len: int = 256
+    seq_len: int = 128
     # clip the global gradient norm to this; 0 disables clipping
     grad_clip: float = 1.0
     # write metrics every this many steps
     log_every: int = 10
-    # validate every this many steps (and at the first and last step); 0: only at the last step
-    eval_every: int = 100
+    # validate every this many steps (and at the first and last step); 0: only at the first and last
+    eval_every: int = 50
     # validation batches of micro_batch sequences per evaluation, over all ranks (a multiple of the
     # rank count); the same sequences every time and on any world size
     eval_batches: int = 8
@@ -106,8 +111,8 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     # seeds model init, data order and everything random
     seed: int = 0
-    # where metrics, the resolved config and checkpoints go
-    run_dir: str = "runs/default"
+    # where metrics.jsonl, config.yaml and checkpoints/ go; the default name says what the run is
+    run_dir: str = "runs/${model.name}-${scale.name}-${optim.name}-${schedule.name}-s${seed}"
     # none: start fresh (refuses a run_dir that already holds checkpoints) | auto: continue from the
     # newest complete checkpoint in run_dir if there is one | a checkpoint directory path
     resume: str = "none"
@@ -139,6 +144,10 @@ class Config:
             raise ScalevecError("kernels", f"unknown value {self.kernels!r}.", "use auto, triton or torch.")
         if not self.run_dir:
             raise ScalevecError("run_dir", "is empty.", "set run_dir=<a directory>.")
+
+
+# Hydra's base config (`- scalevec_defaults` in configs/config.yaml): every option at its default.
+ConfigStore.instance().store(name="scalevec_defaults", node=OmegaConf.to_container(OmegaConf.structured(Config)))
 
 
 def to_config(raw: DictConfig, world_size: int = 1) -> Config:

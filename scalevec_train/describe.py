@@ -10,14 +10,10 @@ from hydra.errors import HydraException
 
 from scalevec_train.config import compose_config
 from scalevec_train.errors import ScalevecError
-from scalevec_train.flops import train_flops_per_token
+from scalevec_train.flops import NORM_FLOPS, SITE_FLOPS, train_flops_per_token
 from scalevec_train.model import Linear, PreNorm, Transformer
 from scalevec_train.moe import active_params, total_params
 from scalevec_train.strategies import ScaleConfig, scale_sites, site_display_name
-
-# Per element and token, forward: a normalization N costs 3 FLOPs (square-accumulate, scale by the
-# inverse RMS, and the RMS itself amortized), a scale site 1 multiply. Training costs 3x forward.
-NORM_FLOPS, SITE_FLOPS = 3, 1
 
 
 def norm_flops_per_token(model: Transformer) -> int:
@@ -49,6 +45,7 @@ def describe(cfg) -> dict:
     model = build_meta(cfg.model, cfg.scale)
     baseline = build_meta(cfg.model, ScaleConfig(name="baseline"))
     total = total_params(model)
+    cancelled = {id(m.site): m.cancelled_by for m in model.site_maps()}
     sites = []
     for path, site in scale_sites(model):
         layer, name = site_display_name(path)
@@ -57,6 +54,7 @@ def describe(cfg) -> dict:
             "shape": list(site.shape), "behind_norm": site.behind_norm,
             "params": sum(p.numel() for p in site.parameters()),
             "weight_decay": site.param != "fixed" and cfg.scale.decays(site.role),
+            "magnitude_cancelled_by": cancelled[id(site)],
         })
     scale_params = sum(s["params"] for s in sites)
     extra = 3 * (norm_flops_per_token(model) - norm_flops_per_token(baseline))
@@ -73,13 +71,14 @@ def describe(cfg) -> dict:
 
 
 def format_table(d: dict) -> str:
-    lines = [f"{'layer':>5}  {'site':<28} {'role':<6} {'param':<5} {'shape':<12} {'decay':<5} params"]
+    lines = [f"{'layer':>5}  {'site':<28} {'role':<6} {'param':<5} {'shape':<12} {'decay':<5} {'params':>8}  notes"]
     for s in d["sites"]:
         layer = "-" if s["layer"] is None else str(s["layer"])
         shape = "x".join(map(str, s["shape"]))
         site = s["site"] + (" (norm)" if s["behind_norm"] else "")
+        notes = f"magnitude cancelled by {s['magnitude_cancelled_by']}" if s["magnitude_cancelled_by"] else ""
         lines.append(f"{layer:>5}  {site:<28} {s['role']:<6} {s['param']:<5} {shape:<12} "
-                     f"{'yes' if s['weight_decay'] else 'no':<5} {s['params']:,}")
+                     f"{'yes' if s['weight_decay'] else 'no':<5} {s['params']:>8,}  {notes}".rstrip())
     lines.append("")
     lines.append(f"model {d['model']}, scale {d['scale']}: {d['total_params']:,} parameters"
                  + (f" ({d['active_params']:,} active per token)" if "active_params" in d else ""))
@@ -106,8 +105,8 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if fmt == "json":
-        d = dict(d, sites=[{k: s[k] for k in ("name", "role", "param", "shape", "weight_decay")}
-                           for s in d["sites"]])
+        d = dict(d, sites=[{k: s[k] for k in ("name", "role", "param", "shape", "behind_norm", "weight_decay",
+                                              "magnitude_cancelled_by")} for s in d["sites"]])
         print(json.dumps(d))
     else:
         print(format_table(d))

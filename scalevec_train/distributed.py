@@ -163,6 +163,27 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Clip the global gradient norm of every parameter, sharded (DTensor) and replicated alike, to
+    max_norm; returns the norm before clipping (as torch.nn.utils.clip_grad_norm_ does)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    parts = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    parts = [part for part in parts if part]
+    if len(parts) == 1:  # one kind: torch's own clipping, bit for bit
+        return full_value(torch.nn.utils.clip_grad_norm_(parts[0], max_norm)).item()
+    sharded, whole = parts
+    norms = [full_value(torch.nn.utils.get_total_norm([p.grad for p in sharded])),
+             torch.nn.utils.get_total_norm([p.grad for p in whole])]
+    norm = torch.linalg.vector_norm(torch.stack(norms))
+    with implicit_replication():  # the plain norm scales the DTensor gradients too
+        torch.nn.utils.clip_grads_with_norm_(sharded, max_norm, norm)
+    torch.nn.utils.clip_grads_with_norm_(whole, max_norm, norm)
+    return norm.item()
+
+
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """Whether the next backward pass reduces gradients across ranks. Off on the inner micro-steps of
     gradient accumulation: gradients accumulate locally (unsharded) and are reduced once, on the last."""
@@ -209,19 +230,47 @@ def parallelize(model: nn.Module, cfg: DistributedConfig, device: torch.device, 
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from scalevec_train.strategies import scale_sites
+
     mesh = build_mesh(cfg, device)
-    # bf16 weights for compute, fp32 gradient reduction, fp32 master weights; only on GPU (gloo on CPU
-    # trains in fp32, and train.dtype=bf16 there stays an autocast matter).
+    # bf16 weights for compute, fp32 gradient reduction, fp32 master weights.
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if device.type == "cuda" and uses_bf16(dtype, device) else MixedPrecisionPolicy())
+          if uses_bf16(dtype, device) else MixedPrecisionPolicy())
+    # Scale sites stay whole and fp32 on every rank (the spec's precision rule: FSDP would hand them to
+    # the forward in bf16, where their small updates vanish): FSDP ignores them, and their gradients are
+    # averaged in one all-reduce per step (reduce_replicated_grads).
+    sites = {p for _, site in scale_sites(model) for p in site.parameters()}
     for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    # The root's parameters (embedding = tied head, final norm) are needed again right at the start of
-    # the backward pass: keep them gathered after the forward.
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=sites)
+    # The root's parameters (embedding = tied head) are needed again right at the start of the backward
+    # pass: keep them gathered after the forward.
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=sites)
     model.to_empty(device=device)
     init_sharded(model, seed)
     return model
+
+
+def replicated_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters every rank holds whole (the scale sites under FSDP; none on one process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return []
+    from torch.distributed.tensor import DTensor
+
+    return [p for p in model.parameters() if not isinstance(p, DTensor)]
+
+
+@torch.no_grad()
+def reduce_replicated_grads(params: list[nn.Parameter]) -> None:
+    """Average the gradients of replicated parameters over all ranks, in one fp32 all-reduce (FSDP
+    reduces the sharded ones itself). Every rank must call it, after the step's last backward."""
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.float().flatten() for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for p, part in zip(params, flat.split([g.numel() for g in grads]), strict=True):
+        p.grad = part.view_as(p).to(p.dtype)
 
 
 @torch.no_grad()

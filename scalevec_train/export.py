@@ -133,6 +133,11 @@ def hf_state_dict(folded: Transformer, llama: bool) -> dict[str, torch.Tensor]:
             out[p + f"mlp.experts.{name}_proj"] = getattr(ffn.experts, f"w_{name}")
             if ffn.shared is not None:
                 out[p + f"mlp.shared.{name}_proj.weight"] = getattr(ffn.shared, f"w_{name}").weight
+        for name in ("gate", "up"):
+            for part, module in (("experts", ffn.experts), ("shared", ffn.shared)):
+                site = getattr(module, f"{name}_out", None) if module is not None else None
+                if site is not None and site.behind_norm:
+                    out[p + f"mlp.{part}.{name}_norm.weight"] = _ones_if_fixed(site)
         if ffn.out_norm is not None:
             out[p + "mlp.down_norm.weight"] = _ones_if_fixed(ffn.down_out)
     out["model.norm.weight"] = _prenorm_weight(folded.final_norm, cfg.dim)
@@ -187,8 +192,11 @@ def scalevec_config(folded: Transformer) -> dict:
     norms = [name for name, attr in _ATTN_MAPS if getattr(block.attn, attr).out_norm is not None]
     if cfg.moe is None:
         norms += [n for n in ("gate", "up", "down") if getattr(block.ffn, f"w_{n}").out_norm is not None]
-    elif block.ffn.out_norm is not None:
-        norms.append("down")
+    else:
+        norms += [n for n in ("gate", "up") if getattr(block.ffn.experts, f"{n}_out") is not None
+                  and getattr(block.ffn.experts, f"{n}_out").behind_norm]
+        if block.ffn.out_norm is not None:
+            norms.append("down")
     moe = None
     if cfg.moe is not None:
         shared = cfg.moe.num_shared_experts * (cfg.moe.shared_expert_dim or cfg.ffn_dim)

@@ -13,6 +13,10 @@ from torch import nn
 
 from scalevec_train.strategies import scale_sites
 
+# Per element and token, forward: a normalization N costs 3 FLOPs (square-accumulate, scale by the
+# inverse RMS, and the RMS itself amortized), a scale site 1 multiply. Training costs 3x forward.
+NORM_FLOPS, SITE_FLOPS = 3, 1
+
 # Dense bf16 peak FLOP/s (no sparsity), by a substring of torch.cuda.get_device_name().
 PEAK_BF16 = {
     "H200": 989e12,

@@ -13,21 +13,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from scalevec_train.model import Linear, Transformer
+from scalevec_train.model import Transformer
 from scalevec_train.strategies import ScaleSite, scale_sites
-
-
-def _consumers(model: Transformer) -> dict[int, list[torch.Tensor]]:
-    """For every pre-norm input site (by id): the weights whose input it scales."""
-    found: dict[int, list[torch.Tensor]] = {}
-    for block in model.layers:
-        for branch, site in block.attn_norm.sites.items():
-            found[id(site)] = block.attn.input_weights(branch)
-        for branch, site in block.ffn_norm.sites.items():
-            found[id(site)] = block.ffn.input_weights(branch)
-    head = model.tok_emb.weight if model.head is None else model.head.weight
-    found[id(model.final_norm.sites["final"])] = [head]
-    return found
 
 
 def _replace(model: nn.Module, path: str, site: ScaleSite) -> None:
@@ -45,18 +32,9 @@ def fold(model: Transformer) -> Transformer:
         folded.head = nn.Linear(folded.cfg.dim, folded.cfg.vocab_size, bias=False)
         folded.head.weight.copy_(folded.tok_emb.weight)
         folded.cfg = dataclasses.replace(folded.cfg, tie_embeddings=False)
-    consumers = _consumers(folded)
-    owners = {}
-    for module in folded.modules():
-        if isinstance(module, Linear):
-            for which in ("in_site", "out_site"):
-                site = getattr(module, which)
-                if site is not None:
-                    owners.setdefault(id(site), []).append((module.weight, which))
-        if hasattr(module, "fold_pairs"):  # MoE experts fold their own internal sites
-            for site, weight, which in module.fold_pairs():
-                owners.setdefault(id(site), []).append((weight, which))
-    for path, site in scale_sites(folded):
+    paths = {id(site): path for path, site in scale_sites(folded)}
+    for entry in folded.site_maps():
+        site = entry.site
         s = site()
         if s is None:
             continue
@@ -64,14 +42,9 @@ def fold(model: Transformer) -> Transformer:
             if site.param != "plain":
                 plain = ScaleSite(site.shape, site.role, "plain", behind_norm=True)
                 plain.scale.copy_(s)
-                _replace(folded, path, plain)
+                _replace(folded, paths[id(site)], plain)
             continue
-        if id(site) in consumers:
-            for weight in consumers[id(site)]:
-                weight.mul_(s.unsqueeze(-2))
-        else:
-            # A site may scale several maps (an MoE output site: the experts and the shared expert).
-            for weight, which in owners[id(site)]:
-                weight.mul_(s.unsqueeze(-2) if which == "in_site" else s.unsqueeze(-1))
-        _replace(folded, path, ScaleSite(site.shape, site.role, "fixed", behind_norm=site.behind_norm))
+        for target in entry.maps:
+            target.weight.mul_(s.unsqueeze(-2) if entry.side == "in" else s.unsqueeze(-1))
+        _replace(folded, paths[id(site)], ScaleSite(site.shape, site.role, "fixed", behind_norm=site.behind_norm))
     return folded

@@ -25,7 +25,7 @@ from torch import nn
 from scalevec_kernels import head_rms_norm, rms_norm_scales
 from scalevec_train.errors import ScalevecError
 from scalevec_train.moe import MoEConfig, MoEFeedForward
-from scalevec_train.strategies import ScaleConfig, ScaleSite, input_branches, plan_map
+from scalevec_train.strategies import MapInput, ScaleConfig, ScaleSite, SiteMaps, input_branches, plan_map
 
 
 @dataclass
@@ -78,8 +78,9 @@ class ModelConfig:
             self.moe.validate(self.dim)
 
 
-def _scaled(x: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
-    return x if s is None else x * s
+def scaled(x: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+    """x * s in x's dtype: s stays fp32 (spec, precision), only the product takes the activations' dtype."""
+    return x if s is None else (x * s).to(x.dtype)
 
 
 class PreNorm(nn.Module):
@@ -105,6 +106,7 @@ class Linear(nn.Module):
     def __init__(self, name: str, d_in: int, d_out: int, scale: ScaleConfig, model: ModelConfig):
         super().__init__()
         plan = plan_map(scale, name, model.qk_norm, model.post_norm)
+        self.name = name
         self.weight = nn.Parameter(torch.empty(d_out, d_in))
         self.in_site = ScaleSite((d_in,), "input", scale.site_param("input")) if plan.in_site else None
         self.out_norm, self.eps, self.head_dim = plan.out_norm, model.norm_eps, model.head_dim
@@ -116,9 +118,17 @@ class Linear(nn.Module):
             self.out_site = ScaleSite(shape, "output", scale.site_param("output"),
                                       behind_norm=plan.out_norm is not None)
 
+    def as_input(self) -> MapInput:
+        norm = None if self.out_norm is None else f"N_h({self.name})" if self.out_norm == "head" else f"N({self.name})"
+        return MapInput(self.weight, norm)
+
+    def site_maps(self) -> list[SiteMaps]:
+        sides = (("in", self.in_site), ("out", self.out_site))
+        return [SiteMaps(site, side, (self.as_input(),)) for side, site in sides if site is not None]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.in_site is not None:
-            x = _scaled(x, self.in_site())
+            x = scaled(x, self.in_site())
         y = F.linear(x, self.weight)
         s = self.out_site() if self.out_site is not None else None
         if self.out_norm == "head":
@@ -127,7 +137,7 @@ class Linear(nn.Module):
             return head_rms_norm(heads, s, self.eps, backend=self.kernels).flatten(-2)
         if self.out_norm == "full":
             return rms_norm_scales(y, [s], self.eps, backend=self.kernels)[0]
-        return _scaled(y, s)
+        return scaled(y, s)
 
 
 class Rotary(nn.Module):
@@ -164,10 +174,13 @@ class Attention(nn.Module):
         self.wv = Linear("v", cfg.dim, kv_width, scale, cfg)
         self.wo = Linear("o", q_width, cfg.dim, scale, cfg)
 
-    def input_weights(self, branch: str) -> list[torch.Tensor]:
-        """The weights that read pre-norm branch `branch` (for folding)."""
+    def input_maps(self, branch: str) -> list[MapInput]:
+        """The maps that read pre-norm branch `branch`."""
         maps = {"q": [self.wq], "k": [self.wk], "v": [self.wv]}.get(branch, [self.wq, self.wk, self.wv])
-        return [m.weight for m in maps]
+        return [m.as_input() for m in maps]
+
+    def site_maps(self) -> list[SiteMaps]:
+        return [entry for m in (self.wq, self.wk, self.wv, self.wo) for entry in m.site_maps()]
 
     def forward(self, a: dict[str, torch.Tensor], rope: Rotary) -> torch.Tensor:
         shared = a.get("attn")
@@ -192,9 +205,12 @@ class FeedForward(nn.Module):
         self.w_up = Linear("up", cfg.dim, hidden, scale, cfg)
         self.w_down = Linear("down", hidden, cfg.dim, scale, cfg)
 
-    def input_weights(self, branch: str) -> list[torch.Tensor]:
+    def input_maps(self, branch: str) -> list[MapInput]:
         maps = {"gate": [self.w_gate], "up": [self.w_up]}.get(branch, [self.w_gate, self.w_up])
-        return [m.weight for m in maps]
+        return [m.as_input() for m in maps]
+
+    def site_maps(self) -> list[SiteMaps]:
+        return [entry for m in (self.w_gate, self.w_up, self.w_down) for entry in m.site_maps()]
 
     def forward(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
         shared = b.get("ffn")
@@ -213,6 +229,13 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
         h = x + self.attn(self.attn_norm(x), rope)
         return h + self.ffn(self.ffn_norm(h))
+
+    def site_maps(self) -> list[SiteMaps]:
+        """Every site of the block with the maps it scales (folding, describe)."""
+        found = [SiteMaps(site, "in", tuple(sub.input_maps(branch)))
+                 for norm, sub in ((self.attn_norm, self.attn), (self.ffn_norm, self.ffn))
+                 for branch, site in norm.sites.items()]
+        return found + self.attn.site_maps() + self.ffn.site_maps()
 
 
 class Transformer(nn.Module):
@@ -235,6 +258,14 @@ class Transformer(nn.Module):
         x = self.final_norm(x)["final"]
         weight = self.tok_emb.weight if self.head is None else self.head.weight
         return F.linear(x, weight)
+
+    def site_maps(self) -> list[SiteMaps]:
+        """Every scale site with the maps it scales: what folding absorbs and what describe reports."""
+        head = self.tok_emb.weight if self.head is None else self.head.weight
+        found = [SiteMaps(self.final_norm.sites["final"], "in", (MapInput(head, None),))]
+        for block in self.layers:
+            found += block.site_maps()
+        return found
 
     def set_kernels(self, backend: str) -> None:
         """Select the normalization backend (auto | triton | torch) for every norm in the model."""

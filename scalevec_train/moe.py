@@ -16,7 +16,10 @@ then summed in fp32. Several shared experts act as one SwiGLU of their summed wi
 Scale sites (strategies.py): the pre-norm hands this layer {"ffn"} (one site read by the router and
 all experts), {"gate", "up", "router"} under HG, or {"router", "norm"} with `per_expert`, where the
 experts scale N(x) themselves with (experts, dim) sites and the shared expert with (dim,) ones. Sites
-inside the experts (per-expert inputs, gate/up outputs under `dual`, the new input site of `down`)
+on an expert's hidden units (gate/up output sites under dual placement, the input site of a targeted
+down map) have one row per routed expert, (experts, width): hidden unit j of one expert has nothing to
+do with unit j of another. Under dual_norm, gate and up are each normalized over the hidden width of
+their expert, u * N(W x) with the expert's row of u. Sites that do not sit behind a normalization
 are applied to the weights, W * s, which is the same function and cheaper than scaling tokens. The
 output site of `down` (with its normalization under dual_norm or post_norm) acts on the combined y,
 as on the dense block's output.
@@ -41,7 +44,8 @@ from torch import nn
 
 from scalevec_kernels import rms_norm_scales
 from scalevec_train.errors import ScalevecError
-from scalevec_train.strategies import ScaleConfig, ScaleSite, plan_map, site_display_name
+from scalevec_train.flops import NORM_FLOPS, SITE_FLOPS
+from scalevec_train.strategies import MapInput, ScaleConfig, ScaleSite, SiteMaps, plan_map, site_display_name
 
 if TYPE_CHECKING:
     from scalevec_train.model import ModelConfig
@@ -117,44 +121,70 @@ def _fold(w: torch.Tensor, s_in: ScaleSite | None, s_out: ScaleSite | None) -> t
     s = s_in() if s_in is not None else None
     if s is not None:
         w = w * s.unsqueeze(-2)
-    s = s_out() if s_out is not None else None
+    s = s_out() if s_out is not None and not s_out.behind_norm else None
     if s is not None:
         w = w * s.unsqueeze(-1)
     return w
 
 
 def _expert_sites(module: nn.Module, cfg: "ModelConfig", scale: ScaleConfig, hidden: int,
-                  lead: tuple[int, ...]) -> None:
-    """Give `module` the sites inside a SwiGLU expert (each of shape lead + (width,)): its own gate/up
-    input sites under per_expert, gate/up output sites under `dual`, the input site of a targeted
-    down map. Missing sites are None."""
+                  experts: int | None) -> None:
+    """Give `module` (the routed experts' stack, `experts` of them, or a shared expert: None) the sites
+    inside its SwiGLU: its own gate/up input sites under per_expert, gate/up output sites under dual
+    placement (behind a normalization of the hidden width under dual_norm), the input site of a
+    targeted down map. Sites on an expert's hidden units have one row per expert; sites on the model
+    width only under per_expert. Missing sites are None."""
+    per_expert = (experts,) if experts else ()
     module.gate_in = module.up_in = module.gate_out = module.up_out = module.down_in = None
+    module.eps, module.kernels = cfg.norm_eps, "auto"
     if scale.per_expert:
-        module.gate_in = ScaleSite(lead + (cfg.dim,), "input", scale.site_param("input"))
-        module.up_in = ScaleSite(lead + (cfg.dim,), "input", scale.site_param("input"))
+        module.gate_in = ScaleSite(per_expert + (cfg.dim,), "input", scale.site_param("input"))
+        module.up_in = ScaleSite(per_expert + (cfg.dim,), "input", scale.site_param("input"))
     for name in ("gate", "up"):
         plan = plan_map(scale, name, cfg.qk_norm, cfg.post_norm)
-        if plan.out_norm is not None:
-            raise ScalevecError("scale.targets", f"dual_norm on '{name}' would normalize each expert's "
-                                "hidden activations, which MoE experts do not support.",
-                                "remove gate and up from scale.targets, or use scale.placement=dual.")
         if plan.out_site:
-            setattr(module, f"{name}_out", ScaleSite(lead + (hidden,), "output", scale.site_param("output")))
+            setattr(module, f"{name}_out", ScaleSite(per_expert + (hidden,), "output", scale.site_param("output"),
+                                                     behind_norm=plan.out_norm is not None))
     if plan_map(scale, "down", cfg.qk_norm, cfg.post_norm).in_site:
-        module.down_in = ScaleSite(lead + (hidden,), "input", scale.site_param("input"))
+        module.down_in = ScaleSite(per_expert + (hidden,), "input", scale.site_param("input"))
 
 
-def _site_pairs(module: nn.Module, w_gate, w_up, w_down) -> list[tuple[ScaleSite, torch.Tensor, str]]:
-    pairs = [(module.gate_in, w_gate, "in_site"), (module.up_in, w_up, "in_site"),
-             (module.gate_out, w_gate, "out_site"), (module.up_out, w_up, "out_site"),
-             (module.down_in, w_down, "in_site")]
-    return [p for p in pairs if p[0] is not None]
+def _normed_output(module: nn.Module, name: str, y: torch.Tensor,
+                   expert_of: torch.Tensor | None = None) -> torch.Tensor:
+    """y, or u * N(y) over the hidden width when map `name`'s output site sits behind a normalization;
+    a per-expert u gives row r the scale row of its expert expert_of[r]."""
+    site = getattr(module, f"{name}_out")
+    if site is None or not site.behind_norm:
+        return y
+    s = site()
+    if s is None or s.dim() == 1:
+        return rms_norm_scales(y, [s], module.eps, backend=module.kernels)[0]
+    normed = rms_norm_scales(y, [None], module.eps, backend=module.kernels)[0]
+    return (normed * s.index_select(0, expert_of)).to(y.dtype)
 
 
-def _site_flops(module: nn.Module, site_flops: int) -> int:
-    """Per token through this expert: one multiply per element of each non-fixed site's vector."""
+def _norm_label(module: nn.Module, name: str) -> str | None:
+    """The normalization right after map `name` (gate or up) of an expert (stack), if any."""
+    site = getattr(module, f"{name}_out")
+    return f"N({name})" if site is not None and site.behind_norm else None
+
+
+def _site_maps(module: nn.Module, w_gate, w_up, w_down) -> list[SiteMaps]:
+    """The sites of an expert (stack) with the weight each one scales."""
+    gate, up = MapInput(w_gate, _norm_label(module, "gate")), MapInput(w_up, _norm_label(module, "up"))
+    down = MapInput(w_down, None)
+    pairs = [(module.gate_in, "in", gate), (module.up_in, "in", up), (module.gate_out, "out", gate),
+             (module.up_out, "out", up), (module.down_in, "in", down)]
+    return [SiteMaps(site, side, (m,)) for site, side, m in pairs if site is not None]
+
+
+def _site_flops(module: nn.Module) -> int:
+    """Forward FLOPs per token through this expert in its own sites and normalizations: one multiply per
+    element of each non-fixed site's vector, NORM_FLOPS per element of a normalized width."""
     sites = (module.gate_in, module.up_in, module.gate_out, module.up_out, module.down_in)
-    return sum(site_flops * s.shape[-1] for s in sites if s is not None and s.param != "fixed")
+    total = sum(SITE_FLOPS * s.shape[-1] for s in sites if s is not None and s.param != "fixed")
+    return total + sum(NORM_FLOPS * s.shape[-1] for s in (module.gate_out, module.up_out)
+                       if s is not None and s.behind_norm)
 
 
 def _compute_dtype(w: torch.Tensor, device: torch.device) -> torch.dtype:
@@ -195,16 +225,16 @@ class RoutedExperts(nn.Module):
         self.w_gate = nn.Parameter(torch.empty(moe.num_experts, moe.expert_dim, cfg.dim))
         self.w_up = nn.Parameter(torch.empty(moe.num_experts, moe.expert_dim, cfg.dim))
         self.w_down = nn.Parameter(torch.empty(moe.num_experts, cfg.dim, moe.expert_dim))
-        _expert_sites(self, cfg, scale, moe.expert_dim, (moe.num_experts,) if scale.per_expert else ())
+        _expert_sites(self, cfg, scale, moe.expert_dim, moe.num_experts)
 
     def per_expert_numel(self) -> int:
         """Parameters that belong to one expert each (what a token skips when not routed there)."""
         stacks = (self.w_gate, self.w_up, self.w_down)
-        sites = [s for s, _, _ in self.site_pairs() if len(s.shape) == 2]
+        sites = [m.site for m in self.site_maps() if len(m.site.shape) == 2]
         return sum(p.numel() for p in stacks) + sum(p.numel() for s in sites for p in s.parameters())
 
-    def site_pairs(self) -> list[tuple[ScaleSite, torch.Tensor, str]]:
-        return _site_pairs(self, self.w_gate, self.w_up, self.w_down)
+    def site_maps(self) -> list[SiteMaps]:
+        return _site_maps(self, self.w_gate, self.w_up, self.w_down)
 
     def forward(self, x_gate: torch.Tensor, x_up: torch.Tensor, chosen: torch.Tensor,
                 weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -213,6 +243,7 @@ class RoutedExperts(nn.Module):
         tokens, k = chosen.shape
         order = chosen.flatten().argsort(stable=True)
         token_of = order // k
+        expert_of = chosen.flatten().index_select(0, order)
         dtype = _compute_dtype(self.w_gate, x_gate.device)
         w_gate = _fold(self.w_gate, self.gate_in, self.gate_out).to(dtype)
         w_up = _fold(self.w_up, self.up_in, self.up_out).to(dtype)
@@ -223,8 +254,9 @@ class RoutedExperts(nn.Module):
             grouped = _grouped_mm_supported(xs_gate, (w_gate.shape[-1], w_gate.shape[-2]))
         else:
             grouped = self.backend == "grouped_mm"
-        gate = _expert_mm(xs_gate, w_gate, counts, grouped)
-        hidden = F.silu(gate) * _expert_mm(xs_up, w_up, counts, grouped)
+        gate = _normed_output(self, "gate", _expert_mm(xs_gate, w_gate, counts, grouped), expert_of)
+        up = _normed_output(self, "up", _expert_mm(xs_up, w_up, counts, grouped), expert_of)
+        hidden = F.silu(gate) * up
         hidden = hidden * weights.flatten().index_select(0, order).unsqueeze(-1).to(dtype)
         out = _expert_mm(hidden, w_down, counts, grouped)
         # Back to token order (a permutation: no atomics, so deterministic), then the fp32 sum over k.
@@ -240,14 +272,14 @@ class SharedExpert(nn.Module):
         self.w_gate = nn.Linear(cfg.dim, hidden, bias=False)
         self.w_up = nn.Linear(cfg.dim, hidden, bias=False)
         self.w_down = nn.Linear(hidden, cfg.dim, bias=False)
-        _expert_sites(self, cfg, scale, hidden, ())
+        _expert_sites(self, cfg, scale, hidden, None)
 
-    def site_pairs(self) -> list[tuple[ScaleSite, torch.Tensor, str]]:
-        return _site_pairs(self, self.w_gate.weight, self.w_up.weight, self.w_down.weight)
+    def site_maps(self) -> list[SiteMaps]:
+        return _site_maps(self, self.w_gate.weight, self.w_up.weight, self.w_down.weight)
 
     def forward(self, x_gate: torch.Tensor, x_up: torch.Tensor) -> torch.Tensor:
-        gate = F.linear(x_gate, _fold(self.w_gate.weight, self.gate_in, self.gate_out))
-        up = F.linear(x_up, _fold(self.w_up.weight, self.up_in, self.up_out))
+        gate = _normed_output(self, "gate", F.linear(x_gate, _fold(self.w_gate.weight, self.gate_in, self.gate_out)))
+        up = _normed_output(self, "up", F.linear(x_up, _fold(self.w_up.weight, self.up_in, self.up_out)))
         return F.linear(F.silu(gate) * up, _fold(self.w_down.weight, self.down_in, None))
 
 
@@ -349,30 +381,31 @@ class MoEFeedForward(nn.Module):
         self.last_load.copy_(counts)
         counts.zero_()
 
-    def input_weights(self, branch: str) -> list[torch.Tensor]:
-        """The weights whose input the pre-norm site `branch` scales (for folding)."""
-        gate = [self.experts.w_gate] + ([self.shared.w_gate.weight] if self.shared is not None else [])
-        up = [self.experts.w_up] + ([self.shared.w_up.weight] if self.shared is not None else [])
-        return {"ffn": [self.router.weight] + gate + up, "gate": gate, "up": up,
-                "router": [self.router.weight], "norm": []}[branch]
+    def input_maps(self, branch: str) -> list[MapInput]:
+        """The maps that read pre-norm branch `branch`: the router, and every expert's gate or up."""
+        gate = [MapInput(self.experts.w_gate, _norm_label(self.experts, "gate"))]
+        up = [MapInput(self.experts.w_up, _norm_label(self.experts, "up"))]
+        if self.shared is not None:
+            gate.append(MapInput(self.shared.w_gate.weight, _norm_label(self.shared, "gate")))
+            up.append(MapInput(self.shared.w_up.weight, _norm_label(self.shared, "up")))
+        router = [MapInput(self.router.weight, None)]
+        return {"ffn": router + gate + up, "gate": gate, "up": up, "router": router, "norm": []}[branch]
 
-    def fold_pairs(self) -> list[tuple[ScaleSite, torch.Tensor, str]]:
-        """(site, weight, in_site | out_site) for every site that folds into a weight; the output site
-        of `down` (when not behind a normalization) folds into every expert's down map."""
-        pairs = self.experts.site_pairs() + (self.shared.site_pairs() if self.shared is not None else [])
-        if self.down_out is not None and self.out_norm is None:
-            pairs.append((self.down_out, self.experts.w_down, "out_site"))
-            if self.shared is not None:
-                pairs.append((self.down_out, self.shared.w_down.weight, "out_site"))
-        return pairs
+    def site_maps(self) -> list[SiteMaps]:
+        """The sites inside the experts, and the output site of `down`: without a normalization it
+        scales every expert's down map (and the shared expert's); behind one the normalization acts on
+        the combined output, so no single map's output is normalized on its own."""
+        found = self.experts.site_maps() + (self.shared.site_maps() if self.shared is not None else [])
+        if self.down_out is not None:
+            downs = [self.experts.w_down] + ([self.shared.w_down.weight] if self.shared is not None else [])
+            found.append(SiteMaps(self.down_out, "out", tuple(MapInput(w, None) for w in downs)))
+        return found
 
     def norm_flops_per_token(self) -> int:
-        """Forward FLOPs per token in this layer's own sites and normalization (describe.py)."""
-        from scalevec_train.describe import NORM_FLOPS, SITE_FLOPS
-
-        total = self.cfg.top_k * _site_flops(self.experts, SITE_FLOPS)
+        """Forward FLOPs per token in this layer's own sites and normalizations."""
+        total = self.cfg.top_k * _site_flops(self.experts)
         if self.shared is not None:
-            total += _site_flops(self.shared, SITE_FLOPS)
+            total += _site_flops(self.shared)
         dim = self.router.weight.shape[1]
         if self.out_norm is not None:
             total += NORM_FLOPS * dim

@@ -5,6 +5,7 @@ scale-site parameters decay by the strategy's policy; the token embedding and th
 the optimizer config; every other parameter is a hidden matrix.
 """
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -14,33 +15,47 @@ from scalevec_train.errors import ScalevecError
 from scalevec_train.muon import LR_ADJUSTS, NS_COEFFICIENTS, NS_DTYPES, Muon
 from scalevec_train.strategies import ScaleConfig, scale_sites
 
-KINDS = ("matrix", "embedding", "head", "scale_decay", "scale_no_decay")
+# scale_decay: p <- p (1 - lr wd), the optimizer's own decay; scale_log_decay: an `er` site's b <- b +
+# log(1 - lr wd) (applied by a step pre-hook, see log_decay_hook); scale_no_decay: no decay.
+KINDS = ("matrix", "embedding", "head", "scale_decay", "scale_log_decay", "scale_no_decay")
+_RULE_KIND = {"scale": "scale_decay", "log": "scale_log_decay", "none": "scale_no_decay"}
 
 
 @dataclass
 class OptimConfig:
     # adamw | muon (hidden matrices with Muon; embeddings, head and scale vectors with AdamW)
     name: str = "adamw"
-    # peak learning rate (the schedule multiplies it)
+    # peak learning rate (the schedule multiplies it); under muon the AdamW groups' too unless adamw_lr
     lr: float = 3e-3
+    # AdamW's betas and eps (under muon: of its AdamW groups)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
-    # decoupled weight decay for hidden matrices (and whatever the options below include)
+    # decoupled weight decay for hidden matrices (and whatever the options below include), multiplied
+    # by the unadjusted LR; scale vectors follow scale.weight_decay
     weight_decay: float = 0.1
     # decay the token embedding (and a tied head) too
     decay_embeddings: bool = False
     # decay an untied output head too
     decay_head: bool = True
-    # muon only (configs/optim/muon.yaml documents each): momentum, Nesterov, Newton-Schulz settings,
-    # LR adjustment, routing of the MoE router, and the AdamW groups' own peak LR (null: lr)
+    # muon only: momentum of the gradient average (an EMA, as torch.optim.Muon's)
     momentum: float = 0.95
+    # muon only: orthogonalize the Nesterov look-ahead instead of the momentum itself
     nesterov: bool = True
+    # muon only: Newton-Schulz iterations
     ns_steps: int = 5
+    # muon only: quintic ((3.4445, -4.7750, 2.0315) every iteration) | polar_express (one optimal
+    # polynomial per iteration, Amsel et al. 2025: closer to the exact polar factor in as many steps)
     ns_coefficients: str = "quintic"
+    # muon only: dtype of the Newton-Schulz matmuls: bfloat16 | float32 | float16
     ns_dtype: str = "bfloat16"
+    # muon only: match_rms_adamw (update x 0.2 * sqrt(max(rows, cols)): reuse AdamW's LR and decay) |
+    # original (update x sqrt(max(1, rows / cols)): Muon's own LR, about 0.02)
     lr_adjust: str = "match_rms_adamw"
+    # muon only: floor of the norm that scales a matrix into Newton-Schulz's range
     ns_eps: float = 1e-7
+    # muon only: orthogonalize the MoE router's weight with Muon instead of AdamW
     muon_router: bool = False
+    # muon only: the AdamW groups' peak LR; null: lr (right for match_rms_adamw, needed with original)
     adamw_lr: float | None = None
 
     def validate(self) -> None:
@@ -61,17 +76,23 @@ class OptimConfig:
             raise ScalevecError("optim.lr", f"{self.lr} is not positive.", "use a learning rate > 0.")
         if self.weight_decay < 0:
             raise ScalevecError("optim.weight_decay", f"{self.weight_decay} is negative.", "use 0 or more.")
+        peak = max(self.lr, self.adamw_lr or 0.0)
+        if peak * self.weight_decay >= 1:
+            raise ScalevecError("optim.weight_decay", f"lr * weight_decay = {peak * self.weight_decay:g}: a decoupled "
+                                "decay step (1 - lr * wd) would zero or flip the weights.",
+                                "lower optim.weight_decay or the learning rate so that their product is below 1.")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ScalevecError("optim.betas", f"{self.betas} is not two numbers in [0, 1).", "use [0.9, 0.95].")
 
 
 def classify(model: nn.Module, scale: ScaleConfig) -> dict[str, list[tuple[str, nn.Parameter]]]:
     """Split the parameters into KINDS; raise if any parameter would land in none or two."""
-    site_role = {id(p): site.role for _, site in scale_sites(model) for p in site.parameters()}
+    site_kind = {id(p): _RULE_KIND[scale.decay_rule(site.role, name)]
+                 for _, site in scale_sites(model) for name, p in site.named_parameters()}
     kinds: dict[str, list[tuple[str, nn.Parameter]]] = {k: [] for k in KINDS}
     for name, p in model.named_parameters():
-        if id(p) in site_role:
-            kind = "scale_decay" if scale.decays(site_role[id(p)]) else "scale_no_decay"
+        if id(p) in site_kind:
+            kind = site_kind[id(p)]
         elif name == "tok_emb.weight":
             kind = "embedding"
         elif name == "head.weight":
@@ -94,6 +115,7 @@ def param_groups(model: nn.Module, cfg: OptimConfig, scale: ScaleConfig) -> list
         "embedding": cfg.weight_decay if cfg.decay_embeddings else 0.0,
         "head": cfg.weight_decay if cfg.decay_head else 0.0,
         "scale_decay": cfg.weight_decay,
+        "scale_log_decay": 0.0,  # the optimizer must not decay b toward 0: log_decay_hook shifts it
         "scale_no_decay": 0.0,
     }
     kinds = classify(model, scale)
@@ -107,6 +129,8 @@ def param_groups(model: nn.Module, cfg: OptimConfig, scale: ScaleConfig) -> list
         if not members:
             continue
         group = {"name": kind, "params": [p for _, p in members], "weight_decay": decay[kind], "base_lr": cfg.lr}
+        if kind == "scale_log_decay":
+            group["log_weight_decay"] = cfg.weight_decay
         if cfg.name == "muon":
             group["use_muon"] = kind == "matrix"
             if kind != "matrix" and cfg.adamw_lr is not None:
@@ -115,14 +139,32 @@ def param_groups(model: nn.Module, cfg: OptimConfig, scale: ScaleConfig) -> list
     return groups
 
 
+@torch.no_grad()
+def log_decay_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Before each step: b <- b + log(1 - lr wd) for the `er` magnitudes of groups with a
+    `log_weight_decay`, which shrinks s = exp(b) alpha / rms(alpha) by the decoupled factor (1 - lr wd),
+    as the optimizer's own decay shrinks a plain site (spec, "Weight decay on scale parameters")."""
+    for group in optimizer.param_groups:
+        wd = group.get("log_weight_decay", 0.0)
+        if wd and group["lr"]:
+            shift = math.log(1.0 - group["lr"] * wd)  # OptimConfig.validate keeps lr * wd below 1
+            for p in group["params"]:
+                p.add_(shift)
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig, scale: ScaleConfig) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg, scale)
     if cfg.name == "muon":
-        return Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                    ns_steps=cfg.ns_steps, ns_coefficients=cfg.ns_coefficients, ns_dtype=cfg.ns_dtype,
-                    lr_adjust=cfg.lr_adjust, eps=cfg.ns_eps, adamw_betas=tuple(cfg.betas), adamw_eps=cfg.eps)
-    on_cuda = next(model.parameters()).is_cuda
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=on_cuda)
+        optimizer = Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
+                         nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, ns_coefficients=cfg.ns_coefficients,
+                         ns_dtype=cfg.ns_dtype, lr_adjust=cfg.lr_adjust, eps=cfg.ns_eps,
+                         adamw_betas=tuple(cfg.betas), adamw_eps=cfg.eps)
+    else:
+        on_cuda = next(model.parameters()).is_cuda
+        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=on_cuda)
+    if any("log_weight_decay" in g for g in optimizer.param_groups):
+        optimizer.register_step_pre_hook(log_decay_hook)
+    return optimizer
 
 
 def describe_groups(optimizer: torch.optim.Optimizer) -> str:

@@ -11,8 +11,8 @@ class ScheduleConfig:
     # constant | cosine | wsd (warmup-stable-decay)
     name: str = "cosine"
     # linear warmup from 0 to the peak LR over this many steps
-    warmup_steps: int = 100
-    # the LR never goes below min_lr_ratio * peak
+    warmup_steps: int = 20
+    # cosine and wsd: the LR at the end, as a share of the peak (the wsd preset sets 0)
     min_lr_ratio: float = 0.1
     # wsd only: the share of all steps spent in the final decay
     decay_fraction: float = 0.2

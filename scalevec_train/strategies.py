@@ -19,6 +19,8 @@ PARAMS = ("plain", "or", "er", "fixed")
 # The linear maps of a block that placement targets can name.
 ATTN_MAPS = ("q", "k", "v", "o")
 FFN_MAPS = ("gate", "up", "down")
+# The maps that read a pre-norm's output: the default placement targets.
+PRE_NORM_MAPS = ("q", "k", "v", "gate", "up")
 
 
 @dataclass
@@ -32,8 +34,9 @@ class ScaleConfig:
     # pre: scales only before the maps; dual: also an output-side site on each target map (DP);
     # dual_norm: the output-side site sits behind a normalization (DNP)
     placement: str = "pre"
-    # the linear maps that get dual placement: any of q, k, v, o, gate, up, down
-    targets: list[str] = field(default_factory=lambda: ["q", "k", "o", "down"])
+    # the linear maps that get dual placement: any of q, k, v, o, gate, up, down. The default is the
+    # pre-norm maps (spec revision 2); [q, k, o, down] is revision 1's reading (QK-norm + post-norms)
+    targets: list[str] = field(default_factory=lambda: list(PRE_NORM_MAPS))
     # shape of the sites behind per-head normalizations (q, k, v): head_dim (shared by heads) | full
     head_site_shape: str = "head_dim"
     # plain: s = p; or: s = beta * alpha / rms(alpha); er: s = exp(b) * alpha / rms(alpha);
@@ -43,6 +46,10 @@ class ScaleConfig:
     reparam_sites: str = "all"
     # weight decay on scale parameters: none | all | iwd (input sites only)
     weight_decay: str = "none"
+    # what decay does to an or/er site: magnitude (shrink s by (1 - lr*wd) per step: beta scaled, b
+    # shifted by log(1 - lr*wd), alpha untouched) | all_params (revision 1: the optimizer's decay on
+    # beta or b and on alpha)
+    reparam_decay: str = "magnitude"
 
     def validate(self) -> None:
         choices = {
@@ -52,6 +59,7 @@ class ScaleConfig:
             "reparam": PARAMS,
             "reparam_sites": ("all", "input", "output"),
             "weight_decay": ("none", "all", "iwd"),
+            "reparam_decay": ("magnitude", "all_params"),
         }
         for key, allowed in choices.items():
             value = getattr(self, key)
@@ -71,8 +79,19 @@ class ScaleConfig:
         return self.reparam if self.reparam_sites in ("all", role) else "plain"
 
     def decays(self, role: str) -> bool:
-        """Whether the parameters of a site of this role get weight decay."""
+        """Whether a site of this role gets weight decay."""
         return self.weight_decay == "all" or (self.weight_decay == "iwd" and role == "input")
+
+    def decay_rule(self, role: str, param_name: str) -> str:
+        """How weight decay treats parameter `param_name` (scale, beta, b or alpha) of a site of this
+        role: `scale` (p <- p (1 - lr wd), the optimizer's decoupled decay), `log` (b <- b + log(1 - lr wd),
+        shrinking exp(b) by the same factor) or `none`. In magnitude mode only an or/er site's magnitude
+        decays, so that decay shrinks s itself."""
+        if not self.decays(role):
+            return "none"
+        if self.reparam_decay == "all_params" or param_name in ("scale", "beta"):
+            return "scale"
+        return "log" if param_name == "b" else "none"
 
 
 class ScaleSite(nn.Module):
@@ -121,6 +140,33 @@ class ScaleSite(nn.Module):
     def extra_repr(self) -> str:
         where = ", behind_norm" if self.behind_norm else ""
         return f"shape={self.shape}, role={self.role}, param={self.param}{where}"
+
+
+@dataclass(frozen=True)
+class MapInput:
+    """A linear map seen from a scale site: its weight ([out, in], or [experts, out, in]) and the label
+    of the normalization right after it (None when its output is not normalized on its own)."""
+
+    weight: torch.Tensor
+    norm: str | None
+
+
+@dataclass(frozen=True)
+class SiteMaps:
+    """The maps a site scales: their inputs (side `in`: W <- W diag(s) folds it) or their outputs
+    (side `out`: W <- diag(s) W, unless the site sits behind a normalization)."""
+
+    site: ScaleSite
+    side: str
+    maps: tuple[MapInput, ...]
+
+    @property
+    def cancelled_by(self) -> str | None:
+        """The normalization(s) that cancel the site's overall magnitude: an input site whose every map
+        is normalized right after (spec, "Sites whose magnitude does not reach the loss")."""
+        if self.side != "in" or self.site.param == "fixed" or not all(m.norm for m in self.maps):
+            return None
+        return ", ".join(dict.fromkeys(m.norm for m in self.maps))
 
 
 @dataclass(frozen=True)
@@ -215,3 +261,32 @@ def site_stats(model: nn.Module) -> dict[str, float]:
     if not values:
         return {}
     return dict(zip(keys, torch.cat(values).tolist()))
+
+
+@torch.no_grad()
+def site_grad_norms(model: nn.Module) -> dict[str, float]:
+    """The gradient norm of every learnable site's parameters (and, for or/er, of its magnitude beta or
+    b alone), per layer and over layers by site name: `scale/L<i>/<name>/grad_norm`,
+    `scale/<name>/grad_norm`, `scale/<name>.beta/grad_norm`. Call between backward and zero_grad;
+    a magnitude cancelled by a normalization shows a gradient norm of (almost) 0."""
+    squares: dict[str, list[torch.Tensor]] = {}
+    for path, site in scale_sites(model):
+        if site.param == "fixed":
+            continue
+        layer, name = site_display_name(path)
+        grads = {n: full_value(p.grad).float().square().sum() for n, p in site.named_parameters()
+                 if p.grad is not None}
+        if not grads:
+            continue
+        parts = {name: torch.stack(list(grads.values())).sum()}
+        if site.param != "plain":
+            magnitude = grads.get("beta", grads.get("b"))
+            parts[f"{name}.beta"] = magnitude if magnitude is not None else parts[name].new_zeros(())
+        for key, sq in parts.items():
+            squares.setdefault(f"scale/{key}/grad_norm", []).append(sq)
+            if layer is not None:
+                squares[f"scale/L{layer}/{key}/grad_norm"] = [sq]
+    if not squares:
+        return {}
+    norms = torch.stack([torch.stack(v).sum() for v in squares.values()]).sqrt()
+    return dict(zip(squares, norms.tolist()))

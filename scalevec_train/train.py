@@ -31,7 +31,7 @@ from scalevec_train.model import Transformer
 from scalevec_train.moe import discard_moe_counts, moe_aux_loss, moe_layers, moe_metrics, total_params, update_moe_bias
 from scalevec_train.optim import build_optimizer, describe_groups
 from scalevec_train.schedules import lr_multiplier
-from scalevec_train.strategies import site_stats
+from scalevec_train.strategies import site_grad_norms, site_stats
 
 
 def resolve_device(name: str) -> torch.device:
@@ -60,6 +60,8 @@ class Trainer:
         self.train_loader, self.val_data = train_loader, val_data
         self.device, self.run_dir, self.step = device, run_dir, start_step
         self.moe = moe_layers(model)  # found once: the module tree is final after parallelize()
+        self.replicated = distributed.replicated_params(model)
+        self.site_grads: dict[str, float] = {}  # of the last step taken with log=True
         world = distributed.world_size()
         self.accum = cfg.train.global_batch // (cfg.train.micro_batch * world)
         self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
@@ -68,8 +70,9 @@ class Trainer:
         self.guard = StepGuard(cfg.train.max_bad_steps, cfg.train.spike_factor)
         self.nan_steps = nan_steps  # fault injection (guards.fault_nan_steps)
 
-    def train_step(self) -> tuple[float, float]:
-        """One optimizer step over global_batch sequences; returns (mean loss, grad norm).
+    def train_step(self, log: bool = False) -> tuple[float, float]:
+        """One optimizer step over global_batch sequences; returns (mean loss, grad norm). With `log`,
+        the scale sites' gradient norms (before clipping) are kept in self.site_grads for the metrics.
 
         A step whose loss or gradient norm is not finite changes nothing: its gradients are dropped and
         neither the optimizer nor the MoE bias moves. Its batches still count as used and the step
@@ -92,8 +95,11 @@ class Trainer:
                 # MoE auxiliary losses train the router but are not the logged loss.
                 loss = loss + moe_aux_loss(self.moe)
             (loss / self.accum).backward()
+        distributed.reduce_replicated_grads(self.replicated)
+        if log:
+            self.site_grads = site_grad_norms(self.model)
         clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
-        grad_norm = distributed.full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)).item()
+        grad_norm = distributed.clip_grad_norm(self.model, clip)
         mean_loss = distributed.all_reduce_mean(total / self.accum).item()
         if StepGuard.finite(mean_loss, grad_norm):
             self.optimizer.step()
@@ -130,7 +136,8 @@ class Trainer:
         window_start, window_steps = time.perf_counter(), 0
         with StopSignal() as sigterm:
             while self.step < steps:
-                loss, grad_norm = self.train_step()
+                loss, grad_norm = self.train_step(log=(self.step + 1) % cfg.train.log_every == 0
+                                                  or self.step + 1 == steps)
                 verdict = self.guard.observe(loss, grad_norm)
                 window_steps += 1
                 logger.advance()
@@ -150,7 +157,9 @@ class Trainer:
                               "skipped_steps": self.guard.skipped}
                     if self.peak:
                         record["mfu"] = tokens_per_s * self.flops_per_token / (self.peak * distributed.world_size())
-                    record.update(site_stats(self.model))  # on every rank: gathers sharded sites
+                    record.update(site_stats(self.model))
+                    record.update(self.site_grads)
+                    self.site_grads = {}
                     if distributed.is_main():  # only rank 0 writes records
                         record.update(moe_metrics(self.moe))
                     if "bad_step" in verdict:

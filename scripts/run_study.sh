@@ -30,16 +30,22 @@ streams() {  # two commands (each a string of sweeps separated by ';'), run side
 
 case ${1:-main} in
   main)
-    streams "train +experiment=study_dense; train +experiment=study_wd" \
+    # Revision 1's placement reading (targets q, k, o, down) runs as its own arm beside every dp, dnp
+    # and unified arm (run directories *-rev1-*).
+    streams "train +experiment=study_dense; train +experiment=study_wd; train +experiment=study_rev1" \
       "train +experiment=study_optim optim=muon; train +experiment=study_optim optim=adamw schedule=wsd;
-       train +experiment=study_moe"
+       train +experiment=study_moe;
+       train +experiment=study_rev1 scale=unified optim=muon schedule=cosine,wsd;
+       train +experiment=study_rev1 scale=unified schedule=wsd;
+       train +experiment=study_rev1 scale=unified model=moe-study"
     compare removal scale=baseline $R/dense-study-{none,baseline}-adamw-cosine-s*
-    compare single scale=baseline $R/dense-study-{baseline,iwd,hg,dp,dnp,or,er,unified}-adamw-cosine-s*
+    compare single scale=baseline $R/dense-study-{baseline,iwd,hg,dp,dnp,or,er,unified}-adamw-cosine-s* \
+      $R/dense-study-{dp,dnp,unified}-rev1-adamw-cosine-s*
     compare wd_policy scale=baseline $R/dense-study-gemma-{baseline,wd_all,iwd}-adamw-cosine-s*
-    compare muon_cosine scale=baseline $R/dense-study-{baseline,unified}-muon-cosine-s*
-    compare adamw_wsd scale=baseline $R/dense-study-{baseline,unified}-adamw-wsd-s*
-    compare muon_wsd scale=baseline $R/dense-study-{baseline,unified}-muon-wsd-s*
-    compare moe scale=baseline $R/moe-study-{baseline,unified}-adamw-cosine-s*
+    compare muon_cosine scale=baseline $R/dense-study-{baseline,unified,unified-rev1}-muon-cosine-s*
+    compare adamw_wsd scale=baseline $R/dense-study-{baseline,unified,unified-rev1}-adamw-wsd-s*
+    compare muon_wsd scale=baseline $R/dense-study-{baseline,unified,unified-rev1}-muon-wsd-s*
+    compare moe scale=baseline $R/moe-study-{baseline,unified,unified-rev1}-adamw-cosine-s*
     ;;
   lr_sweep)
     for scale in baseline dnp unified; do

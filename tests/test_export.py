@@ -168,10 +168,10 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_remote_code_covers_every_site_layout(runs, tmp_path, transformers, layout):
-    """Untrained models with every scale parameter and expert bias drawn at random."""
-    cfg = make_config(*TINY, "model.vocab_size=512", *LAYOUTS[layout])
+def assert_export_parity(overrides: list[str], runs, out: Path, transformers) -> bool:
+    """An untrained model with every scale parameter and expert bias drawn at random, exported, gives
+    the same logits in transformers; returns whether it exported as a stock Llama."""
+    cfg = make_config(*TINY, "model.vocab_size=512", *overrides)
     model = Transformer(cfg.model, cfg.scale)
     model.init_weights(seed=1)
     gen = torch.Generator().manual_seed(2)
@@ -183,11 +183,32 @@ def test_remote_code_covers_every_site_layout(runs, tmp_path, transformers, layo
             if name.endswith("expert_bias"):
                 buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
     tokenizer = spm.SentencePieceProcessor(model_file=str(runs["baseline"] / "tokenizer.model"))
-    out = export.export_model(model, tokenizer, tmp_path / "hf")
-    assert not export.is_llama(model)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    out = export.export_model(model, tokenizer, out)
+    stock = json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=not stock).eval()
     ids = token_batch(512)
     torch.testing.assert_close(logits(hf, ids), logits(model, ids), rtol=0, atol=1e-4)
+    return stock
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_remote_code_covers_every_site_layout(runs, tmp_path, transformers, layout):
+    assert not assert_export_parity(LAYOUTS[layout], runs, tmp_path / "hf", transformers)
+
+
+PRESETS = ["none", "baseline", "iwd", "wd_all", "hg", "dp", "dnp", "or", "er", "unified"]
+
+
+@pytest.mark.parametrize("reading", ["rev2", "rev1"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_exports_with_the_same_logits(runs, tmp_path, transformers, preset, reading):
+    """Both placement readings (revision 2's pre-norm maps, revision 1's q, k, o, down), dense; the
+    placement strategies on the MoE model too. Stock Llama exactly where nothing is normalized."""
+    extra = [f"scale={preset}"] + (["scale.targets=[q,k,o,down]"] if reading == "rev1" else [])
+    stock = assert_export_parity(extra, runs, tmp_path / "dense", transformers)
+    assert stock == (preset not in ("dnp", "unified"))
+    if preset in ("dp", "dnp", "unified"):
+        assert not assert_export_parity([*MOE, *extra], runs, tmp_path / "moe", transformers)
 
 
 def test_exported_tokenizer_encodes_like_sentencepiece(runs, corpus_dir, tmp_path, transformers):

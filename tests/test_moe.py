@@ -36,9 +36,12 @@ STRATEGIES = {
     # Per-expert input sites, and down's output site behind a normalization of the combined output.
     "per_expert_dnp": ScaleConfig(heterogeneity="per_branch", per_expert=True, placement="dual_norm",
                                   targets=["q", "k", "o", "down"], reparam="er"),
-    "unified": ScaleConfig(name="unified", heterogeneity="per_branch", placement="dual_norm",
-                           targets=["q", "k", "o", "down"], reparam="or", reparam_sites="all",
-                           weight_decay="iwd"),
+    # Revision 2's unified: every expert's gate and up normalized over its hidden width, u_e * N(W_e x).
+    "unified": ScaleConfig(name="unified", heterogeneity="per_branch", placement="dual_norm", reparam="or",
+                           reparam_sites="all", weight_decay="iwd"),
+    "unified_rev1": ScaleConfig(name="unified", heterogeneity="per_branch", placement="dual_norm",
+                                targets=["q", "k", "o", "down"], reparam="or", reparam_sites="all",
+                                weight_decay="iwd"),
 }
 
 
@@ -82,12 +85,17 @@ def site_value(site, expert=None):
 
 
 def swiglu(x_gate, x_up, w_gate, w_up, w_down, sites, expert=None):
-    """One expert on one token, scaling activations: x * s_in, W x * u_out, and h * s_down_in."""
+    """One expert on one token, scaling activations: x * s_in, W x * u_out (or u_out * N(W x) when the
+    site sits behind a normalization), and h * s_down_in."""
     scaled = [site_value(getattr(sites, n), expert) for n in ("gate_in", "up_in", "gate_out", "up_out",
                                                                 "down_in")]
     gate_in, up_in, gate_out, up_out, down_in = scaled
     g = w_gate @ (x_gate if gate_in is None else x_gate * gate_in)
     u = w_up @ (x_up if up_in is None else x_up * up_in)
+    if sites.gate_out is not None and sites.gate_out.behind_norm:
+        g = g / torch.sqrt(g.pow(2).mean() + sites.eps)
+    if sites.up_out is not None and sites.up_out.behind_norm:
+        u = u / torch.sqrt(u.pow(2).mean() + sites.eps)
     g = g if gate_out is None else g * gate_out
     u = u if up_out is None else u * up_out
     h = F.silu(g) * u
@@ -152,7 +160,7 @@ def assert_matches_reference(layer, b):
 
 @pytest.mark.parametrize("backend", ["grouped_mm", "loop"])
 @pytest.mark.parametrize("score_func,renormalize", [("softmax", True), ("softmax", False), ("sigmoid", True)])
-@pytest.mark.parametrize("strategy", ["baseline", "hg_dual", "per_expert_dnp"])
+@pytest.mark.parametrize("strategy", ["baseline", "hg_dual", "per_expert_dnp", "unified"])
 def test_matches_naive_reference(backend, score_func, renormalize, strategy):
     scale = STRATEGIES[strategy]
     layer = make_layer(scale, backend=backend, score_func=score_func, renormalize=renormalize)
@@ -271,10 +279,17 @@ def test_bad_options_are_rejected(bad, where):
         MoEConfig(**{"num_experts": 4, **bad}).validate(16)
 
 
-def test_dual_norm_on_expert_gate_is_rejected():
-    scale = ScaleConfig(placement="dual_norm", targets=["gate", "down"])
-    with pytest.raises(ScalevecError, match="scale.targets"):
-        MoEFeedForward(model_config(), scale)
+@pytest.mark.parametrize("strategy", ["hg_dual", "unified"])
+def test_sites_on_expert_hidden_units_are_per_expert(strategy):
+    """One row per routed expert on the hidden units; the shared expert and the model width keep one."""
+    layer = MoEFeedForward(model_config(), STRATEGIES[strategy])
+    for name in ("gate_out", "up_out"):
+        assert getattr(layer.experts, name).shape == (EXPERTS, WIDTH)
+        assert getattr(layer.shared, name).shape == (SHARED_WIDTH,)
+        assert getattr(layer.experts, name).behind_norm == (strategy == "unified")
+    if strategy == "hg_dual":
+        assert layer.experts.down_in.shape == (EXPERTS, WIDTH)
+    assert layer.experts.gate_in is None  # model-width sites live in the pre-norm unless per_expert
 
 
 def load_preset(path: Path) -> ModelConfig:

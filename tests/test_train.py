@@ -32,7 +32,11 @@ def test_run_writes_metrics_config_and_checkpoint(tmp_path, data_overrides):
         assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"} <= r.keys()
         assert r["tokens"] == r["step"] * 8 * 64
     assert [r["step"] for r in records if "val_loss" in r] == [0, 3, 6]
-    assert "scale/attn_norm.sites.attn/mean" in logged[0]
+    for r in logged:  # site values and gradient norms, aggregated and per layer, on every logged step
+        assert {"scale/attn_norm.sites.attn/mean", "scale/L1/ffn_norm.sites.ffn/max",
+                "scale/attn_norm.sites.attn/grad_norm", "scale/L1/attn_norm.sites.attn/grad_norm",
+                "scale/final_norm.sites.final/grad_norm"} <= r.keys()
+        assert r["scale/attn_norm.sites.attn/grad_norm"] > 0
     assert (out / "config.yaml").read_text().count("dense-tiny") >= 1
     assert (out / "checkpoints" / "step_000006" / "COMPLETE").is_file()
 

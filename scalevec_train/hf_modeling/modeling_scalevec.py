@@ -12,6 +12,10 @@ post-norms) and mixture-of-experts models. Its only dependencies are torch and t
                                                          w_gate/w_up * N(.) inside, w_down * N(.) after
     logits = W_head (g_final * N(x_L))
 
+Inside a mixture-of-experts layer the gate/up norms act per expert, over the expert's hidden width,
+each expert with its own row of the norm weight ([experts, expert_dim]); the shared expert has its own
+gate/up norms; the down norm acts on the combined output.
+
 RoPE rotates halves (the Llama layout). Mixture of experts: fp32 router logits, softmax or sigmoid
 scores, the top-k experts chosen on scores + expert_bias (the bias only chooses), routing weights
 optionally renormalized over the k chosen, every expert a SwiGLU with weights stored as
@@ -68,9 +72,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class ScalevecRMSNorm(nn.Module):
     """RMSNorm over the last dimension, or per attention head of `head_dim` channels; the weight has
-    either the full width or one head's width (shared by the heads)."""
+    either the full width or one head's width (shared by the heads). A weight of size (experts, width)
+    holds one row per routed expert; the experts apply their own row."""
 
-    def __init__(self, size: int, eps: float, head_dim: int | None = None):
+    def __init__(self, size: int | tuple[int, int], eps: float, head_dim: int | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps, self.head_dim = eps, head_dim
@@ -139,17 +144,17 @@ class ScalevecAttention(nn.Module):
 
 
 class ScalevecMLP(nn.Module):
-    """SwiGLU: down(silu(gate x) * up x), with the output norms the config names (`norms`: False for
-    the shared expert of an MoE layer, whose output is normalized together with the experts')."""
+    """SwiGLU: down(silu(gate x) * up x), with the output norms the config names (`down_norm`: False
+    for the shared expert of an MoE layer, whose output is normalized together with the experts')."""
 
-    def __init__(self, config: ScalevecConfig, hidden: int, norms: bool = True):
+    def __init__(self, config: ScalevecConfig, hidden: int, down_norm: bool = True):
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, hidden, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, config.hidden_size, bias=False)
-        self.gate_norm = _output_norm(config, "gate", hidden) if norms else None
-        self.up_norm = _output_norm(config, "up", hidden) if norms else None
-        self.down_norm = _output_norm(config, "down", config.hidden_size) if norms else None
+        self.gate_norm = _output_norm(config, "gate", hidden)
+        self.up_norm = _output_norm(config, "up", hidden)
+        self.down_norm = _output_norm(config, "down", config.hidden_size) if down_norm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = _normed(self.gate_norm, self.gate_proj(x))
@@ -166,6 +171,12 @@ class ScalevecExperts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(moe["num_experts"], moe["expert_dim"], dim))
         self.up_proj = nn.Parameter(torch.empty(moe["num_experts"], moe["expert_dim"], dim))
         self.down_proj = nn.Parameter(torch.empty(moe["num_experts"], dim, moe["expert_dim"]))
+        width = (moe["num_experts"], moe["expert_dim"])
+        self.gate_norm = ScalevecRMSNorm(width, config.rms_norm_eps) if "gate" in config.output_norms else None
+        self.up_norm = ScalevecRMSNorm(width, config.rms_norm_eps) if "up" in config.output_norms else None
+
+    def _branch(self, norm: ScalevecRMSNorm | None, y: torch.Tensor, expert: int) -> torch.Tensor:
+        return y if norm is None else rms_norm(y, norm.weight[expert], norm.eps)
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [tokens, dim]; chosen, weights [tokens, k] -> sum_j weights_j E_{chosen_j}(x), fp32."""
@@ -175,7 +186,8 @@ class ScalevecExperts(nn.Module):
             if token.numel() == 0:
                 continue
             xe = x[token]
-            hidden = F.silu(F.linear(xe, self.gate_proj[e])) * F.linear(xe, self.up_proj[e])
+            gate = self._branch(self.gate_norm, F.linear(xe, self.gate_proj[e]), e)
+            hidden = F.silu(gate) * self._branch(self.up_norm, F.linear(xe, self.up_proj[e]), e)
             hidden = hidden * weights[token, slot].unsqueeze(-1).to(hidden.dtype)
             out.index_add_(0, token, F.linear(hidden, self.down_proj[e]).float())
         return out
@@ -190,7 +202,7 @@ class ScalevecMoE(nn.Module):
         # The load-balancing bias learned in training: it shifts which experts are chosen, never the weights.
         self.register_buffer("expert_bias", torch.zeros(self.moe["num_experts"]))
         shared = self.moe.get("shared_expert_dim") or 0
-        self.shared = ScalevecMLP(config, shared, norms=False) if shared else None
+        self.shared = ScalevecMLP(config, shared, down_norm=False) if shared else None
         self.down_norm = _output_norm(config, "down", config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

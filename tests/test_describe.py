@@ -1,0 +1,98 @@
+"""`describe`: the sites of a model under a strategy, their cost, and the magnitudes a normalization
+cancels, against counts written out by hand and against autograd."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from scalevec_train.describe import describe
+from scalevec_train.model import Transformer
+from scalevec_train.strategies import scale_sites, site_grad_norms
+from tests.helpers import make_config
+
+
+def describe_json(*overrides: str) -> dict:
+    run = subprocess.run([sys.executable, "-m", "scalevec_train.describe", *overrides, "format=json"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(run.stdout)
+
+
+def per_layer(d: dict, layer: int) -> dict[str, dict]:
+    return {s["name"].removeprefix(f"layers.{layer}."): s for s in d["sites"]
+            if s["name"].startswith(f"layers.{layer}.")}
+
+
+def test_dense_unified_acceptance():
+    """Per layer: five input sites of the model width, five output sites behind norms (three of
+    head_dim, two of ffn_dim), nothing on o or down."""
+    d = describe_json("model=dense-tiny", "scale=unified")
+    for layer in range(4):
+        sites = per_layer(d, layer)
+        inputs = {n: s for n, s in sites.items() if s["role"] == "input"}
+        outputs = {n: s for n, s in sites.items() if s["role"] == "output"}
+        assert sorted(inputs) == [f"attn_norm.sites.{b}" for b in "kqv"] + [
+            "ffn_norm.sites.gate", "ffn_norm.sites.up"]
+        assert all(s["shape"] == [256] and not s["behind_norm"] for s in inputs.values())
+        assert {n: s["shape"] for n, s in outputs.items()} == {
+            "attn.wq.out_site": [64], "attn.wk.out_site": [64], "attn.wv.out_site": [64],
+            "ffn.w_gate.out_site": [688], "ffn.w_up.out_site": [688]}
+        assert all(s["behind_norm"] for s in outputs.values())
+        assert not [n for n in sites if ".wo." in n or ".w_down." in n]
+        # Under dnp every input site of a pre-norm map feeds maps that are normalized right after.
+        assert {n: s["magnitude_cancelled_by"] for n, s in inputs.items()} == {
+            "attn_norm.sites.q": "N_h(q)", "attn_norm.sites.k": "N_h(k)", "attn_norm.sites.v": "N_h(v)",
+            "ffn_norm.sites.gate": "N(gate)", "ffn_norm.sites.up": "N(up)"}
+    final = [s for s in d["sites"] if s["name"] == "final_norm.sites.final"]
+    assert final and final[0]["magnitude_cancelled_by"] is None
+
+
+def test_moe_unified_has_per_expert_output_sites():
+    d = describe_json("model=moe-tiny", "scale=unified")
+    sites = per_layer(d, 0)
+    assert sites["ffn.experts.gate_out"]["shape"] == [8, 128] and sites["ffn.experts.up_out"]["shape"] == [8, 128]
+    assert sites["ffn.shared.gate_out"]["shape"] == [128]
+    assert sites["ffn.experts.gate_out"]["behind_norm"]
+    # The router reads the pre-norm unnormalized: its site's magnitude matters.
+    assert sites["ffn_norm.sites.router"]["magnitude_cancelled_by"] is None
+    assert sites["ffn_norm.sites.gate"]["magnitude_cancelled_by"] == "N(gate)"
+
+
+@pytest.mark.parametrize("model,extra_per_layer", [
+    # q: norm 3*256 + site 256; k, v: 3*128 + 128 each; gate, up: 3*688 + 688 each; the pre-norms feed
+    # three and two sites instead of one.
+    ("dense-tiny", 4 * 256 + 2 * 4 * 128 + 2 * 4 * 688 + 2 * 256 + 256),
+    # attention as above; the ffn pre-norm feeds gate, up and router; each of the top-2 experts and the
+    # shared expert normalize and scale gate and up over their hidden width of 128.
+    ("moe-tiny", 4 * 256 + 2 * 4 * 128 + 2 * 256 + 2 * 256 + (2 + 1) * 2 * 4 * 128),
+])
+def test_extra_flops_of_unified_count_every_new_norm(model, extra_per_layer):
+    """3 FLOPs per normalized element, 1 per scaled element, forward; training is 3x forward."""
+    d = describe(make_config(f"model={model}", "scale=unified"))
+    assert d["extra_train_flops_per_token"] == 3 * 4 * extra_per_layer
+
+
+def test_cancelled_magnitudes_get_no_gradient():
+    """What describe marks is what autograd finds: the or-magnitude of every marked site has (almost)
+    no gradient, every other one a clear gradient (a tiny eps so that it barely leaks; the norms compute
+    in fp32, whose rounding leaves about 1e-6 of the terms that cancel)."""
+    cfg = make_config("scale=unified", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
+                      "model.ffn_dim=96", "model.n_layers=2", "model.vocab_size=128", "model.norm_eps=1e-12")
+    model = Transformer(cfg.model, cfg.scale).double()
+    model.init_weights(0)
+    with torch.no_grad():
+        for _, site in scale_sites(model):
+            site.alpha.copy_(1 + 0.3 * torch.randn(site.alpha.shape, dtype=torch.float64))
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(x).logsumexp(-1).mean().backward()
+    norms = site_grad_norms(model)
+    marked = {m.site for m in model.site_maps() if m.cancelled_by}
+    paths = dict((site, path) for path, site in scale_sites(model))
+    live = [norms[f"scale/L{path.split('.')[1]}/{path.split('.', 2)[2]}.beta/grad_norm"]
+            for site, path in paths.items() if site not in marked and path.startswith("layers.")]
+    dead = [norms[f"scale/L{path.split('.')[1]}/{path.split('.', 2)[2]}.beta/grad_norm"]
+            for site, path in paths.items() if site in marked]
+    assert len(dead) == 2 * 5 and len(live) == 2 * 5
+    assert max(dead) < 1e-3 * min(live)
