@@ -8,32 +8,11 @@ import sys
 import torch
 from hydra.errors import HydraException
 
+from scalevec_train.accounting import active_params, norm_flops_per_token, total_params, train_flops_per_token
 from scalevec_train.config import compose_config
 from scalevec_train.errors import ScalevecError
-from scalevec_train.flops import NORM_FLOPS, SITE_FLOPS, train_flops_per_token
-from scalevec_train.model import Linear, PreNorm, Transformer
-from scalevec_train.moe import active_params, total_params
-from scalevec_train.strategies import ScaleConfig, scale_sites, site_display_name
-
-
-def norm_flops_per_token(model: Transformer) -> int:
-    """Forward FLOPs per token spent in normalizations and scale sites."""
-    total = 0
-    for m in model.modules():
-        if isinstance(m, PreNorm):
-            width = model.cfg.dim
-            total += NORM_FLOPS * width + SITE_FLOPS * width * sum(s.param != "fixed" for s in m.sites.values())
-        elif isinstance(m, Linear):
-            d_out, d_in = m.weight.shape
-            if m.in_site is not None and m.in_site.param != "fixed":
-                total += SITE_FLOPS * d_in
-            if m.out_norm is not None:
-                total += NORM_FLOPS * d_out
-            if m.out_site is not None and m.out_site.param != "fixed":
-                total += SITE_FLOPS * d_out
-        elif hasattr(m, "norm_flops_per_token"):  # MoE layers account for their own sites
-            total += m.norm_flops_per_token()
-    return total
+from scalevec_train.model.strategies import ScaleConfig, scale_sites, site_display_name
+from scalevec_train.model.transformer import Transformer
 
 
 def build_meta(model_cfg, scale_cfg) -> Transformer:

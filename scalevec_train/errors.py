@@ -24,3 +24,9 @@ class DivergedError(ScalevecError):
     saved. Its own exit code tells it apart from bad input."""
 
     exit_code = 3
+
+
+def listing(items: list[str], limit: int = 5) -> str:
+    """The first `limit` items and how many more: for error messages that name what is wrong."""
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")

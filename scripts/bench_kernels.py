@@ -1,6 +1,6 @@
-"""Benchmark the fused RMSNorm+scale kernels (issue 7) on a CUDA device.
+"""Benchmark the fused kernels on a CUDA device: RMSNorm+scale (issue 7) and normalization + SwiGLU.
 
-For each shape (M tokens, N features, K scaled outputs, bf16) it times forward and backward of
+rms_norm: for each shape (M tokens, N features, K scaled outputs, bf16) it times forward and backward of
   fused     scalevec_kernels.rms_norm_scales(backend="triton"): one read of x for K outputs
   eager     K calls of F.rms_norm(x, (N,), s_k) (a stock norm per branch)
   compile   torch.compile of the plain PyTorch reference (N(x) once, K products)
@@ -10,10 +10,19 @@ M((K+2)Nb + 4) plus its fp32 partials written and read), as a share of the devic
 bandwidth; "x floor" is the time over the byte-model floor (bytes / copy bandwidth). The same byte
 count is used for every implementation, so the columns compare times.
 
-    python scripts/bench_kernels.py [--m 8192 16384 32768] [--n 768 1024 2048 4096] [--k 1 2 3]
+swiglu_norm: for each shape (M rows, F hidden features, bf16 gate/up, fp32 scales shared by every row
+or per expert over E equal groups of rows) it times silu(u_g * N(G)) * (u_u * N(U)) as
+  fused     scalevec_kernels.swiglu_norm(backend="triton"): one read of G and U, one write
+  eager     scalevec_kernels.swiglu_norm_reference (the model's unfused path)
+  compile   torch.compile of that reference
+with the byte model forward M(3Fb + 8), backward M(5Fb + 8) plus the partials of both scale gradients
+(scale reads left out).
 
-Prints a markdown table (with device, versions and date) to paste into docs/benchmarks.md, then the
-issue's targets that the fused kernels miss.
+    python scripts/bench_kernels.py [--ops rms_norm swiglu_norm] [--m 8192 16384 32768]
+        [--n 768 1024 2048 4096] [--k 1 2 3] [--f 1024 2304 4096 8192] [--experts 0 8]
+
+Prints markdown tables (with device, versions and date) to paste into docs/benchmarks.md, then the
+issue's targets that the fused RMSNorm kernels miss and the shapes where fused SwiGLU is not the fastest.
 """
 
 import argparse
@@ -23,8 +32,9 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from scalevec_kernels import rms_norm_scales, rms_norm_scales_reference
+from scalevec_kernels import rms_norm_scales, rms_norm_scales_reference, swiglu_norm, swiglu_norm_reference
 from scalevec_kernels.rms_norm import backward_chunks
+from scalevec_kernels.swiglu_norm import backward_chunks as swiglu_backward_chunks
 
 EPS = 1e-6
 DTYPE = torch.bfloat16
@@ -76,20 +86,25 @@ def implementations() -> dict:
     return impls
 
 
+def time_fwd_bwd(fn, inputs: list[torch.Tensor], leaves: list[torch.Tensor]) -> tuple[float, float]:
+    """(forward ms, backward ms) of fn(*inputs); backward replays the same autograd graph into `leaves`."""
+    with torch.no_grad():
+        fn(*inputs)  # compiles where there is something to compile, outside the timing
+        fwd = bench_ms(lambda: fn(*inputs))
+    outs = fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    upstream = [torch.randn_like(o) for o in outs]
+    bwd = bench_ms(lambda: torch.autograd.grad(outs, leaves, upstream, retain_graph=True))
+    return fwd, bwd
+
+
 def time_impl(make, m: int, n: int, k: int) -> tuple[float, float]:
-    """(forward ms, backward ms) of one implementation; backward replays the same autograd graph."""
+    """(forward ms, backward ms) of one RMSNorm implementation."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(m, n, device="cuda", dtype=DTYPE, generator=gen).requires_grad_()
     scales = [torch.nn.Parameter(1 + 0.1 * torch.randn(n, device="cuda", dtype=DTYPE, generator=gen))
               for _ in range(k)]
-    fn = make(scales)
-    with torch.no_grad():
-        fn(x)  # compiles where there is something to compile, outside the timing
-        fwd = bench_ms(lambda: fn(x))
-    outs = fn(x)
-    upstream = [torch.randn_like(o) for o in outs]
-    bwd = bench_ms(lambda: torch.autograd.grad(outs, [x, *scales], upstream, retain_graph=True))
-    return fwd, bwd
+    return time_fwd_bwd(make(scales), [x], [x, *scales])
 
 
 def byte_model(m: int, n: int, k: int) -> tuple[int, int]:
@@ -99,21 +114,58 @@ def byte_model(m: int, n: int, k: int) -> tuple[int, int]:
     return m * ((1 + k) * n * b + 4), m * ((k + 2) * n * b + 4) + partials
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--m", type=int, nargs="+", default=[8192, 16384, 32768], help="token counts M")
-    parser.add_argument("--n", type=int, nargs="+", default=[768, 1024, 2048, 4096], help="feature sizes N")
-    parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 3], help="scaled outputs K")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_kernels.py needs a CUDA device.")
+# SwiGLU implementations, built per shape from the expert offsets (None: shared scales); each maps
+# (gate, up, gate_scale, up_scale) to the output.
+def swiglu_fused(offsets):
+    return lambda *t: swiglu_norm(*t, EPS, offsets, backend="triton")
 
-    import triton
 
-    copy_bw = copy_bandwidth()
+def swiglu_eager(offsets):
+    return lambda *t: swiglu_norm_reference(*t, EPS, offsets)
+
+
+def swiglu_compiled(offsets):
+    return torch.compile(swiglu_eager(offsets), dynamic=False)
+
+
+SWIGLU_IMPLS = {"fused": swiglu_fused, "eager": swiglu_eager, "compile": swiglu_compiled}
+
+
+def time_swiglu(make, m: int, f: int, experts: int) -> tuple[float, float]:
+    """(forward ms, backward ms) of one SwiGLU implementation; experts = 0: scales shared by every row."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    gate, up = (torch.randn(m, f, device="cuda", dtype=DTYPE, generator=gen).requires_grad_() for _ in range(2))
+    shape = (experts, f) if experts else (f,)
+    scales = [torch.nn.Parameter(1 + 0.1 * torch.randn(shape, device="cuda", generator=gen)) for _ in range(2)]
+    offsets = torch.arange(1, experts + 1, device="cuda") * m // experts if experts else None
+    return time_fwd_bwd(make(offsets), [gate, up, *scales], [gate, up, *scales])
+
+
+def swiglu_byte_model(m: int, f: int, experts: int) -> tuple[int, int]:
+    """(forward bytes, backward bytes) of the fused SwiGLU kernels."""
+    b = torch.finfo(DTYPE).bits // 8
+    groups = max(1, experts)
+    partials = 2 * 2 * swiglu_backward_chunks(f, m, groups, torch.device("cuda")) * groups * f * 4
+    return m * (3 * f * b + 8), m * (5 * f * b + 8) + partials
+
+
+def _row(cells) -> str:
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def _rows(shape: list, byte_model: tuple[int, int], times: dict, copy_bw: float) -> list[str]:
+    """One table row per pass and implementation: time, bandwidth by the byte model, share of copy, x floor."""
+    out = []
+    for p, (label, nbytes) in enumerate(zip(("fwd", "bwd"), byte_model, strict=True)):
+        for name, t in times.items():
+            share = nbytes / (t[p] / 1e3) / copy_bw
+            out.append(_row([*shape, label, name, f"{t[p] * 1e3:.1f}", f"{nbytes / (t[p] / 1e3) / 1e9:.0f}",
+                             f"{100 * share:.1f}", f"{1 / share:.2f}"]))
+    return out
+
+
+def bench_rms_norm(args, copy_bw: float) -> None:
     impls = implementations()
-    print(f"Device: {torch.cuda.get_device_name()}; date {datetime.date.today()}; torch {torch.__version__}, "
-          f"triton {triton.__version__}; bf16; measured copy bandwidth {copy_bw / 1e9:.0f} GB/s.\n")
     print("| M | N | K | pass | impl | time (us) | GB/s | % copy | x floor |")
     print("|---|---|---|---|---|---|---|---|---|")
     misses = []
@@ -122,16 +174,59 @@ def main() -> None:
             for k in args.k:
                 torch._dynamo.reset()  # one compiled graph per shape, never a recompile limit
                 times = {name: time_impl(make, m, n, k) for name, make in impls.items()}
+                print("\n".join(_rows([m, n, k], byte_model(m, n, k), times, copy_bw)))
                 for p, (label, nbytes) in enumerate(zip(("fwd", "bwd"), byte_model(m, n, k), strict=True)):
-                    for name, t in times.items():
-                        ms = t[p]
-                        share = nbytes / (ms / 1e3) / copy_bw
-                        print(f"| {m} | {n} | {k} | {label} | {name} | {ms * 1e3:.1f} | "
-                              f"{nbytes / (ms / 1e3) / 1e9:.0f} | {100 * share:.1f} | {1 / share:.2f} |")
                     misses += _missed_targets(m, n, k, label, nbytes, times, p, copy_bw)
     print("\nTargets missed (issue 7: fwd >= 90% / bwd >= 80% of copy for N >= 1024; faster than every other "
           "implementation; K = 3 within 1.1x of the floor):")
     print("\n".join(f"- {line}" for line in misses) if misses else "- none")
+
+
+def bench_swiglu_norm(args, copy_bw: float) -> None:
+    print("| M | F | scales | pass | impl | time (us) | GB/s | % copy | x floor |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    slower = []
+    for m in args.m:
+        for f in args.f:
+            for experts in args.experts:
+                torch._dynamo.reset()
+                times = {name: time_swiglu(make, m, f, experts) for name, make in SWIGLU_IMPLS.items()}
+                scales = f"{experts} experts" if experts else "shared"
+                print("\n".join(_rows([m, f, scales], swiglu_byte_model(m, f, experts), times, copy_bw)))
+                for p, label in enumerate(("fwd", "bwd")):
+                    faster = [name for name, t in times.items() if name != "fused" and t[p] <= times["fused"][p]]
+                    if faster:
+                        slower.append(f"M={m} F={f} {scales} {label}: not faster than {', '.join(faster)}")
+    print("\nShapes where fused SwiGLU is not the fastest:")
+    print("\n".join(f"- {line}" for line in slower) if slower else "- none")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ops", nargs="+", choices=("rms_norm", "swiglu_norm"), default=["rms_norm", "swiglu_norm"],
+                        help="which fused kernels to benchmark")
+    parser.add_argument("--m", type=int, nargs="+", default=[8192, 16384, 32768], help="token (row) counts M")
+    parser.add_argument("--n", type=int, nargs="+", default=[768, 1024, 2048, 4096], help="rms_norm: feature sizes N")
+    parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 3], help="rms_norm: scaled outputs K")
+    parser.add_argument("--f", type=int, nargs="+", default=[1024, 2304, 4096, 8192],
+                        help="swiglu_norm: hidden widths F")
+    parser.add_argument("--experts", type=int, nargs="+", default=[0, 8],
+                        help="swiglu_norm: experts E of per-expert scales (0: scales shared by every row)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernels.py needs a CUDA device.")
+
+    import triton
+
+    copy_bw = copy_bandwidth()
+    print(f"Device: {torch.cuda.get_device_name()}; date {datetime.date.today()}; torch {torch.__version__}, "
+          f"triton {triton.__version__}; bf16; measured copy bandwidth {copy_bw / 1e9:.0f} GB/s.\n")
+    if "rms_norm" in args.ops:
+        bench_rms_norm(args, copy_bw)
+    if "swiglu_norm" in args.ops:
+        if "rms_norm" in args.ops:
+            print()
+        bench_swiglu_norm(args, copy_bw)
 
 
 def _missed_targets(m, n, k, label, nbytes, times, p, copy_bw) -> list[str]:

@@ -1,14 +1,14 @@
 """Training throughput: tokens/s per device, MFU, peak memory and where a step's time goes.
 
 Each (preset, scale) pair is built the way `python -m scalevec_train.train` builds a run (Hydra
-composes configs/ with the overrides, then train.build), warmed up (the warm-up includes torch.compile),
+composes configs/ with the overrides, then scalevec_train.build), warmed up (the warm-up includes torch.compile),
 and timed in two phases:
   1. throughput: --steps optimizer steps back to back, the device synchronized before and after;
   2. split: --steps more steps with the device synchronized around data loading and the optimizer step.
      "fwd+bwd" is the rest of the step: forward, backward, host-to-device copies, gradient clipping and
      the loss all-reduce. The extra synchronization makes phase 2 a little slower than phase 1.
 MFU = tokens/s per device * training FLOPs per token / the device's dense bf16 peak (the FLOPs formula,
-attention included, is documented in scalevec_train/flops.py). Peak memory is the most GPU memory
+attention included, is documented in scalevec_train/accounting.py). Peak memory is the most GPU memory
 allocated at any point of the build, warm-up and both phases.
 
     python scripts/bench_train.py --presets dense-0.12b,dense-1b --scales baseline,unified
@@ -29,11 +29,11 @@ import time
 
 import torch
 
-from scalevec_train import distributed
+from scalevec_train.accounting import peak_flops, total_params, train_flops_per_token
+from scalevec_train.build import build
 from scalevec_train.config import compose_config
 from scalevec_train.errors import ScalevecError
-from scalevec_train.moe import total_params
-from scalevec_train.train import build
+from scalevec_train.parallel import process_group
 
 COLUMNS = ["preset", "scale", "ranks", "params", "tokens/step", "step ms", "tokens/s/device", "MFU",
            "peak mem GiB", "fwd+bwd ms", "optimizer ms", "data ms"]
@@ -75,9 +75,9 @@ class Timed:
 
 
 def bench(preset: str, scale: str, args: argparse.Namespace) -> dict:
-    world = distributed.world_size()
+    world = process_group.world_size()
     # build() only looks for checkpoints there; nothing is written.
-    run_dir = distributed.broadcast_object(tempfile.mkdtemp(prefix="scalevec_bench_") if distributed.is_main()
+    run_dir = process_group.broadcast_object(tempfile.mkdtemp(prefix="scalevec_bench_") if process_group.is_main()
                                            else None)
     overrides = [f"model={preset}", f"scale={scale}", f"train.seq_len={args.seq_len}",
                  f"train.micro_batch={args.micro_batch}", f"train.global_batch={args.micro_batch * world}",
@@ -87,7 +87,7 @@ def bench(preset: str, scale: str, args: argparse.Namespace) -> dict:
     row = {"preset": preset, "scale": scale, "ranks": world}
     device = None
     try:
-        trainer, _ = build(cfg)
+        trainer = build(cfg).trainer
         device = trainer.device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -106,10 +106,11 @@ def bench(preset: str, scale: str, args: argparse.Namespace) -> dict:
         per_device = tokens / step_s / world
         row["step ms"] = f"{step_s * 1e3:.1f}"
         row["tokens/s/device"] = f"{per_device:,.0f}"
-        if trainer.peak:
-            row["MFU"] = f"{100 * per_device * trainer.flops_per_token / trainer.peak:.1f}%"
+        peak = peak_flops(device)
+        if peak:
+            row["MFU"] = f"{100 * per_device * train_flops_per_token(trainer.model, cfg.train.seq_len) / peak:.1f}%"
 
-        data = trainer.train_loader.next_batch = Timed(trainer.train_loader.next_batch, device)
+        data = trainer.loader.next_batch = Timed(trainer.loader.next_batch, device)
         optim = trainer.optimizer.step = Timed(trainer.optimizer.step, device)
         sync(device)
         start = time.perf_counter()
@@ -126,7 +127,7 @@ def bench(preset: str, scale: str, args: argparse.Namespace) -> dict:
         if device is not None and device.type == "cuda":
             row["peak mem GiB"] = f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f}"
         trainer = None
-        if distributed.is_main():
+        if process_group.is_main():
             shutil.rmtree(run_dir, ignore_errors=True)
         gc.collect()
         torch._dynamo.reset()
@@ -143,12 +144,12 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     args = parse_args()
-    distributed.init()
+    process_group.init()
     try:
         rows = [bench(p, s, args) for p in args.presets.split(",") for s in args.scales.split(",")]
-        if distributed.is_main():
+        if process_group.is_main():
             device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-            print(f"{device}, torch {torch.__version__}, {distributed.world_size()} rank(s), "
+            print(f"{device}, torch {torch.__version__}, {process_group.world_size()} rank(s), "
                   f"seq_len {args.seq_len}, micro-batch {args.micro_batch}, compile {args.compile}, "
                   f"overrides {args.overrides or 'none'}")
             print(table(rows))
@@ -156,7 +157,7 @@ def main() -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     finally:
-        distributed.shutdown()
+        process_group.shutdown()
 
 
 if __name__ == "__main__":

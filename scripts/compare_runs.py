@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from scalevec_train.compare import load_run_dir, load_wandb, write_comparison, write_scaling
+from scalevec_analysis import load_run_dir, load_wandb, write_comparison, write_scaling
 from scalevec_train.errors import ScalevecError
 
 DESCRIPTION = """\

@@ -15,9 +15,8 @@ mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 fi
-export PYTHONPATH=/tmp/site:$PWD:$PWD/.gpu_shim${PYTHONPATH:+:$PYTHONPATH}
-# kernels/ is imported as scalevec_kernels (installed that way by pip; here through a link)
-mkdir -p .gpu_shim && ln -sfn ../kernels .gpu_shim/scalevec_kernels
+# the packages from the checkout, without installing: kernels/ holds scalevec_kernels
+export PYTHONPATH=/tmp/site:$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
 # the whole log is kept (tracebacks included) with the exit status; the console gets its tail

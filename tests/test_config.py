@@ -28,7 +28,7 @@ CASES = [
     (["data.source=ftp"], "data.source: unknown source 'ftp'"),
     (["data.source=text_dir"], "data.path: data.source=text_dir needs a path"),
     (["device=tpu"], "device: unknown device 'tpu'"),
-    (["kernels=cuda"], "kernels: unknown value 'cuda'"),
+    (["model.kernels=cuda"], "model.kernels: unknown value 'cuda'"),
     (["train.dtype=fp8"], "train.dtype: unknown value 'fp8'"),
 ]
 

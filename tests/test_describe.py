@@ -10,7 +10,8 @@ import torch
 
 from scalevec_train.describe import describe
 from scalevec_train.model import Transformer
-from scalevec_train.strategies import scale_sites, site_grad_norms
+from scalevec_train.model.strategies import scale_sites
+from scalevec_train.training.callbacks.scales import site_grad_norms
 from tests.helpers import make_config
 
 

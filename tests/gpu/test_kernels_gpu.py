@@ -10,8 +10,8 @@ import itertools
 import pytest
 import torch
 
-from scalevec_kernels import head_rms_norm, rms_norm_scales
-from scalevec_kernels.rms_norm import _INTERPRETED
+from scalevec_kernels import head_rms_norm, rms_norm_scales, swiglu_norm
+from scalevec_kernels.backend import INTERPRETED
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 pytest.importorskip("triton")
@@ -21,7 +21,7 @@ EPS = 1e-6
 
 @pytest.fixture(autouse=True)
 def _compiled_kernels():
-    if _INTERPRETED:
+    if INTERPRETED:
         pytest.skip("TRITON_INTERPRET=1: these tests are for the compiled kernels")
 
 
@@ -100,6 +100,64 @@ def test_fp32_matches_reference_tightly():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * (1 + b.abs().max().item()))
 
 
+def _swiglu_inputs(m, f, kind, dtype, gen):
+    """gate, up and (gate_scale, up_scale, expert_offsets) for a scale kind: none, shared or experts (eight
+    experts of uneven size, two of them empty, the gate's scale per expert, the up's shared)."""
+    gate, up = (torch.randn(m, f, device="cuda", generator=gen).to(dtype) for _ in range(2))
+
+    def s(*shape):
+        return 1 + 0.5 * torch.randn(*shape, device="cuda", generator=gen)
+
+    if kind == "none":
+        return gate, up, (None, None, None)
+    if kind == "shared":
+        return gate, up, (s(f), s(f), None)
+    cuts = torch.randint(0, m + 1, (5,), device="cuda", generator=gen).sort().values
+    offsets = torch.cat([cuts[:2], cuts[1:2], cuts[2:], torch.full((2,), m, device="cuda")])
+    return gate, up, (s(8, f), s(f), offsets)
+
+
+@pytest.mark.parametrize("m,f,kind", [(4097, 2304, "shared"), (4096, 1408, "experts"), (3001, 1000, "none"),
+                                      (1024, 8192, "shared"), (513, 16384, "experts")])
+def test_swiglu_bf16_within_twice_torch_error(m, f, kind):
+    gen = torch.Generator(device="cuda").manual_seed(m + f)
+    gate, up, (gate_scale, up_scale, offsets) = _swiglu_inputs(m, f, kind, torch.bfloat16, gen)
+    scales = [t for t in (gate_scale, up_scale) if t is not None]
+    upstream = [torch.randn(m, f, device="cuda", generator=gen)]
+
+    def call(backend):
+        def fn(g, u, *ss):
+            it = iter(ss)
+            sg, su = (None if t is None else next(it) for t in (gate_scale, up_scale))
+            return (swiglu_norm(g, u, sg, su, EPS, offsets, backend=backend),)
+        return fn
+
+    inputs = [gate, up, *scales]
+    fused = _run(call("triton"), _leaves(*inputs), upstream)
+    lowp = _run(call("torch"), _leaves(*inputs), upstream)
+    ref = _run(call("torch"), _leaves(*(t.float() for t in inputs)), upstream)
+    names = ["out", "dgate", "dup"] + [f"ds{i}" for i in range(len(scales))]
+    for name, a, b, c in zip(names, fused, lowp, ref, strict=True):
+        _assert_within_twice_torch_error(a, b, c, name)
+
+
+def test_swiglu_fp32_matches_reference_tightly_and_deterministically():
+    gen = torch.Generator(device="cuda").manual_seed(10)
+    gate, up, (gate_scale, up_scale, offsets) = _swiglu_inputs(8192, 1536, "experts", torch.float32, gen)
+    upstream = [torch.randn(8192, 1536, device="cuda", generator=gen)]
+
+    def fn(backend):
+        return lambda g, u, sg, su: (swiglu_norm(g, u, sg, su, EPS, offsets, backend=backend),)
+
+    inputs = [gate, up, gate_scale, up_scale]
+    fused = _run(fn("triton"), _leaves(*inputs), upstream)
+    ref = _run(fn("torch"), _leaves(*inputs), upstream)
+    for a, b in zip(fused, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * (1 + b.abs().max().item()))
+    for a, b in zip(_run(fn("triton"), _leaves(*inputs), upstream), fused, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_backward_is_deterministic():
     gen = torch.Generator(device="cuda").manual_seed(8)
     x = torch.randn(8192, 1024, device="cuda", generator=gen).bfloat16()
@@ -127,7 +185,9 @@ def test_auto_picks_the_fused_op_on_cuda():
     x = torch.randn(4, 64, device="cuda")
     with Record() as rec:
         rms_norm_scales(x, [None], EPS)
+        swiglu_norm(x, x, None, None, EPS)
     assert any("scalevec.rms_norm_fwd" in op for op in rec.ops), rec.ops
+    assert any("scalevec.swiglu_norm_fwd" in op for op in rec.ops), rec.ops
 
 
 def test_inductor_fullgraph_matches_eager():

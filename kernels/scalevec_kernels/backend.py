@@ -1,0 +1,76 @@
+"""Which implementation runs a call (the Triton kernels or the PyTorch reference), and what the kernel
+files share: the optional triton import, whether triton interprets the kernels, and tile sizes."""
+
+import functools
+
+import torch
+from torch import Tensor
+
+from .errors import KernelError
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch backend needs no triton
+    triton = tl = None
+
+BACKENDS = ("auto", "triton", "torch")
+# The fix every backend error names (a framework wraps it with the name of its own option).
+_USE_OTHER = "Use backend 'auto' or 'torch'"
+
+if triton is not None:
+
+    @triton.jit
+    def _probe():
+        pass
+
+    # TRITON_INTERPRET is read when @triton.jit runs, i.e. when this package is first imported, so the
+    # answer holds for every kernel of the package.
+    INTERPRETED = not isinstance(_probe, triton.runtime.JITFunction)
+else:
+    INTERPRETED = False
+
+
+def check_backend(backend: str, device_type: str) -> None:
+    """Raise KernelError unless `backend` is a known name that can run on tensors of `device_type`
+    ("cuda", "cpu", ...; "cuda:1" counts as "cuda"). Whether a call fits the kernels (sizes, dtypes) is
+    checked per call; this check needs no tensor, so a framework can validate its config before any work."""
+    if backend not in BACKENDS:
+        raise KernelError(f"unknown kernels backend {backend!r}.", f"Use one of {', '.join(BACKENDS)}.")
+    if backend != "triton":
+        return
+    if triton is None:
+        raise KernelError("kernels backend 'triton' needs the triton package.", f"Install triton, or {_USE_OTHER}.")
+    device_type = device_type.split(":")[0]
+    if device_type != "cuda" and not INTERPRETED:
+        raise KernelError(f"kernels backend 'triton' needs CUDA tensors, got {device_type}.",
+                          f"{_USE_OTHER}, or set TRITON_INTERPRET=1 before importing scalevec_kernels to run "
+                          "triton's interpreter.")
+
+
+def use_triton(backend: str, x: Tensor, misfit: str | None) -> bool:
+    """Whether a call on x runs the kernels: `auto` takes them when they can, `triton` insists on them.
+    `misfit` says why the call does not fit the kernels, None when it does."""
+    check_backend(backend, x.device.type)
+    if backend == "torch":
+        return False
+    if backend == "auto":
+        return misfit is None and x.is_cuda and triton is not None
+    if misfit is not None:
+        raise KernelError(misfit, f"{_USE_OTHER}.")
+    return True
+
+
+def tile(n: int, budget: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for tiles of whole rows of n features holding about `budget` elements."""
+    block_n = triton.next_power_of_2(n)
+    block_m = max(1, min(64, budget // block_n))
+    return block_m, block_n, min(16, max(1, block_m * block_n // 512))
+
+
+@functools.cache
+def persistent_programs(device: torch.device) -> int:
+    """Programs in a backward's persistent grid: two per SM; a few (uneven on purpose) off-GPU."""
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 3

@@ -1,0 +1,276 @@
+"""Fused RMSNorm with K scaled outputs: y_k = s_k * N(x), N(x) = x / sqrt(mean(x^2) + eps).
+
+A block's pre-norm feeds several branches (q/k/v, gate/up), each with its own scale vector. Writing
+every branch's scaled copy from one read of x makes the norm cost (1 + K) row transfers instead of
+2K, and the backward reads x once for all K scale gradients.
+
+This file holds the Triton kernels, the `scalevec::rms_norm_fwd/bwd` ops with their fake
+implementations and autograd wiring, and the plain PyTorch reference. The ops take a `groups`
+argument: row r of the flattened input uses scale row r % groups, which is how the per-head variant
+in head_rms_norm.py indexes a full-width [H, D] scale.
+"""
+
+import torch
+from torch import Tensor
+
+from .backend import INTERPRETED, persistent_programs, tile, tl, triton, use_triton
+from .errors import KernelError
+
+# One pointer argument per output/scale slot in the kernels, and whole rows held in registers.
+MAX_SCALES = 4
+MAX_FEATURES = 16384
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def rms_norm_scales_reference(x: Tensor, scales: list[Tensor | None], eps: float,
+                              residual: Tensor | None = None) -> tuple[Tensor, ...]:
+    """Plain PyTorch: (y_1, ..., y_K), plus h = x + residual last when a residual is given."""
+    h = x if residual is None else x + residual
+    hf = h.float()
+    normed = hf * torch.rsqrt(hf.square().mean(-1, keepdim=True) + eps)
+    ys = tuple((normed if s is None else normed * s.float()).to(x.dtype) for s in scales)
+    return ys if residual is None else (*ys, h)
+
+
+def rms_norm_scales(x: Tensor, scales: list[Tensor | None] | None, eps: float,
+                    residual: Tensor | None = None, backend: str = "auto") -> tuple[Tensor, ...]:
+    """K scaled copies of N(x) (or of N(x + residual), with h = x + residual returned last)."""
+    scales = [None] if scales is None else list(scales)
+    if not scales:
+        raise KernelError("rms_norm_scales: scales is empty.", "Pass [None] for one unscaled output.")
+    n = x.shape[-1]
+    for i, s in enumerate(scales):
+        if s is not None and s.shape != (n,):
+            raise KernelError(f"rms_norm_scales: scales[{i}] has shape {tuple(s.shape)}, expected ({n},).",
+                              "Pass one scale vector per output, as wide as the last dim of x, or None.")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise KernelError(f"rms_norm_scales: residual {tuple(residual.shape)} {residual.dtype} must match "
+                          f"x {tuple(x.shape)} {x.dtype}.", "Pass a residual shaped and typed like x.")
+    if not use_triton(backend, x, misfit(x, len(scales))):
+        return rms_norm_scales_reference(x, scales, eps, residual)
+    ys, h = fused_forward(x, residual, scales, 1, eps)
+    return tuple(ys) if residual is None else (*ys, h)
+
+
+def misfit(x: Tensor, k: int) -> str | None:
+    """Why K outputs of rows of x do not fit the fused kernels; None when they do."""
+    n = x.shape[-1]
+    if k <= MAX_SCALES and n <= MAX_FEATURES and x.dtype in _DTYPES:
+        return None
+    return (f"the fused kernels take up to {MAX_SCALES} outputs of rows of up to {MAX_FEATURES} features in "
+            f"{', '.join(map(str, _DTYPES))}; got {k} outputs of {n} features in {x.dtype}.")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fwd_kernel(X, R, H, RSTD, Y0, Y1, Y2, Y3, S0, S1, S2, S3, M, N, G, eps,
+                    K: tl.constexpr, SCALED: tl.constexpr, HAS_RES: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # One tile of BLOCK_M whole rows: read once, reduce in fp32, write K scaled copies.
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_N)
+        row_ok = rows < M
+        mask = row_ok[:, None] & (cols < N)[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        x = tl.load(X + offs, mask=mask, other=0.0)
+        if HAS_RES:
+            # h is rounded to x's dtype before the norm, as x + residual in PyTorch is.
+            x = (x.to(tl.float32) + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+            tl.store(H + offs, x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)
+        tl.store(RSTD + rows, rstd, mask=row_ok)
+        normed = xf * rstd[:, None]
+        # The K outputs unrolled at compile time (static_range; a jit helper call would instead cost the
+        # interpreter a re-patch of triton.language per call, which dominates the CPU test time).
+        s_offs = ((rows % G) * N)[:, None] + cols[None, :]
+        ys, ss = (Y0, Y1, Y2, Y3), (S0, S1, S2, S3)
+        for k in tl.static_range(K):
+            y = normed
+            if (SCALED >> k) & 1:
+                y = normed * tl.load(ss[k] + s_offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(ys[k] + offs, y.to(ys[k].dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _bwd_kernel(X, RSTD, DH, DX, DY0, DY1, DY2, DY3, S0, S1, S2, S3, DS, T, N, G, C,
+                    K: tl.constexpr, SCALED: tl.constexpr, HAS_DH: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # Persistent: program (c, g) walks every C-th tile of the rows whose scale row is g, so its
+        # scale-gradient partials belong to one scale row and need no atomics. DS is [C, K, G, N].
+        pid = tl.program_id(0)
+        g = pid % G
+        c = pid // G
+        cols = tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        s_offs = g * N + cols
+        # Unscaled slots multiply by 1 (folded away by the compiler).
+        s0 = tl.full([BLOCK_N], 1.0, tl.float32)
+        s1 = tl.full([BLOCK_N], 1.0, tl.float32)
+        s2 = tl.full([BLOCK_N], 1.0, tl.float32)
+        s3 = tl.full([BLOCK_N], 1.0, tl.float32)
+        if SCALED & 1:
+            s0 = tl.load(S0 + s_offs, mask=col_ok, other=0.0).to(tl.float32)
+        if (SCALED >> 1) & 1:
+            s1 = tl.load(S1 + s_offs, mask=col_ok, other=0.0).to(tl.float32)
+        if (SCALED >> 2) & 1:
+            s2 = tl.load(S2 + s_offs, mask=col_ok, other=0.0).to(tl.float32)
+        if (SCALED >> 3) & 1:
+            s3 = tl.load(S3 + s_offs, mask=col_ok, other=0.0).to(tl.float32)
+        acc0 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for t0 in range(c * BLOCK_M, T, C * BLOCK_M):
+            tokens = (t0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+            row_ok = tokens < T
+            rows = tokens * G + g
+            mask = row_ok[:, None] & col_ok[None, :]
+            offs = rows[:, None] * N + cols[None, :]
+            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            normed = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+            dy = tl.load(DY0 + offs, mask=mask, other=0.0).to(tl.float32)
+            dn = dy * s0[None, :]
+            acc0 += dy * normed
+            if K > 1:
+                dy = tl.load(DY1 + offs, mask=mask, other=0.0).to(tl.float32)
+                dn += dy * s1[None, :]
+                acc1 += dy * normed
+            if K > 2:
+                dy = tl.load(DY2 + offs, mask=mask, other=0.0).to(tl.float32)
+                dn += dy * s2[None, :]
+                acc2 += dy * normed
+            if K > 3:
+                dy = tl.load(DY3 + offs, mask=mask, other=0.0).to(tl.float32)
+                dn += dy * s3[None, :]
+                acc3 += dy * normed
+            proj = tl.sum(dn * normed, axis=1) / N
+            dx = (dn - normed * proj[:, None]) * rstd[:, None]
+            if HAS_DH:
+                dx += tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        part = DS + (c * K * G + g) * N + cols
+        accs = (acc0, acc1, acc2, acc3)
+        for k in tl.static_range(K):
+            if (SCALED >> k) & 1:
+                tl.store(part + k * G * N, tl.sum(accs[k], axis=0), mask=col_ok)
+
+
+# Elements per tile of whole rows, forward and backward (the backward holds K fp32 accumulators per
+# element). The interpreter pays per operation, not per element: larger tiles keep the CPU tests fast.
+_FWD_TILE, _BWD_TILE = (65536, 65536) if INTERPRETED else (4096, 2048)
+
+
+def backward_chunks(n: int, tokens: int, groups: int, device: torch.device) -> int:
+    """Programs per scale row in the backward grid; each writes one fp32 partial per scale gradient."""
+    block_m = tile(n, _BWD_TILE)[0]
+    return max(1, min(triton.cdiv(tokens, block_m), triton.cdiv(persistent_programs(device), groups)))
+
+
+def _slots(tensors: list[Tensor | None], fill: Tensor) -> list[Tensor]:
+    """Pad to MAX_SCALES pointer arguments; unused slots point at `fill` and are never touched."""
+    return [fill if t is None else t for t in tensors] + [fill] * (MAX_SCALES - len(tensors))
+
+
+def _by_slot(scales: list[Tensor], scaled: list[bool]) -> list[Tensor | None]:
+    """The present scales spread over the K output slots, None where an output is unscaled."""
+    present = iter(s.contiguous() for s in scales)
+    return [next(present) if on else None for on in scaled]
+
+
+def _mask(scaled: list[bool]) -> int:
+    return sum(1 << i for i, on in enumerate(scaled) if on)
+
+
+def fused_forward(x: Tensor, residual: Tensor | None, scales: list[Tensor | None], groups: int,
+                  eps: float) -> tuple[list[Tensor], Tensor]:
+    """Run the fused op: (ys, h), h empty without a residual. Row r uses scale row r % groups."""
+    # The op takes only the present scales (plus which outputs they scale): autograd routes
+    # gradients into a list argument only when every entry is a tensor.
+    present = [s for s in scales if s is not None]
+    ys, h, _ = torch.ops.scalevec.rms_norm_fwd(x, residual, present, [s is not None for s in scales],
+                                               groups, eps)
+    return ys, h
+
+
+_FWD_SCHEMA = ("(Tensor x, Tensor? residual, Tensor[] scales, bool[] scaled, int groups, float eps)"
+               " -> (Tensor[], Tensor, Tensor)")
+_BWD_SCHEMA = ("(Tensor[] grad_ys, Tensor? grad_h, Tensor x, Tensor rstd, Tensor[] scales, bool[] scaled,"
+               " int groups) -> (Tensor, Tensor[])")
+
+
+@torch.library.custom_op("scalevec::rms_norm_fwd", mutates_args=(), schema=_FWD_SCHEMA)
+def _fwd_op(x, residual, scales, scaled, groups, eps):
+    """(ys, h, rstd): y_k for each entry of `scaled`, h = x + residual (empty without one), and the
+    fp32 inverse RMS per row. scales[i] scales the i-th output whose `scaled` entry is true."""
+    x = x.contiguous()
+    ys, h, rstd = _fwd_fake(x, residual, scales, scaled, groups, eps)
+    n = x.shape[-1]
+    m = x.numel() // n
+    if m == 0:
+        return ys, h, rstd
+    block_m, block_n, warps = tile(n, _FWD_TILE)
+    res = x if residual is None else residual.contiguous()
+    _fwd_kernel[(triton.cdiv(m, block_m),)](
+        x, res, h if residual is not None else x, rstd, *_slots(ys, ys[0]),
+        *_slots(_by_slot(scales, scaled), x), m, n, groups, eps, K=len(scaled), SCALED=_mask(scaled),
+        HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    return ys, h, rstd
+
+
+@_fwd_op.register_fake
+def _fwd_fake(x, residual, scales, scaled, groups, eps):
+    def like_x():
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+    h = like_x() if residual is not None else x.new_empty(0)
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    return [like_x() for _ in scaled], h, rstd
+
+
+@torch.library.custom_op("scalevec::rms_norm_bwd", mutates_args=(), schema=_BWD_SCHEMA)
+def _bwd_op(grad_ys, grad_h, x, rstd, scales, scaled, groups):
+    """(dx, [ds_i]): one gradient per entry of `scales`, in its dtype and shape. x is the normalized
+    input (h when the forward had a residual); grad_h, if given, is added to dx."""
+    dx, ds = _bwd_fake(grad_ys, grad_h, x, rstd, scales, scaled, groups)
+    n = x.shape[-1]
+    tokens = x.numel() // n // groups
+    if tokens == 0:
+        return dx, [d.zero_() for d in ds]
+    block_m, block_n, warps = tile(n, _BWD_TILE)
+    chunks = backward_chunks(n, tokens, groups, x.device)
+    partials = torch.empty((chunks, len(grad_ys), groups, n), dtype=torch.float32, device=x.device)
+    dh = x if grad_h is None else grad_h.contiguous()
+    _bwd_kernel[(chunks * groups,)](
+        x.contiguous(), rstd.contiguous(), dh, dx, *_slots([g.contiguous() for g in grad_ys], x),
+        *_slots(_by_slot(scales, scaled), x), partials, tokens, n, groups, chunks, K=len(scaled),
+        SCALED=_mask(scaled), HAS_DH=grad_h is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    # Summing the per-program partials in a fixed order keeps the scale gradients deterministic.
+    slots = [k for k, on in enumerate(scaled) if on]
+    ds = [partials[:, k].sum(0).reshape(s.shape).to(s.dtype) for k, s in zip(slots, scales, strict=True)]
+    return dx, ds
+
+
+@_bwd_op.register_fake
+def _bwd_fake(grad_ys, grad_h, x, rstd, scales, scaled, groups):
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return dx, [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in scales]
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, scales, scaled, groups, _ = inputs
+    _, h, rstd = output
+    ctx.has_residual, ctx.scaled, ctx.groups = residual is not None, scaled, groups
+    ctx.save_for_backward(x if residual is None else h, rstd, *scales)
+
+
+def _backward(ctx, grad_ys, grad_h, _grad_rstd):
+    normed_input, rstd, *scales = ctx.saved_tensors
+    grad_ys = [torch.zeros_like(normed_input) if g is None else g for g in grad_ys]
+    grad_h = grad_h if ctx.has_residual else None
+    dx, ds = torch.ops.scalevec.rms_norm_bwd(grad_ys, grad_h, normed_input, rstd, scales, ctx.scaled,
+                                             ctx.groups)
+    return dx, dx if ctx.has_residual else None, ds, None, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,74 @@
+"""The plots: loss curves of groups and scaling fits. matplotlib is imported only when a plot is drawn, so
+that the rest of the package works without it."""
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from scalevec_analysis.groups import Group, ema, mean_curve, metric_curve
+from scalevec_analysis.scaling import ScalingSeries
+from scalevec_train.errors import ScalevecError
+
+
+def _figure(path: Path, **kwargs):
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ScalevecError(str(path), "plots need matplotlib, which is not installed.",
+                            'pip install -e ".[analysis]".') from None
+    return Figure(**kwargs)
+
+
+def plot_curves(groups: Sequence[Group], path: Path, ema_beta: float | None = None,
+                logx: bool = False, logy: bool = False) -> None:
+    """Training and (when logged) validation loss against tokens: each group's mean over runs, bold,
+    over its single runs, faint. `ema_beta` smooths the training-loss curves only."""
+    panels = [("loss", "loss")]
+    if any("val_loss" in rec for g in groups for r in g.runs for rec in r.records):
+        panels.append(("val_loss", "validation loss"))
+    fig = _figure(path, figsize=(6.5 * len(panels), 4.8), layout="constrained")
+    for ax, (metric, ylabel) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels, strict=True):
+        for i, g in enumerate(groups):
+            runs = [r for r in g.runs if any(metric in rec for rec in r.records)]
+            if not runs:
+                continue
+            curves = [metric_curve(r, metric) for r in runs]
+            if metric == "loss" and ema_beta:
+                curves = [(t, ema(v, ema_beta)) for t, v in curves]
+            color = f"C{i % 10}"
+            if len(curves) > 1:
+                for t, v in curves:
+                    ax.plot(t, v, color=color, alpha=0.25, linewidth=0.8)
+            t, v = mean_curve(curves, f"group {g.label!r}")
+            ax.plot(t, v, color=color, linewidth=1.6, label=f"{g.label} (n={len(curves)})")
+        smoothing = f", EMA {ema_beta}" if metric == "loss" and ema_beta else ""
+        ax.set_title(f"{'training loss' if metric == 'loss' else ylabel}{smoothing}")
+        ax.set_xlabel("tokens")
+        ax.set_ylabel(ylabel)
+        ax.set_xscale("log" if logx else "linear")
+        ax.set_yscale("log" if logy else "linear")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle("Loss against training tokens (mean over seeds)")
+    fig.savefig(path, dpi=120)
+
+
+def plot_scaling(series: Sequence[ScalingSeries], path: Path, metric: str = "val_loss") -> None:
+    fig = _figure(path, figsize=(7, 5), layout="constrained")
+    ax = fig.subplots()
+    for i, s in enumerate(series):
+        color = f"C{i % 10}"
+        ax.scatter(s.sizes, s.losses, color=color, zorder=3,
+                   label=s.label if s.fit is None else None)
+        if s.fit is not None:
+            n = np.geomspace(s.sizes[0] / 1.5, s.sizes[-1] * 1.5, 200)
+            ax.plot(n, s.fit(n), color=color, label=f"{s.label}: E={s.fit.E:.3f}, A={s.fit.A:.3g}, "
+                                                    f"α={s.fit.alpha:.3f}")
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters N")
+    ax.set_ylabel(f"terminal {'validation loss' if metric == 'val_loss' else 'loss'}")
+    ax.set_title("Scaling fit L(N) = E + A·N^(-α) per strategy")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize="small")
+    fig.savefig(path, dpi=120)

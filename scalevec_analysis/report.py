@@ -1,0 +1,39 @@
+"""Output directories: a comparison of groups (curves.png, summary.md, summary.csv) or a scaling fit
+(scaling.png, scaling.md, scaling.csv)."""
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from scalevec_analysis.groups import find_group, group_runs, summarize, summary_markdown, write_summary_csv
+from scalevec_analysis.plots import plot_curves, plot_scaling
+from scalevec_analysis.runs import Run
+from scalevec_analysis.scaling import scaling_markdown, scaling_series, write_scaling_csv
+
+
+def write_comparison(runs: Sequence[Run], reference: str, out_dir: str | Path, metric: str = "val_loss",
+                     last_k: int = 1, ema_beta: float | None = None, logx: bool = False,
+                     logy: bool = False, ignore: Sequence[str] = ()) -> str:
+    """Group `runs`, write out_dir/curves.png, summary.md and summary.csv; return the markdown table."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    groups = group_runs(runs, ignore)
+    ref = find_group(groups, reference)
+    rows = summarize(groups, ref, metric, last_k)
+    table = summary_markdown(rows, metric)
+    (out / "summary.md").write_text(table)
+    write_summary_csv(rows, out / "summary.csv")
+    plot_curves(groups, out / "curves.png", ema_beta, logx, logy)
+    return table
+
+
+def write_scaling(runs: Sequence[Run], out_dir: str | Path, metric: str = "val_loss", last_k: int = 1,
+                  series_keys: Sequence[str] = ("scale",), ignore: Sequence[str] = ()) -> str:
+    """Fit each series, write out_dir/scaling.png, scaling.md and scaling.csv; return the markdown."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    series = scaling_series(runs, metric, last_k, series_keys, ignore)
+    table = scaling_markdown(series)
+    (out / "scaling.md").write_text(table)
+    write_scaling_csv(series, out / "scaling.csv")
+    plot_scaling(series, out / "scaling.png", metric)
+    return table

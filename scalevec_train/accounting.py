@@ -1,0 +1,116 @@
+"""What a model costs: parameters (total and active per token), FLOPs per token, and MFU.
+
+Training FLOPs per token = 6 * (parameters in matrix multiplies that a token passes through) +
+12 * n_layers * seq_len * attention width: the forward pass does 2 FLOPs per weight per token
+(multiply and add) and the backward pass twice that; causal attention's QK^T and AV products cost
+2 * 2 * seq * width per token forward, halved by the causal mask in real kernels but counted whole,
+as PaLM and Megatron do, so MFU figures compare with theirs. Embedding lookups are free; the output
+head counts. MoE layers count only the experts a token is routed to.
+
+Normalizations and scale sites are counted apart (norm_flops_per_token): per element and token,
+forward, a normalization N costs 3 FLOPs (square-accumulate, scale by the inverse RMS, and the RMS
+itself amortized) and a scale site 1 multiply; training costs 3x forward.
+"""
+
+import torch
+from torch import nn
+
+from scalevec_train.model.layers import Linear, PreNorm
+from scalevec_train.model.moe import MoEFeedForward, RoutedExperts, SharedExpert
+from scalevec_train.model.strategies import scale_sites
+
+NORM_FLOPS, SITE_FLOPS = 3, 1
+
+# Dense bf16 peak FLOP/s (no sparsity), by a substring of torch.cuda.get_device_name().
+PEAK_BF16 = {
+    "H200": 989e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "4090": 165e12,
+}
+
+
+def total_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def active_params(model: nn.Module) -> int:
+    """Parameters a token uses: all of them minus, per MoE layer, the routed experts it skips
+    (their per-expert parameters times 1 - top_k / num_experts)."""
+    skipped = 0
+    for m in model.modules():
+        if isinstance(m, MoEFeedForward):
+            skipped += m.experts.per_expert_numel() * (m.cfg.num_experts - m.cfg.top_k) // m.cfg.num_experts
+    return total_params(model) - skipped
+
+
+def matmul_params_per_token(model: nn.Module) -> int:
+    """Weights a token multiplies with: everything but the embedding table (unless tied: then it is
+    the head) and scale sites, with routed experts counted top_k / num_experts."""
+    cfg = model.cfg
+    site_params = {id(p) for _, site in scale_sites(model) for p in site.parameters()}
+    total = 0
+    for name, p in model.named_parameters():
+        if id(p) in site_params or name == "tok_emb.weight":
+            continue
+        if ".experts." in name:
+            total += p.numel() * cfg.moe.top_k // cfg.moe.num_experts
+        else:
+            total += p.numel()
+    if cfg.tie_embeddings:
+        total += cfg.vocab_size * cfg.dim
+    return total
+
+
+def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
+    cfg = model.cfg
+    attention = 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    return 6 * matmul_params_per_token(model) + attention
+
+
+def _site(site) -> bool:
+    return site is not None and site.param != "fixed"
+
+
+def _expert_flops(expert: nn.Module) -> int:
+    """Per token through one expert: its own sites, and the normalizations behind gate and up."""
+    sites = (expert.gate_in, expert.up_in, expert.gate_out, expert.up_out, expert.down_in)
+    total = sum(SITE_FLOPS * s.shape[-1] for s in sites if _site(s))
+    return total + sum(NORM_FLOPS * s.shape[-1] for s in (expert.gate_out, expert.up_out)
+                       if s is not None and s.behind_norm)
+
+
+def norm_flops_per_token(model: nn.Module) -> int:
+    """Forward FLOPs per token spent in normalizations and scale sites."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, PreNorm):
+            width = model.cfg.dim
+            total += NORM_FLOPS * width + SITE_FLOPS * width * sum(_site(s) for s in m.sites.values())
+        elif isinstance(m, Linear):
+            d_out, d_in = m.weight.shape
+            total += SITE_FLOPS * d_in * _site(m.in_site) + SITE_FLOPS * d_out * _site(m.out_site)
+            if m.out_norm is not None:
+                total += NORM_FLOPS * d_out
+        elif isinstance(m, RoutedExperts):
+            total += model.cfg.moe.top_k * _expert_flops(m)
+        elif isinstance(m, SharedExpert):
+            total += _expert_flops(m)
+        elif isinstance(m, MoEFeedForward):
+            dim = model.cfg.dim
+            total += NORM_FLOPS * dim * (m.out_norm is not None) + SITE_FLOPS * dim * _site(m.down_out)
+    return total
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak, or None when unknown (then MFU is not logged)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peak in PEAK_BF16.items():
+        if key in name:
+            return peak
+    return None

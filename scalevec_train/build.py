@@ -1,0 +1,166 @@
+"""From a validated config to a run ready to train: data, model, optimizer, checkpoint manager, and the
+trainer with its callbacks, built in data-flow order.
+
+Inputs are checked before expensive work and nothing is written: the run directory and the checkpoint
+to resume from (its files, its model) before data preparation, the data and the saved data position
+before the model is initialized.
+"""
+
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from scalevec_kernels import KernelError, check_backend
+from scalevec_train.accounting import peak_flops, train_flops_per_token
+from scalevec_train.checkpoint.files import check_model_fits, checkpoint_root, find_resume, inspect
+from scalevec_train.checkpoint.manager import CheckpointManager, ModelState, OptimizerState
+from scalevec_train.config import Config
+from scalevec_train.data import PreparedData, TokenLoader, check_vocab, prepare_data
+from scalevec_train.errors import ScalevecError
+from scalevec_train.interop.hf_import import check_init_from, init_from_hf
+from scalevec_train.model.transformer import Transformer
+from scalevec_train.optim.groups import build_optimizer
+from scalevec_train.optim.schedules import lr_multiplier
+from scalevec_train.parallel.fsdp import parallelize, uses_bf16
+from scalevec_train.parallel.process_group import broadcast_object, local_rank, rank, world_size
+from scalevec_train.training.callbacks import (
+    Checkpointer,
+    Evaluator,
+    ModelMetrics,
+    ScaleMonitor,
+    SigtermStop,
+    SpeedMonitor,
+    StabilityGuard,
+)
+from scalevec_train.training.guards import fault_nan_steps
+from scalevec_train.training.trainer import Trainer
+
+
+@dataclass
+class Run:
+    """What build() makes: the trainer (with its callbacks) and what the entry point reports from."""
+
+    trainer: Trainer
+    data: PreparedData
+    run_dir: Path
+    checkpointer: Checkpointer
+    guard: StabilityGuard
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ScalevecError("device", "cuda was asked for but no GPU is visible.", "use device=cpu.")
+        return torch.device("cuda", local_rank())
+    return torch.device("cpu")
+
+
+def autocast_for(dtype: str, device: torch.device):
+    """The precision context of a forward: bf16 autocast where train.dtype resolves to bf16."""
+    if uses_bf16(dtype, device):
+        return partial(torch.autocast, device.type, dtype=torch.bfloat16)
+    return nullcontext
+
+
+def build(cfg: Config) -> Run:
+    """Everything a run needs but its metrics logger (the entry point makes it once the run's files
+    are written, and hands it to Trainer.fit)."""
+    device = resolve_device(cfg.device)
+    try:
+        check_backend(cfg.model.kernels, device.type)
+    except KernelError as e:
+        raise ScalevecError("model.kernels", e.problem, e.fix) from None
+    nan_steps = fault_nan_steps()
+    # Every rank uses rank 0's run_dir and checkpoint choice.
+    run_dir = Path(broadcast_object(cfg.run_dir))
+    check_run_dir(run_dir)
+    resume_from = broadcast_object(find_resume(run_dir, cfg.resume))
+    train_state = inspect(resume_from) if resume_from else None
+    with torch.device("meta"):
+        model = Transformer(cfg.model, cfg.scale)
+    if train_state is not None:
+        check_resumable(cfg, resume_from, train_state, model)
+    # A resumed run continues from its own weights; init_from only seeds a fresh one.
+    init_weights = check_init_from(model, cfg.init_from) if cfg.init_from and train_state is None else None
+    data = prepare_data(cfg.data)
+    check_vocab(data, cfg.model.vocab_size)
+
+    rank_, world = rank(), world_size()
+    train_loader = TokenLoader(data, "train", cfg.train.seq_len, cfg.train.micro_batch, cfg.seed, rank_, world)
+    # The validation set is the first eval_batches * micro_batch sequences of the val split in a fixed
+    # order (seed 0, whatever the run's seed), split over the ranks: the same sequences, and so a
+    # comparable val_loss, for every seed and world size.
+    val_loader = TokenLoader(data, "val", cfg.train.seq_len, cfg.train.micro_batch, 0, rank_, world)
+    val_data = [val_loader.next_batch() for _ in range(cfg.train.eval_batches // world)]
+    if train_state is not None:
+        train_loader.load_state_dict(train_state["loader"])
+
+    model = parallelize(model, cfg.distributed, device, cfg.seed, cfg.train.dtype)
+    if init_weights is not None:
+        init_from_hf(model, init_weights)
+    optimizer = build_optimizer(model, cfg.optim, cfg.scale)
+    model.register_optimizer_hooks(optimizer)
+
+    guard = StabilityGuard(cfg.train.max_bad_steps, cfg.train.spike_factor)
+    manager = CheckpointManager(
+        run_dir, tensors={"model": ModelState(model), "optim": OptimizerState(model, optimizer)},
+        records={"loader": train_loader, "guard": guard.guard},
+        info={"model_config": cfg.model.architecture(), "optimizer": cfg.optim.name},
+        keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save)
+    if resume_from is not None:
+        manager.load(resume_from, train_state)
+    start_step = train_state["step"] if train_state else 0
+
+    tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+    checkpointer = Checkpointer(manager, cfg.checkpoint.every)
+    callbacks = [
+        guard,
+        SigtermStop(),
+        SpeedMonitor(tokens_per_step, train_flops_per_token(model, cfg.train.seq_len), peak_flops(device), world),
+        ScaleMonitor(),
+        ModelMetrics(),
+        Evaluator(val_data, cfg.train.eval_every),
+        checkpointer,
+    ]
+    trainer = Trainer(
+        model, optimizer, train_loader, partial(lr_multiplier, cfg.schedule, total_steps=cfg.train.steps),
+        steps=cfg.train.steps, accum=cfg.train.global_batch // (cfg.train.micro_batch * world),
+        grad_clip=cfg.train.grad_clip, device=device, autocast=autocast_for(cfg.train.dtype, device),
+        log_every=cfg.train.log_every, tokens_per_step=tokens_per_step, callbacks=callbacks,
+        start_step=start_step, nan_steps=nan_steps)
+    return Run(trainer, data, run_dir, checkpointer, guard)
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Fails, creating nothing, unless run_dir is or can become a writable folder."""
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "is a file" if existing == run_dir else f"would be a folder under the file {existing}"
+        raise ScalevecError("run_dir", f"{run_dir} {where}, so it cannot hold a run.",
+                            "set run_dir to a folder path (an existing run or a new name).")
+    root = checkpoint_root(run_dir)
+    for folder in (existing, root) if root.is_dir() else (existing,):
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise ScalevecError("run_dir", f"{folder} is not writable.",
+                                "fix its permissions, or set run_dir to a folder you can write to.")
+
+
+def check_resumable(cfg: Config, path: Path, train_state: dict, model: torch.nn.Module) -> None:
+    """Raises unless checkpoint `path` was written for this model and optimizer (`model` may be on the
+    meta device): before any data is prepared or weight initialized."""
+    saved, current = train_state["model_config"], cfg.model.architecture()
+    if saved != current:
+        diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+        raise ScalevecError(str(path), f"was written by another model (differs in {diff}).",
+                            "resume with the model config of that run, or use another run_dir.")
+    saved_optim = train_state.get("optimizer", cfg.optim.name)  # absent in older checkpoints
+    if saved_optim != cfg.optim.name:
+        raise ScalevecError(str(path), f"holds the state of optimizer {saved_optim!r}; this run uses "
+                            f"optim={cfg.optim.name}.", f"resume with optim={saved_optim}, or use another run_dir.")
+    check_model_fits(path, model)

@@ -1,0 +1,302 @@
+"""Export to a Hugging Face transformers folder (the CLI: `python -m scalevec_train.export`).
+
+The model is folded first (fold.py), then written as
+    model.safetensors        fp32 weights in the Llama layout (model.layers.N.self_attn.q_proj.weight, ...)
+    config.json              LlamaForCausalLM when the folded model is a plain Llama (every scale site
+                             absorbed: baseline, iwd, hg, dp, or, er, none on models without QK-/post-norms);
+                             otherwise ScalevecForCausalLM with modeling_scalevec.py (trust_remote_code):
+                             normalizations with weights on map outputs (dnp, unified, qk_norm, post_norm)
+                             and mixture-of-experts layers
+    tokenizer.json, tokenizer_config.json   a transformers fast tokenizer built from the SentencePiece model
+                             (encodes text to the same ids, adds no BOS/EOS)
+    tokenizer.model          the SentencePiece model itself
+Pre-norms whose scales folded away are written as RMSNorm weights of ones. config.json carries the
+RoPE base both as `rope_theta` (transformers 4.x) and `rope_parameters` (5.x).
+"""
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import sentencepiece as spm
+import torch
+from safetensors.torch import save_file
+
+from scalevec_train.errors import ScalevecError
+from scalevec_train.interop.api import load
+from scalevec_train.model.fold import fold
+from scalevec_train.model.layers import Linear
+from scalevec_train.model.strategies import ScaleSite, scale_sites
+from scalevec_train.model.transformer import Transformer
+
+WEIGHTS_FILE = "model.safetensors"
+MODELING_FILE = "modeling_scalevec.py"
+MODELING_SOURCE = Path(__file__).resolve().parent / "hf_modeling" / MODELING_FILE
+_ATTN_MAPS = (("q", "wq"), ("k", "wk"), ("v", "wv"), ("o", "wo"))
+# SentencePiece piece types (sentencepiece_model.proto)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
+_NEVER = -1e9
+
+
+def export(path: str | Path, out: str | Path) -> Path:
+    """Export the newest complete checkpoint of a run directory, or one checkpoint, to `out`."""
+    model, tokenizer = load(path)
+    return export_model(model, tokenizer, out)
+
+
+def export_model(model: Transformer, tokenizer: spm.SentencePieceProcessor, out: str | Path) -> Path:
+    """Fold `model` and write it with its tokenizer as a transformers folder `out` (new or empty). The
+    folder appears whole or not at all."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ScalevecError(str(out), "exists and is not an empty folder.", "remove it or pick another out=.")
+    folded = fold(model).cpu().float()
+    llama = is_llama(folded)
+    tensors = hf_state_dict(folded, llama)
+    config = llama_config(folded) if llama else scalevec_config(folded)
+    config["eos_token_id"] = tokenizer.eos_id() if tokenizer.eos_id() >= 0 else None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        _readable_like_other_files(tmp / WEIGHTS_FILE)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if not llama:
+            shutil.copyfile(MODELING_SOURCE, tmp / MODELING_FILE)
+        write_tokenizer(tokenizer, tmp, folded.cfg.max_seq_len)
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _readable_like_other_files(path: Path) -> None:
+    """safetensors creates its file private (0600); give it the mode any new file gets (umask)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
+def is_llama(folded: Transformer) -> bool:
+    """Whether a folded model is a stock Llama: dense, no normalization on any map's output, no scale left."""
+    if folded.cfg.moe is not None:
+        return False
+    if any(m.out_norm is not None for m in folded.modules() if isinstance(m, Linear)):
+        return False
+    return all(site.param == "fixed" for _, site in scale_sites(folded))
+
+
+def _ones_if_fixed(site: ScaleSite) -> torch.Tensor:
+    """A normalization's weight: the site's vector (folding left it plain), or ones for a fixed site."""
+    s = site()
+    return torch.ones(site.shape) if s is None else s.detach().clone()
+
+
+def _prenorm_weight(norm, dim: int) -> torch.Tensor:
+    # Folding absorbs every pre-norm site (they are input sites), so the norm is weightless.
+    assert all(site.param == "fixed" for site in norm.sites.values()), "export a folded model"
+    return torch.ones(dim)
+
+
+def hf_state_dict(folded: Transformer, llama: bool) -> dict[str, torch.Tensor]:
+    """The weights of a folded model under transformers' names (Llama layout, plus the output norms
+    and MoE tensors of modeling_scalevec.py)."""
+    cfg = folded.cfg
+    out = {"model.embed_tokens.weight": folded.tok_emb.weight}
+    for i, block in enumerate(folded.layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = _prenorm_weight(block.attn_norm, cfg.dim)
+        out[p + "post_attention_layernorm.weight"] = _prenorm_weight(block.ffn_norm, cfg.dim)
+        for name, attr in _ATTN_MAPS:
+            linear = getattr(block.attn, attr)
+            out[p + f"self_attn.{name}_proj.weight"] = linear.weight
+            if linear.out_norm is not None:
+                out[p + f"self_attn.{name}_norm.weight"] = _ones_if_fixed(linear.out_site)
+        ffn = block.ffn
+        if cfg.moe is None:
+            for name in ("gate", "up", "down"):
+                linear = getattr(ffn, f"w_{name}")
+                out[p + f"mlp.{name}_proj.weight"] = linear.weight
+                if linear.out_norm is not None:
+                    out[p + f"mlp.{name}_norm.weight"] = _ones_if_fixed(linear.out_site)
+            continue
+        out[p + "mlp.router.weight"] = ffn.router.weight
+        out[p + "mlp.expert_bias"] = ffn.expert_bias
+        for name in ("gate", "up", "down"):
+            out[p + f"mlp.experts.{name}_proj"] = getattr(ffn.experts, f"w_{name}")
+            if ffn.shared is not None:
+                out[p + f"mlp.shared.{name}_proj.weight"] = getattr(ffn.shared, f"w_{name}").weight
+        for name in ("gate", "up"):
+            for part, module in (("experts", ffn.experts), ("shared", ffn.shared)):
+                site = getattr(module, f"{name}_out", None) if module is not None else None
+                if site is not None and site.behind_norm:
+                    out[p + f"mlp.{part}.{name}_norm.weight"] = _ones_if_fixed(site)
+        if ffn.out_norm is not None:
+            out[p + "mlp.down_norm.weight"] = _ones_if_fixed(ffn.down_out)
+    out["model.norm.weight"] = _prenorm_weight(folded.final_norm, cfg.dim)
+    if folded.head is not None:
+        out["lm_head.weight"] = folded.head.weight
+    elif not llama:
+        # modeling_scalevec.py never ties: the head gets its own copy of the embedding.
+        out["lm_head.weight"] = folded.tok_emb.weight
+    # safetensors stores each tensor once: no views, no shared storage.
+    return {k: v.detach().float().contiguous().clone() for k, v in out.items()}
+
+
+def _common_config(folded: Transformer) -> dict:
+    cfg = folded.cfg
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "initializer_range": cfg.init_std,
+        "bos_token_id": None,
+        "pad_token_id": None,
+        "torch_dtype": "float32",
+        "dtype": "float32",
+    }
+
+
+def llama_config(folded: Transformer) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **_common_config(folded),
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "tie_word_embeddings": folded.head is None,
+        "use_cache": True,
+    }
+
+
+def scalevec_config(folded: Transformer) -> dict:
+    cfg, block = folded.cfg, folded.layers[0]
+    norms = [name for name, attr in _ATTN_MAPS if getattr(block.attn, attr).out_norm is not None]
+    if cfg.moe is None:
+        norms += [n for n in ("gate", "up", "down") if getattr(block.ffn, f"w_{n}").out_norm is not None]
+    else:
+        norms += [n for n in ("gate", "up") if getattr(block.ffn.experts, f"{n}_out") is not None
+                  and getattr(block.ffn.experts, f"{n}_out").behind_norm]
+        if block.ffn.out_norm is not None:
+            norms.append("down")
+    moe = None
+    if cfg.moe is not None:
+        shared = cfg.moe.num_shared_experts * (cfg.moe.shared_expert_dim or cfg.ffn_dim)
+        moe = {"num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k, "expert_dim": cfg.moe.expert_dim,
+               "shared_expert_dim": shared, "score_func": cfg.moe.score_func,
+               "renormalize": cfg.moe.renormalize}
+    return {
+        "architectures": ["ScalevecForCausalLM"],
+        "model_type": "scalevec",
+        "auto_map": {"AutoConfig": "modeling_scalevec.ScalevecConfig",
+                     "AutoModelForCausalLM": "modeling_scalevec.ScalevecForCausalLM"},
+        **_common_config(folded),
+        "output_norms": norms,
+        "head_norm_full": folded.scale.head_site_shape == "full",
+        "moe": moe,
+        "tie_word_embeddings": False,
+        "use_cache": False,
+    }
+
+
+def write_tokenizer(tokenizer: spm.SentencePieceProcessor, out: Path, max_len: int) -> None:
+    """tokenizer.json and tokenizer_config.json for transformers' PreTrainedTokenizerFast, and the
+    SentencePiece model as tokenizer.model."""
+    proto_bytes = tokenizer.serialized_model_proto()
+    fast = fast_tokenizer(proto_bytes)
+    (out / "tokenizer.model").write_bytes(proto_bytes)
+    fast.save(str(out / "tokenizer.json"))
+    pieces = [tokenizer.id_to_piece(i) for i in range(tokenizer.get_piece_size())]
+    special = {"unk_token": tokenizer.unk_id(), "eos_token": tokenizer.eos_id(), "bos_token": tokenizer.bos_id(),
+               "pad_token": tokenizer.pad_id()}
+    special = {k: pieces[i] for k, i in special.items() if i >= 0}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        # SentencePiece reads "</s>" in text as characters, not as the end of a document: so do we.
+        "split_special_tokens": True,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_len,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+
+
+def fast_tokenizer(proto_bytes: bytes):
+    """A `tokenizers` Tokenizer that encodes like the SentencePiece model: same pieces, same merge order
+    (BPE: a pair merges in the order of the merged piece's score, as SentencePiece does), byte fallback
+    for characters outside the vocabulary, user-defined pieces (the newline) matched first, and the
+    text otherwise unchanged except spaces becoming U+2581."""
+    from sentencepiece import sentencepiece_model_pb2  # needs protobuf, like transformers' own conversion
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(proto_bytes)
+    _check_tokenizer_settings(proto, sentencepiece_model_pb2.TrainerSpec)
+    pieces = [(p.piece, p.score, p.type) for p in proto.pieces]
+    unk = next(i for i, (_, _, kind) in enumerate(pieces) if kind == _UNKNOWN)
+    byte_fallback = proto.trainer_spec.byte_fallback
+    if proto.trainer_spec.model_type == sentencepiece_model_pb2.TrainerSpec.BPE:
+        vocab = {piece: i for i, (piece, _, _) in enumerate(pieces)}
+        merges = []
+        for i, (piece, _, kind) in enumerate(pieces):
+            if kind != _NORMAL:
+                continue
+            for cut in range(1, len(piece)):
+                left, right = piece[:cut], piece[cut:]
+                if left in vocab and right in vocab:
+                    merges.append((i, left, right))
+        merges.sort(key=lambda m: (-pieces[m[0]][1], m[0], len(m[1])))
+        model = models.BPE(vocab, [(left, right) for _, left, right in merges], unk_token=pieces[unk][0],
+                           byte_fallback=byte_fallback, fuse_unk=True)
+    else:
+        # SentencePiece never matches control, unknown or byte pieces against text; a score no path
+        # would choose does the same here.
+        scored = [(piece, score if kind in (_NORMAL, _USER_DEFINED) else _NEVER) for piece, score, kind in pieces]
+        model = models.Unigram(scored, unk, byte_fallback=byte_fallback)
+    fast = Tokenizer(model)
+    fast.normalizer = normalizers.Replace(" ", "\u2581")
+    fast.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    fast.add_tokens([AddedToken(piece, normalized=False, special=False)
+                     for piece, _, kind in pieces if kind == _USER_DEFINED])
+    fast.add_special_tokens([AddedToken(piece, normalized=False, special=True)
+                             for piece, _, kind in pieces if kind in (_UNKNOWN, _CONTROL)])
+    return fast
+
+
+def _check_tokenizer_settings(proto, kinds) -> None:
+    """The conversion reproduces SentencePiece models trained the way scalevec trains them (text kept as
+    is); other normalizations would need rules it does not implement. `kinds`: the TrainerSpec class."""
+    spec = proto.normalizer_spec
+    unsupported = []
+    if proto.trainer_spec.model_type not in (kinds.BPE, kinds.UNIGRAM):
+        unsupported.append("a model type other than bpe/unigram")
+    if spec.precompiled_charsmap or spec.name not in ("identity", ""):
+        unsupported.append(f"the '{spec.name}' normalization")
+    if spec.add_dummy_prefix:
+        unsupported.append("add_dummy_prefix")
+    if spec.remove_extra_whitespaces:
+        unsupported.append("remove_extra_whitespaces")
+    if unsupported:
+        raise ScalevecError("tokenizer.model", f"uses {', '.join(unsupported)}, which the conversion to a "
+                            "transformers tokenizer does not reproduce.",
+                            "export models whose tokenizer scalevec trained (data.tokenizer_path left empty).")

@@ -1,0 +1,343 @@
+"""Mixture-of-experts feed-forward layer: a drop-in for the dense SwiGLU block (`model.moe`).
+
+    logits = W_r x_r                         fp32, even under autocast; x_r: the router's input
+    p      = softmax(logits) | sigmoid(logits)
+    chosen = top_k(p + bias)                 the expert bias only chooses, it never weights
+    g      = p[chosen], renormalized to sum 1 over the k chosen if `renormalize`
+    y      = sum_j g_j E_{chosen_j}(x) + S(x)  summed in fp32; S: the shared expert(s), if any
+    out    = u_down * N(y) | u_down * y | y  as the strategy's plan for `down` says
+
+Every expert is a SwiGLU, E_e(x) = W_down,e (silu(W_gate,e x_g) * W_up,e x_u), stored as 3-D weights
+[experts, out, in]. Dropless: tokens are sorted by expert and every expert takes all of its tokens,
+through torch._grouped_mm or a loop of matmuls. The routing weight g multiplies an expert's hidden
+activation (W_down is linear, so this equals weighting its output); a token's k expert outputs are
+then summed in fp32. Several shared experts act as one SwiGLU of their summed width.
+
+Scale sites (strategies.py): the pre-norm hands this layer {"ffn"} (one site read by the router and
+all experts), {"gate", "up", "router"} under HG, or {"router", "norm"} with `per_expert`, where the
+experts scale N(x) themselves with (experts, dim) sites and the shared expert with (dim,) ones. Sites
+on an expert's hidden units (gate/up output sites under dual placement, the input site of a targeted
+down map) have one row per routed expert, (experts, width): hidden unit j of one expert has nothing to
+do with unit j of another. Under dual_norm, gate and up are each normalized over the hidden width of
+their expert, u * N(W x) with the expert's row of u. Sites that do not sit behind a normalization
+are applied to the weights, W * s, which is the same function and cheaper than scaling tokens. The
+output site of `down` (with its normalization under dual_norm or post_norm) acts on the combined y,
+as on the dense block's output.
+
+Load balancing: the auxiliary-loss-free expert bias moves every optimizer step by
+bias += bias_update_rate * sign(mean load - load), with the loads (token counts of the step's training
+forwards, summed over data-parallel ranks) gathered by update_bias(), which runs as an optimizer step
+post-hook (Transformer.register_optimizer_hooks). Evaluation (eval mode or no_grad) never counts, so it
+never moves the bias. Optionally a load-balancing loss E * sum_e f_e P_e (f_e: share of the
+micro-batch's assignments going to e, P_e: mean routing probability of e; 1 when balanced) and the
+router z-loss mean(logsumexp(logits)^2) are added to the training loss (Transformer.auxiliary_loss).
+Each layer reports its load balance through compute_metrics().
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from scalevec_kernels import rms_norm_scales
+from scalevec_train.model.config import ModelConfig
+from scalevec_train.model.strategies import MapInput, ScaleConfig, ScaleSite, SiteMaps, plan_map
+
+
+def _fold(w: torch.Tensor, s_in: ScaleSite | None, s_out: ScaleSite | None) -> torch.Tensor:
+    """W with an input site on its columns and an output site on its rows (W [..., out, in])."""
+    s = s_in() if s_in is not None else None
+    if s is not None:
+        w = w * s.unsqueeze(-2)
+    s = s_out() if s_out is not None and not s_out.behind_norm else None
+    if s is not None:
+        w = w * s.unsqueeze(-1)
+    return w
+
+
+def _expert_sites(module: nn.Module, cfg: ModelConfig, scale: ScaleConfig, hidden: int,
+                  experts: int | None) -> None:
+    """Give `module` (the routed experts' stack, `experts` of them, or a shared expert: None) the sites
+    inside its SwiGLU: its own gate/up input sites under per_expert, gate/up output sites under dual
+    placement (behind a normalization of the hidden width under dual_norm), the input site of a
+    targeted down map. Sites on an expert's hidden units have one row per expert; sites on the model
+    width only under per_expert. Missing sites are None."""
+    per_expert = (experts,) if experts else ()
+    module.gate_in = module.up_in = module.gate_out = module.up_out = module.down_in = None
+    module.eps, module.kernels = cfg.norm_eps, cfg.kernels
+    if scale.per_expert:
+        module.gate_in = ScaleSite(per_expert + (cfg.dim,), "input", scale.site_param("input"))
+        module.up_in = ScaleSite(per_expert + (cfg.dim,), "input", scale.site_param("input"))
+    for name in ("gate", "up"):
+        plan = plan_map(scale, name, cfg.qk_norm, cfg.post_norm)
+        if plan.out_site:
+            setattr(module, f"{name}_out", ScaleSite(per_expert + (hidden,), "output", scale.site_param("output"),
+                                                     behind_norm=plan.out_norm is not None))
+    if plan_map(scale, "down", cfg.qk_norm, cfg.post_norm).in_site:
+        module.down_in = ScaleSite(per_expert + (hidden,), "input", scale.site_param("input"))
+
+
+def _normed_output(module: nn.Module, name: str, y: torch.Tensor,
+                   expert_of: torch.Tensor | None = None) -> torch.Tensor:
+    """y, or u * N(y) over the hidden width when map `name`'s output site sits behind a normalization;
+    a per-expert u gives row r the scale row of its expert expert_of[r]."""
+    site = getattr(module, f"{name}_out")
+    if site is None or not site.behind_norm:
+        return y
+    s = site()
+    if s is None or s.dim() == 1:
+        return rms_norm_scales(y, [s], module.eps, backend=module.kernels)[0]
+    normed = rms_norm_scales(y, [None], module.eps, backend=module.kernels)[0]
+    return (normed * s.index_select(0, expert_of)).to(y.dtype)
+
+
+def _norm_label(module: nn.Module, name: str) -> str | None:
+    """The normalization right after map `name` (gate or up) of an expert (stack), if any."""
+    site = getattr(module, f"{name}_out")
+    return f"N({name})" if site is not None and site.behind_norm else None
+
+
+def _site_maps(module: nn.Module, w_gate, w_up, w_down) -> list[SiteMaps]:
+    """The sites of an expert (stack) with the weight each one scales."""
+    gate, up = MapInput(w_gate, _norm_label(module, "gate")), MapInput(w_up, _norm_label(module, "up"))
+    down = MapInput(w_down, None)
+    pairs = [(module.gate_in, "in", gate), (module.up_in, "in", up), (module.gate_out, "out", gate),
+             (module.up_out, "out", up), (module.down_in, "in", down)]
+    return [SiteMaps(site, side, (m,)) for site, side, m in pairs if site is not None]
+
+
+def _compute_dtype(w: torch.Tensor, device: torch.device) -> torch.dtype:
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return w.dtype
+
+
+def _grouped_mm_supported(x: torch.Tensor, widths: tuple[int, ...]) -> bool:
+    """Whether backend=auto uses torch._grouped_mm for x (already in the compute dtype)."""
+    if not hasattr(torch, "_grouped_mm") or any(n * x.element_size() % 16 for n in widths):
+        return False
+    if x.device.type == "cuda":
+        # Other GPUs run torch's own fallback loop (with a host sync): no gain over ours.
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    if x.device.type == "cpu":
+        # Eager CPU takes fp32 too, but the op's compile-time checks accept bf16 only.
+        return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and not torch.compiler.is_compiling())
+    return False
+
+
+def _expert_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """Rows of x sorted by expert times each expert's matrix: x [rows, in], w [E, out, in]."""
+    if grouped:
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
+    chunks = x.split(counts.tolist())
+    return torch.cat([F.linear(chunk, w[e]) for e, chunk in enumerate(chunks)])
+
+
+class RoutedExperts(nn.Module):
+    """The E routed SwiGLU experts, as weight stacks w_gate, w_up [E, expert_dim, dim] and
+    w_down [E, dim, expert_dim]."""
+
+    def __init__(self, cfg: ModelConfig, scale: ScaleConfig):
+        super().__init__()
+        moe = cfg.moe
+        self.backend = moe.backend
+        self.w_gate = nn.Parameter(torch.empty(moe.num_experts, moe.expert_dim, cfg.dim))
+        self.w_up = nn.Parameter(torch.empty(moe.num_experts, moe.expert_dim, cfg.dim))
+        self.w_down = nn.Parameter(torch.empty(moe.num_experts, cfg.dim, moe.expert_dim))
+        _expert_sites(self, cfg, scale, moe.expert_dim, moe.num_experts)
+
+    def per_expert_numel(self) -> int:
+        """Parameters that belong to one expert each (what a token skips when not routed there)."""
+        stacks = (self.w_gate, self.w_up, self.w_down)
+        sites = [m.site for m in self.site_maps() if len(m.site.shape) == 2]
+        return sum(p.numel() for p in stacks) + sum(p.numel() for s in sites for p in s.parameters())
+
+    def site_maps(self) -> list[SiteMaps]:
+        return _site_maps(self, self.w_gate, self.w_up, self.w_down)
+
+    def forward(self, x_gate: torch.Tensor, x_up: torch.Tensor, chosen: torch.Tensor,
+                weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x_*: [tokens, dim]; chosen, weights: [tokens, k]; counts: [E] (bincount of chosen).
+        Returns sum_j weights_j E_{chosen_j}(x) per token, in fp32."""
+        tokens, k = chosen.shape
+        order = chosen.flatten().argsort(stable=True)
+        token_of = order // k
+        expert_of = chosen.flatten().index_select(0, order)
+        dtype = _compute_dtype(self.w_gate, x_gate.device)
+        w_gate = _fold(self.w_gate, self.gate_in, self.gate_out).to(dtype)
+        w_up = _fold(self.w_up, self.up_in, self.up_out).to(dtype)
+        w_down = _fold(self.w_down, self.down_in, None).to(dtype)
+        xs_gate = x_gate.to(dtype).index_select(0, token_of)
+        xs_up = xs_gate if x_up is x_gate else x_up.to(dtype).index_select(0, token_of)
+        if self.backend == "auto":
+            grouped = _grouped_mm_supported(xs_gate, (w_gate.shape[-1], w_gate.shape[-2]))
+        else:
+            grouped = self.backend == "grouped_mm"
+        gate = _normed_output(self, "gate", _expert_mm(xs_gate, w_gate, counts, grouped), expert_of)
+        up = _normed_output(self, "up", _expert_mm(xs_up, w_up, counts, grouped), expert_of)
+        hidden = F.silu(gate) * up
+        hidden = hidden * weights.flatten().index_select(0, order).unsqueeze(-1).to(dtype)
+        out = _expert_mm(hidden, w_down, counts, grouped)
+        # Back to token order (a permutation: no atomics, so deterministic), then the fp32 sum over k.
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        return out.index_select(0, inverse).view(tokens, k, -1).sum(1, dtype=torch.float32)
+
+
+class SharedExpert(nn.Module):
+    """A dense SwiGLU every token passes through (several shared experts are one of their summed width)."""
+
+    def __init__(self, cfg: ModelConfig, scale: ScaleConfig, hidden: int):
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.dim, hidden, bias=False)
+        self.w_up = nn.Linear(cfg.dim, hidden, bias=False)
+        self.w_down = nn.Linear(hidden, cfg.dim, bias=False)
+        _expert_sites(self, cfg, scale, hidden, None)
+
+    def site_maps(self) -> list[SiteMaps]:
+        return _site_maps(self, self.w_gate.weight, self.w_up.weight, self.w_down.weight)
+
+    def forward(self, x_gate: torch.Tensor, x_up: torch.Tensor) -> torch.Tensor:
+        gate = _normed_output(self, "gate", F.linear(x_gate, _fold(self.w_gate.weight, self.gate_in, self.gate_out)))
+        up = _normed_output(self, "up", F.linear(x_up, _fold(self.w_up.weight, self.up_in, self.up_out)))
+        return F.linear(F.silu(gate) * up, _fold(self.w_down.weight, self.down_in, None))
+
+
+class MoEFeedForward(nn.Module):
+    """The MoE block: router, routed experts, optional shared expert, and the `down` output sites."""
+
+    def __init__(self, cfg: ModelConfig, scale: ScaleConfig):
+        super().__init__()
+        self.cfg = moe = cfg.moe
+        self.router = nn.Linear(cfg.dim, moe.num_experts, bias=False)
+        self.experts = RoutedExperts(cfg, scale)
+        self.shared = None
+        if moe.num_shared_experts:
+            width = moe.num_shared_experts * (moe.shared_expert_dim or cfg.ffn_dim)
+            self.shared = SharedExpert(cfg, scale, width)
+        plan = plan_map(scale, "down", cfg.qk_norm, cfg.post_norm)
+        self.out_norm, self.eps, self.kernels = plan.out_norm, cfg.norm_eps, cfg.kernels
+        self.down_out = None
+        if plan.out_site:
+            self.down_out = ScaleSite((cfg.dim,), "output", scale.site_param("output"),
+                                      behind_norm=plan.out_norm is not None)
+        # Chooses experts only; a checkpointed training state, changed only by update_bias().
+        self.register_buffer("expert_bias", torch.zeros(moe.num_experts))
+        # Expert assignments of the current optimizer step's training forwards (this rank).
+        self.register_buffer("token_counts", torch.zeros(moe.num_experts, dtype=torch.long), persistent=False)
+        # The last finished step's counts over all ranks, for metrics.
+        self.register_buffer("last_load", torch.zeros(moe.num_experts, dtype=torch.long), persistent=False)
+        # Of the last forward: the weighted auxiliary loss to add to the training loss (None when
+        # both coefficients are 0), and the unweighted losses for metrics.
+        self.aux_loss: torch.Tensor | None = None
+        self.lb_loss: torch.Tensor | None = None
+        self.z_loss: torch.Tensor | None = None
+
+    def __getstate__(self) -> dict:
+        # The last forward's aux_loss holds an autograd graph, which deepcopy and pickle refuse.
+        return {**super().__getstate__(), "aux_loss": None}
+
+    def init_buffers(self) -> None:
+        self.expert_bias.zero_()
+        self.token_counts.zero_()
+        self.last_load.zero_()
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [tokens, dim] -> (fp32 logits [tokens, E], fp32 scores, chosen experts [tokens, k],
+        fp32 routing weights [tokens, k])."""
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.router.weight.float())
+        scores = logits.softmax(-1) if self.cfg.score_func == "softmax" else logits.sigmoid()
+        chosen = (scores.detach() + self.expert_bias.float()).topk(self.cfg.top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        if self.cfg.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, scores, chosen, weights
+
+    def _record_aux(self, logits: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor) -> None:
+        assignments = counts.float() / counts.sum()
+        probs = scores if self.cfg.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+        lb = self.cfg.num_experts * (assignments * probs.mean(0)).sum()
+        z = torch.logsumexp(logits, -1).square().mean()
+        self.lb_loss, self.z_loss = lb.detach(), z.detach()
+        self.aux_loss = None
+        if self.cfg.aux_loss_coef or self.cfg.z_loss_coef:
+            self.aux_loss = self.cfg.aux_loss_coef * lb + self.cfg.z_loss_coef * z
+
+    def forward(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        shared = b.get("ffn", b.get("norm"))
+        x_router = b.get("router", shared)
+        x_gate, x_up = b.get("gate", shared), b.get("up", shared)
+        dim = x_router.shape[-1]
+        flat_gate = x_gate.reshape(-1, dim)
+        flat_up = flat_gate if x_up is x_gate else x_up.reshape(-1, dim)
+        logits, scores, chosen, weights = self.route(x_router.reshape(-1, dim))
+        counts = torch.bincount(chosen.flatten(), minlength=self.cfg.num_experts)
+        if self.training and torch.is_grad_enabled():
+            # Activation checkpointing recomputes this forward and counts again, for every
+            # micro-batch alike: the relative loads, all the bias update and metrics use, stay.
+            self.token_counts += counts
+        self._record_aux(logits, scores, counts)
+        y = self.experts(flat_gate, flat_up, chosen, weights, counts)
+        if self.shared is not None:
+            y = y + self.shared(flat_gate, flat_up).float()
+        s = self.down_out() if self.down_out is not None else None
+        if self.out_norm is not None:
+            y = rms_norm_scales(y, [s], self.eps, backend=self.kernels)[0]
+        elif s is not None:
+            y = y * s
+        return y.to(x_router.dtype).view(x_router.shape)
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """Once per optimizer step, after the step's forwards: sum the counts over data-parallel
+        ranks (a collective: every rank must call it) and move the bias toward balanced loads."""
+        counts = self.token_counts
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(counts)
+        load = counts.float()
+        # sign(0) = 0: a step without training forwards leaves the bias alone.
+        self.expert_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
+        self.last_load.copy_(counts)
+        counts.zero_()
+
+    @torch.no_grad()
+    def compute_metrics(self) -> dict[str, float]:
+        """Expert load of the last finished step (max and min share of the assignments, entropy
+        normalized to 1 for a perfect balance), the unweighted losses of the last forward, and the range
+        of the expert bias."""
+        out = {}
+        load = self.last_load.float()
+        if load.sum() > 0:
+            share = load / load.sum()
+            out["load_max"] = share.max().item()
+            out["load_min"] = share.min().item()
+            entropy = torch.special.entr(share).sum().item()
+            out["load_entropy"] = entropy / math.log(len(share)) if len(share) > 1 else 1.0
+        if self.lb_loss is not None:
+            out["lb_loss"] = self.lb_loss.item()
+            out["z_loss"] = self.z_loss.item()
+        out["bias_min"] = self.expert_bias.min().item()
+        out["bias_max"] = self.expert_bias.max().item()
+        return out
+
+    def input_maps(self, branch: str) -> list[MapInput]:
+        """The maps that read pre-norm branch `branch`: the router, and every expert's gate or up."""
+        gate = [MapInput(self.experts.w_gate, _norm_label(self.experts, "gate"))]
+        up = [MapInput(self.experts.w_up, _norm_label(self.experts, "up"))]
+        if self.shared is not None:
+            gate.append(MapInput(self.shared.w_gate.weight, _norm_label(self.shared, "gate")))
+            up.append(MapInput(self.shared.w_up.weight, _norm_label(self.shared, "up")))
+        router = [MapInput(self.router.weight, None)]
+        return {"ffn": router + gate + up, "gate": gate, "up": up, "router": router, "norm": []}[branch]
+
+    def site_maps(self) -> list[SiteMaps]:
+        """The sites inside the experts, and the output site of `down`: without a normalization it
+        scales every expert's down map (and the shared expert's); behind one the normalization acts on
+        the combined output, so no single map's output is normalized on its own."""
+        found = self.experts.site_maps() + (self.shared.site_maps() if self.shared is not None else [])
+        if self.down_out is not None:
+            downs = [self.experts.w_down] + ([self.shared.w_down.weight] if self.shared is not None else [])
+            found.append(SiteMaps(self.down_out, "out", tuple(MapInput(w, None) for w in downs)))
+        return found

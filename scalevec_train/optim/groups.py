@@ -1,0 +1,178 @@
+"""Optimizer parameter groups and the optimizer itself.
+
+Every parameter gets exactly one kind, decided by its name and its scale site (never by its shape):
+scale-site parameters decay by the strategy's policy; the token embedding and the output head decay by
+the optimizer config; every other parameter is a hidden matrix.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from scalevec_train.errors import ScalevecError
+from scalevec_train.model.strategies import ScaleConfig, scale_sites
+from scalevec_train.optim.muon import LR_ADJUSTS, NS_COEFFICIENTS, NS_DTYPES, Muon
+
+# scale_decay: p <- p (1 - lr wd), the optimizer's own decay; scale_log_decay: an `er` site's b <- b +
+# log(1 - lr wd) (applied by a step pre-hook, see log_decay_hook); scale_no_decay: no decay.
+KINDS = ("matrix", "embedding", "head", "scale_decay", "scale_log_decay", "scale_no_decay")
+_RULE_KIND = {"scale": "scale_decay", "log": "scale_log_decay", "none": "scale_no_decay"}
+
+
+@dataclass
+class OptimConfig:
+    # adamw | muon (hidden matrices with Muon; embeddings, head and scale vectors with AdamW)
+    name: str = "adamw"
+    # peak learning rate (the schedule multiplies it); under muon the AdamW groups' too unless adamw_lr
+    lr: float = 3e-3
+    # AdamW's betas and eps (under muon: of its AdamW groups)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    # decoupled weight decay for hidden matrices (and whatever the options below include), multiplied
+    # by the unadjusted LR; scale vectors follow scale.weight_decay
+    weight_decay: float = 0.1
+    # decay the token embedding (and a tied head) too
+    decay_embeddings: bool = False
+    # decay an untied output head too
+    decay_head: bool = True
+    # muon only: momentum of the gradient average (an EMA, as torch.optim.Muon's)
+    momentum: float = 0.95
+    # muon only: orthogonalize the Nesterov look-ahead instead of the momentum itself
+    nesterov: bool = True
+    # muon only: Newton-Schulz iterations
+    ns_steps: int = 5
+    # muon only: quintic ((3.4445, -4.7750, 2.0315) every iteration) | polar_express (one optimal
+    # polynomial per iteration, Amsel et al. 2025: closer to the exact polar factor in as many steps)
+    ns_coefficients: str = "quintic"
+    # muon only: dtype of the Newton-Schulz matmuls: bfloat16 | float32 | float16
+    ns_dtype: str = "bfloat16"
+    # muon only: match_rms_adamw (update x 0.2 * sqrt(max(rows, cols)): reuse AdamW's LR and decay) |
+    # original (update x sqrt(max(1, rows / cols)): Muon's own LR, about 0.02)
+    lr_adjust: str = "match_rms_adamw"
+    # muon only: floor of the norm that scales a matrix into Newton-Schulz's range
+    ns_eps: float = 1e-7
+    # muon only: orthogonalize the MoE router's weight with Muon instead of AdamW
+    muon_router: bool = False
+    # muon only: the AdamW groups' peak LR; null: lr (right for match_rms_adamw, needed with original)
+    adamw_lr: float | None = None
+
+    def validate(self) -> None:
+        if self.name not in ("adamw", "muon"):
+            raise ScalevecError("optim.name", f"unknown optimizer {self.name!r}.", "use optim=adamw or optim=muon.")
+        choices = {"ns_coefficients": NS_COEFFICIENTS, "ns_dtype": NS_DTYPES, "lr_adjust": LR_ADJUSTS}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ScalevecError(f"optim.{key}", f"unknown value {getattr(self, key)!r}.",
+                                    f"use one of: {', '.join(allowed)}.")
+        if self.ns_steps < 1:
+            raise ScalevecError("optim.ns_steps", f"{self.ns_steps} is not a positive integer.", "use 5.")
+        if not 0 <= self.momentum < 1:
+            raise ScalevecError("optim.momentum", f"{self.momentum} is outside [0, 1).", "use 0.95.")
+        if self.adamw_lr is not None and self.adamw_lr <= 0:
+            raise ScalevecError("optim.adamw_lr", f"{self.adamw_lr} is not positive.", "use null or a positive LR.")
+        if self.lr <= 0:
+            raise ScalevecError("optim.lr", f"{self.lr} is not positive.", "use a learning rate > 0.")
+        if self.weight_decay < 0:
+            raise ScalevecError("optim.weight_decay", f"{self.weight_decay} is negative.", "use 0 or more.")
+        peak = max(self.lr, self.adamw_lr or 0.0)
+        if peak * self.weight_decay >= 1:
+            raise ScalevecError("optim.weight_decay", f"lr * weight_decay = {peak * self.weight_decay:g}: a decoupled "
+                                "decay step (1 - lr * wd) would zero or flip the weights.",
+                                "lower optim.weight_decay or the learning rate so that their product is below 1.")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ScalevecError("optim.betas", f"{self.betas} is not two numbers in [0, 1).", "use [0.9, 0.95].")
+
+
+def classify(model: nn.Module, scale: ScaleConfig) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """Split the parameters into KINDS; raise if any parameter would land in none or two."""
+    site_kind = {id(p): _RULE_KIND[scale.decay_rule(site.role, name)]
+                 for _, site in scale_sites(model) for name, p in site.named_parameters()}
+    kinds: dict[str, list[tuple[str, nn.Parameter]]] = {k: [] for k in KINDS}
+    for name, p in model.named_parameters():
+        if id(p) in site_kind:
+            kind = site_kind[id(p)]
+        elif name == "tok_emb.weight":
+            kind = "embedding"
+        elif name == "head.weight":
+            kind = "head"
+        else:
+            kind = "matrix"
+        kinds[kind].append((name, p))
+    grouped = [id(p) for members in kinds.values() for _, p in members]
+    if len(grouped) != len(set(grouped)) or set(grouped) != {id(p) for p in model.parameters()}:
+        raise RuntimeError("optimizer groups do not cover every parameter exactly once")
+    return kinds
+
+
+def param_groups(model: nn.Module, cfg: OptimConfig, scale: ScaleConfig) -> list[dict]:
+    """One group per kind. Each group keeps its peak LR in `base_lr`: the schedule multiplies it.
+    Under Muon, hidden matrices (and the MoE router only with muon_router) are Muon groups; every
+    other kind is an AdamW group."""
+    decay = {
+        "matrix": cfg.weight_decay,
+        "embedding": cfg.weight_decay if cfg.decay_embeddings else 0.0,
+        "head": cfg.weight_decay if cfg.decay_head else 0.0,
+        "scale_decay": cfg.weight_decay,
+        "scale_log_decay": 0.0,  # the optimizer must not decay b toward 0: log_decay_hook shifts it
+        "scale_no_decay": 0.0,
+    }
+    kinds = classify(model, scale)
+    if cfg.name == "muon" and not cfg.muon_router:
+        # The router is a matrix, but a tiny, fast-moving one: AdamW unless asked for.
+        kinds["router"] = [(n, p) for n, p in kinds["matrix"] if n.endswith("router.weight")]
+        kinds["matrix"] = [(n, p) for n, p in kinds["matrix"] if not n.endswith("router.weight")]
+        decay["router"] = cfg.weight_decay
+    groups = []
+    for kind, members in kinds.items():
+        if not members:
+            continue
+        group = {"name": kind, "params": [p for _, p in members], "weight_decay": decay[kind], "base_lr": cfg.lr}
+        if kind == "scale_log_decay":
+            group["log_weight_decay"] = cfg.weight_decay
+        if cfg.name == "muon":
+            group["use_muon"] = kind == "matrix"
+            if kind != "matrix" and cfg.adamw_lr is not None:
+                group["base_lr"] = cfg.adamw_lr
+        groups.append(group)
+    return groups
+
+
+@torch.no_grad()
+def log_decay_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Before each step: b <- b + log(1 - lr wd) for the `er` magnitudes of groups with a
+    `log_weight_decay`, which shrinks s = exp(b) alpha / rms(alpha) by the decoupled factor (1 - lr wd),
+    as the optimizer's own decay shrinks a plain site (spec, "Weight decay on scale parameters")."""
+    for group in optimizer.param_groups:
+        wd = group.get("log_weight_decay", 0.0)
+        if wd and group["lr"]:
+            shift = math.log(1.0 - group["lr"] * wd)  # OptimConfig.validate keeps lr * wd below 1
+            for p in group["params"]:
+                p.add_(shift)
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, scale: ScaleConfig) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg, scale)
+    if cfg.name == "muon":
+        optimizer = Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
+                         nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, ns_coefficients=cfg.ns_coefficients,
+                         ns_dtype=cfg.ns_dtype, lr_adjust=cfg.lr_adjust, eps=cfg.ns_eps,
+                         adamw_betas=tuple(cfg.betas), adamw_eps=cfg.eps)
+    else:
+        on_cuda = next(model.parameters()).is_cuda
+        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=on_cuda)
+    if any("log_weight_decay" in g for g in optimizer.param_groups):
+        optimizer.register_step_pre_hook(log_decay_hook)
+    return optimizer
+
+
+def describe_groups(optimizer: torch.optim.Optimizer) -> str:
+    """One line per group: its name, size and decay, printed at start-up."""
+    rows = []
+    for g in optimizer.param_groups:
+        count = sum(p.numel() for p in g["params"])
+        how = ("muon" if g["use_muon"] else "adamw") if "use_muon" in g else ""
+        rows.append(f"{g['name']}: {len(g['params'])} tensors, {count:,} params, wd={g['weight_decay']}"
+                    + (f", {how}" if how else ""))
+    return "; ".join(rows)

@@ -1,0 +1,266 @@
+"""Muon (momentum orthogonalized by Newton-Schulz) for hidden matrices, AdamW for every other tensor.
+
+One optimizer object holds both kinds of parameter group (`use_muon`), so that the trainer steps,
+schedules and checkpoints a single optimizer. On one process the Muon update follows torch.optim.Muon
+operation for operation. Under FSDP2 the momentum stays sharded like its parameter and only the
+orthogonalization sees whole matrices, on an owner rank (see muon_dist).
+"""
+
+import math
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from scalevec_train.errors import ScalevecError
+from scalevec_train.optim.muon_dist import local_row_range, orthogonalize_sharded, shard_layout
+
+# Keller Jordan's quintic: a fixed polynomial whose slope at 0 is as large as possible.
+QUINTIC = (3.4445, -4.7750, 2.0315)
+# Polar Express, degree 5 (Amsel et al. 2025, arXiv 2505.16932): a polynomial per iteration, the last one
+# repeating; all but the last are shrunk by a 1.01 safety factor (a/1.01, b/1.01^3, c/1.01^5) for bf16.
+_POLAR_EXPRESS_RAW = [
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+]
+POLAR_EXPRESS = [(a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in _POLAR_EXPRESS_RAW[:-1]]
+POLAR_EXPRESS.append(_POLAR_EXPRESS_RAW[-1])
+
+NS_COEFFICIENTS = ("quintic", "polar_express")
+LR_ADJUSTS = ("match_rms_adamw", "original")
+NS_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def newton_schulz(g: torch.Tensor, steps: int, coefficients: str = "quintic",
+                  dtype: torch.dtype = torch.bfloat16, eps: float = 1e-7) -> torch.Tensor:
+    """Approximate the polar factor U V^T of a matrix g = U S V^T, or of each matrix of a batch [B, m, n].
+
+    Computed in `dtype` and returned in it. For 2-D input with the quintic coefficients this performs
+    torch.optim.Muon's operations in its order, so that bf16 results agree bit for bit.
+    """
+    x = g.to(dtype)
+    tall = g.size(-2) > g.size(-1)
+    if tall:
+        x = x.mT  # the Gram matrix is then the smaller of the two squares
+    norm = x.norm() if x.ndim == 2 else x.norm(dim=(-2, -1), keepdim=True)
+    if coefficients == "polar_express":
+        # Frobenius norm >= spectral norm; the 1.01 margin keeps bf16 rounding from pushing it over 1
+        x = x / (norm * 1.01 + eps)
+        schedule = [POLAR_EXPRESS[min(i, len(POLAR_EXPRESS) - 1)] for i in range(steps)]
+    else:
+        x = x / norm.clamp(min=eps)
+        schedule = [QUINTIC] * steps
+    addmm = torch.addmm if x.ndim == 2 else torch.baddbmm
+    for a, b, c in schedule:
+        gram = x @ x.mT
+        poly = addmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G^2
+        x = addmm(x, poly, x, beta=a)  # a X + b X^3 + c X^5
+    return x.mT if tall else x
+
+
+def adjusted_lr(lr: float, rows: int, cols: int, mode: str) -> float:
+    """The LR that multiplies a rows x cols orthogonalized update (weight decay uses `lr` itself).
+
+    `match_rms_adamw` gives the update AdamW's typical RMS (Moonshot's rule), so Muon reuses AdamW's LR
+    and decay; `original` is Keller Jordan's sqrt(max(1, rows / cols)).
+    """
+    ratio = 0.2 * math.sqrt(max(rows, cols)) if mode == "match_rms_adamw" else math.sqrt(max(1, rows / cols))
+    return lr * ratio
+
+
+def _segments(split: list[int] | None, rows: int) -> list[tuple[int, int]]:
+    """Row ranges [start, stop) orthogonalized as separate matrices (fused Q, K, V); one without split."""
+    bounds = [0]
+    for n in split or [rows]:
+        bounds.append(bounds[-1] + n)
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores: a DTensor's local shard (same storage) or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _ns_cost(shape: torch.Size, split: list[int] | None) -> float:
+    """Newton-Schulz work for a whole parameter: rows * cols * min(rows, cols) per matrix."""
+    batch = shape[0] if len(shape) == 3 else 1
+    cols = shape[-1]
+    return float(sum(batch * (b - a) * cols * min(b - a, cols) for a, b in _segments(split, shape[-2])))
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for groups with `use_muon=True` (2-D matrices, 3-D expert stacks), AdamW for the others.
+
+    Group keys (each defaults to the constructor argument of the same name):
+      use_muon (True): Muon, or AdamW with adamw_betas / adamw_eps.
+      lr, weight_decay: both kinds; weight decay is decoupled and uses the unadjusted LR.
+      momentum, nesterov, ns_steps, ns_coefficients, ns_dtype, lr_adjust, eps: Muon only.
+      split (None): Muon only; row counts summing to dim -2, orthogonalized as separate matrices (fused
+        QKV: [q_rows, k_rows, v_rows]). 3-D parameters are a batch of matrices, one per leading index.
+    State: Muon params hold `momentum_buffer`; AdamW params `step`, `exp_avg`, `exp_avg_sq` (as torch's).
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        ns_coefficients: str = "quintic",
+        ns_dtype: torch.dtype | str = torch.bfloat16,
+        lr_adjust: str = "match_rms_adamw",
+        eps: float = 1e-7,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+    ):
+        defaults = dict(use_muon=True, split=None, lr=lr, weight_decay=weight_decay, momentum=momentum,
+                        nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
+                        ns_dtype=ns_dtype, lr_adjust=lr_adjust, eps=eps, adamw_betas=tuple(adamw_betas),
+                        adamw_eps=adamw_eps)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        where = f"optim (muon) param group {len(self.param_groups) - 1}"
+        # a dtype name keeps the state dict free of torch objects
+        if isinstance(group["ns_dtype"], torch.dtype):
+            group["ns_dtype"] = str(group["ns_dtype"]).removeprefix("torch.")
+        _validate_group(group, where)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # row-sharded matrices wait here, per (shard group, dtypes), for one exchange with their owners
+        pending: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, dict]]] = {}
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                self._adamw_step(group)
+                continue
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                update = self._momentum_update(p, group)
+                layout = shard_layout(p)
+                if layout is None:
+                    self._apply(p, _orthogonalize(update, group), group, row_start=0)
+                else:
+                    key = (layout, update.dtype, group["ns_dtype"])
+                    pending.setdefault(key, []).append((p, update, group))
+        for (layout, _, ns_dtype), items in pending.items():
+            def whole(i, matrix, items=items):
+                return _orthogonalize(matrix, items[i][2])
+
+            results = orthogonalize_sharded(
+                [u for _, u, _ in items], [p.shape[0] for p, _, _ in items],
+                [_ns_cost(p.shape, g["split"]) for p, _, g in items], whole, getattr(torch, ns_dtype), layout)
+            for (p, _, group), result in zip(items, results, strict=True):
+                start, _ = local_row_range(p.shape[0], layout.world, layout.rank)
+                self._apply(p, result, group, row_start=start)
+        return loss
+
+    def _momentum_update(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """Update the momentum (an EMA of gradients, like torch's); return this rank's part of the matrix
+        to orthogonalize: the Nesterov look-ahead, or the momentum itself."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        buf, grad = _local(state["momentum_buffer"]), _local(p.grad)
+        buf.lerp_(grad, 1 - group["momentum"])
+        return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+
+    def _apply(self, p: torch.Tensor, ortho: torch.Tensor, group: dict, row_start: int) -> None:
+        """Decay, then add this rank's rows [row_start, ...) of the orthogonalized update, each split
+        segment with the LR adjusted to its own shape."""
+        param = _local(p)
+        lr = group["lr"]
+        param.mul_(1 - lr * group["weight_decay"])
+        rows, cols = p.shape[-2], p.shape[-1]
+        row_stop = row_start + param.shape[-2]
+        for a, b in _segments(group["split"], rows):
+            lo, hi = max(a, row_start) - row_start, min(b, row_stop) - row_start
+            if lo < hi:
+                step_lr = adjusted_lr(lr, b - a, cols, group["lr_adjust"])
+                param[..., lo:hi, :].add_(ortho[..., lo:hi, :], alpha=-step_lr)
+
+    def _adamw_step(self, group: dict) -> None:
+        """torch.optim.AdamW's single-tensor update, on local shards."""
+        beta1, beta2 = group["adamw_betas"]
+        lr, eps = group["lr"], group["adamw_eps"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            param, grad = _local(p), _local(p.grad)
+            exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+            state["step"] += 1
+            step = state["step"].item()
+            param.mul_(1 - lr * group["weight_decay"])
+            exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            bias_correction1 = 1 - beta1**step
+            bias_correction2 = 1 - beta2**step
+            denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
+            param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+
+
+def _orthogonalize(update: torch.Tensor, group: dict) -> torch.Tensor:
+    """Newton-Schulz of a whole matrix or expert stack, split segment by split segment."""
+    parts = [newton_schulz(update[..., a:b, :], group["ns_steps"], group["ns_coefficients"],
+                           getattr(torch, group["ns_dtype"]), group["eps"])
+             for a, b in _segments(group["split"], update.shape[-2])]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+
+
+def _validate_group(group: dict, where: str) -> None:
+    """Reject bad hyperparameters and parameters that Muon cannot handle, naming the key and the fix."""
+    if not group["lr"] >= 0:
+        raise ScalevecError(f"{where}: lr", f"{group['lr']} is negative.", "use a learning rate >= 0.")
+    if not group["weight_decay"] >= 0:
+        raise ScalevecError(f"{where}: weight_decay", f"{group['weight_decay']} is negative.",
+                            "use a weight decay >= 0.")
+    if not group["use_muon"]:
+        beta1, beta2 = group["adamw_betas"]
+        if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
+            raise ScalevecError(f"{where}: adamw_betas", f"{group['adamw_betas']} is outside [0, 1).",
+                                "use betas such as [0.9, 0.95].")
+        if not group["adamw_eps"] > 0:
+            raise ScalevecError(f"{where}: adamw_eps", f"{group['adamw_eps']} is not positive.", "use 1e-8.")
+        return
+    if not 0 <= group["momentum"] < 1:
+        raise ScalevecError(f"{where}: momentum", f"{group['momentum']} is outside [0, 1).", "use 0.95.")
+    if not (isinstance(group["ns_steps"], int) and group["ns_steps"] >= 1):
+        raise ScalevecError(f"{where}: ns_steps", f"{group['ns_steps']!r} is not a positive integer.",
+                            "use 5.")
+    for key, allowed in (("ns_coefficients", NS_COEFFICIENTS), ("lr_adjust", LR_ADJUSTS),
+                         ("ns_dtype", NS_DTYPES)):
+        if group[key] not in allowed:
+            raise ScalevecError(f"{where}: {key}", f"unknown value {group[key]!r}.",
+                                f"use one of {', '.join(allowed)}.")
+    if not group["eps"] > 0:
+        raise ScalevecError(f"{where}: eps", f"{group['eps']} is not positive.", "use 1e-7.")
+    for p in group["params"]:
+        if p.ndim not in (2, 3):
+            raise ScalevecError(where, f"a parameter of shape {tuple(p.shape)} is in a Muon group; Muon "
+                                "takes matrices and [experts, rows, cols] stacks.",
+                                "route it to an AdamW group (use_muon=False).")
+        split = group["split"]
+        if split is not None and (any(not isinstance(n, int) or n <= 0 for n in split)
+                                  or sum(split) != p.shape[-2]):
+            raise ScalevecError(f"{where}: split", f"{split} does not split the {p.shape[-2]} rows of a "
+                                f"{tuple(p.shape)} parameter into positive parts.",
+                                "give row counts that add up to the rows, e.g. [q_rows, k_rows, v_rows].")

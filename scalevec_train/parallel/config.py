@@ -1,0 +1,28 @@
+"""The parallelism options (`distributed.*` in the config)."""
+
+from dataclasses import dataclass
+
+from scalevec_train.errors import ScalevecError
+
+AC_MODES = ("none", "selective", "full")
+
+
+@dataclass
+class DistributedConfig:
+    # HSDP replica groups: 1 = FSDP over all ranks; k = shard within groups of world/k ranks and
+    # replicate across the k groups; 0 = one group per node (world / LOCAL_WORLD_SIZE)
+    replicate: int = 0
+    # activation checkpointing per block: none | selective (recompute element-wise ops, keep matmul and
+    # attention outputs) | full (recompute whole blocks)
+    activation_checkpointing: str = "none"
+    # torch.compile each transformer block (the first steps are slower while it compiles)
+    compile: bool = False
+
+    def validate(self) -> None:
+        if self.replicate < 0:
+            raise ScalevecError("distributed.replicate", f"{self.replicate} is negative.",
+                                "use 0 (one replica group per node), 1 (plain FSDP) or a group count.")
+        if self.activation_checkpointing not in AC_MODES:
+            raise ScalevecError("distributed.activation_checkpointing",
+                                f"unknown mode {self.activation_checkpointing!r}.",
+                                f"use one of {', '.join(AC_MODES)}.")

@@ -1,0 +1,118 @@
+"""The process group: joining it under torchrun, who is who, and the few collectives the training
+code uses directly. On one process (no torchrun) every function does the single-process thing."""
+
+import os
+import uuid
+
+import torch
+import torch.distributed as dist
+
+
+def init() -> None:
+    """Join the process group that torchrun describes in the environment (nothing on one process)."""
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local_rank())
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend, store=_attempt_store(rank, world), rank=rank, world_size=world)
+        else:
+            dist.init_process_group(backend)
+
+
+def _attempt_store(rank: int, world: int) -> dist.Store:
+    """torchrun's key-value store under a prefix that only the processes of this attempt share.
+
+    torchrun hands its workers its own store and keeps it across restarts (--max-restarts), so a new
+    attempt can read the addresses an earlier attempt's process group left there and fail to connect
+    (pytorch/pytorch#135712). The restart count cannot name the attempt: it differs between nodes. So
+    rank 0 publishes a fresh token; every other rank joins under the token it read, with an id of its
+    own, and proceeds once rank 0 has answered that id. Rank 0 only answers joins under its own token,
+    and ids are new in every process, so no value of an earlier attempt is ever taken for this one.
+    """
+    from datetime import timedelta
+
+    from torch.distributed.constants import default_pg_timeout
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=default_pg_timeout)
+    me = uuid.uuid4().hex
+    if rank == 0:
+        store.set("scalevec/leader", me)
+        joins = [f"scalevec/{me}/join/{r}" for r in range(1, world)]
+        store.wait(joins)
+        for key in joins:
+            store.set(f"scalevec/answer/{store.get(key).decode()}", me)
+        token = me
+    else:
+        joined, answer = None, f"scalevec/answer/{me}"
+        while True:
+            leader = store.get("scalevec/leader").decode()
+            if leader != joined:  # a stale leader is replaced once this attempt's rank 0 is up
+                store.set(f"scalevec/{leader}/join/{rank}", me)
+                joined = leader
+            try:
+                store.wait([answer], timedelta(seconds=1))
+                break
+            except dist.DistStoreError:
+                continue
+        token = store.get(answer).decode()
+    return dist.PrefixStore(f"scalevec/{token}/", store)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(value):
+    """Rank 0's `value` on every rank (a picklable object)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        t = t.clone()
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    return t
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if `flag` is true on any rank (e.g. a signal that reached only some)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor(float(flag), device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a DTensor (e.g. a gradient norm under FSDP); plain tensors as they are."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

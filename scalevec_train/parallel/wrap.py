@@ -1,0 +1,51 @@
+"""Activation checkpointing and torch.compile, applied to each block's forward in place, so that
+parameter names (and with them initial values, optimizer groups and checkpoints) are the same under
+every setting:
+  none       keep all activations.
+  selective  keep the outputs of matrix multiplies and attention; recompute the cheap element-wise work
+             between them (norms, RoPE, SiLU * up) in the backward pass.
+  full       keep only each block's input; recompute the whole block in the backward pass.
+"""
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+# Ops whose outputs selective checkpointing keeps: the matrix multiplies and attention (expensive to
+# recompute). Everything else in a block is element-wise or a reduction and is recomputed.
+_KEEP = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _KEEP else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(_keep_matmuls)
+
+
+def wrap_block(block: nn.Module, ac: str, compile_block: bool) -> None:
+    """Replace `block.forward` by its checkpointed and/or compiled version. Done on the instance, not
+    with a wrapper module, so that parameter names stay as they are."""
+    if ac == "none" and not compile_block:
+        return
+    inner = block.forward
+    if ac == "full":
+        def forward(*args):
+            return checkpoint(inner, *args, use_reentrant=False)
+    elif ac == "selective":
+        def forward(*args):
+            return checkpoint(inner, *args, use_reentrant=False, context_fn=_selective_contexts)
+    else:
+        forward = inner
+    if compile_block:
+        forward = torch.compile(forward)
+    block.forward = forward

@@ -1,0 +1,9 @@
+"""Training: a loop that steps (trainer.py) and callbacks that observe it (callbacks/), the metrics
+logger, the numerical guards, and the training options.
+
+    config.py    TrainConfig, CheckpointConfig
+    trainer.py   Trainer, Callback, StepResult
+    callbacks/   evaluation, throughput, scale statistics, model metrics, checkpoints, stability
+    guards.py    the non-finite-step and loss-spike bookkeeping, the SIGTERM flag, fault injection
+    logger.py    metrics.jsonl, progress bar, wandb
+"""

@@ -1,0 +1,23 @@
+"""Saving checkpoints during a run: periodically, at the last step, and at the step of an early stop."""
+
+from pathlib import Path
+
+from scalevec_train.checkpoint.manager import CheckpointManager
+from scalevec_train.training.trainer import Callback, Trainer
+
+
+class Checkpointer(Callback):
+    """Saves every `every` steps (0: never in between), at the end and when the run stops early; the
+    last save is complete once the fit ends. `last_path` is the newest checkpoint written."""
+
+    def __init__(self, manager: CheckpointManager, every: int):
+        self.manager, self.every = manager, every
+        self.last_path: Path | None = None
+
+    def on_step_done(self, trainer: Trainer) -> None:
+        step = trainer.step
+        if step == trainer.steps or trainer.stop_reason or (self.every and step % self.every == 0):
+            self.last_path = self.manager.save(step)
+
+    def on_fit_end(self, trainer: Trainer) -> None:
+        self.manager.finish()

@@ -1,0 +1,144 @@
+"""The fused RMSNorm+scale kernels (scalevec_kernels.rms_norm) against plain PyTorch, on CPU in fp32.
+
+The Triton kernels run in triton's CPU interpreter, in a child process (see tests/kernels/helpers.py).
+"""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from scalevec_kernels import KernelError, head_rms_norm, rms_norm_scales
+from scalevec_kernels.backend import INTERPRETED
+from tests.kernels.helpers import EPS, assert_scale_grad_close, grads, run_interpreted, scale, scale_params
+
+
+def test_torch_backend_matches_functional_rms_norm():
+    gen = torch.Generator().manual_seed(0)
+    x, r = torch.randn(2, 5, 48, generator=gen), torch.randn(2, 5, 48, generator=gen)
+    scales = [torch.randn(48, generator=gen), None, torch.randn(48, generator=gen)]
+    *ys, h = rms_norm_scales(x, scales, EPS, residual=r, backend="torch")
+    torch.testing.assert_close(h, x + r)
+    for y, s in zip(ys, scales, strict=True):
+        torch.testing.assert_close(y, F.rms_norm(x + r, (48,), s, EPS))
+    (y,) = rms_norm_scales(x, None, EPS)  # auto on CPU: the reference
+    torch.testing.assert_close(y, F.rms_norm(x, (48,), None, EPS))
+
+
+def test_bad_arguments_raise():
+    x = torch.randn(3, 8)
+    with pytest.raises(KernelError, match="kernels"):
+        rms_norm_scales(x, [None], EPS, backend="cuda")
+    with pytest.raises(KernelError, match="scales"):
+        rms_norm_scales(x, [torch.ones(7)], EPS)
+    with pytest.raises(KernelError, match="residual"):
+        rms_norm_scales(x, [None], EPS, residual=torch.ones(3, 8, dtype=torch.float64))
+
+
+def _model_like(x, r, s_q, s_k, s_head, backend):
+    """A block's norm traffic: a residual add, q/k pre-norm copies, and a per-head QK-norm."""
+    q, k, h = rms_norm_scales(x, [s_q, s_k], EPS, residual=r, backend=backend)
+    qh = head_rms_norm(q.unflatten(-1, (4, 8)), s_head, EPS, backend=backend)
+    return (qh.flatten(-2) * k).sum() + h.square().sum()
+
+
+def _compiled_matches_eager(backend):
+    gen = torch.Generator().manual_seed(2)
+    leaves = [torch.randn(2, 3, 32, generator=gen), torch.randn(2, 3, 32, generator=gen),
+              torch.randn(32, generator=gen), torch.randn(32, generator=gen), torch.randn(8, generator=gen)]
+    leaves = [t.requires_grad_() for t in leaves]
+    compiled = torch.compile(_model_like, backend="aot_eager", fullgraph=True)
+    loss = compiled(*leaves, backend)
+    expect = _model_like(*leaves, backend)
+    torch.testing.assert_close(loss, expect)
+    for got, want in zip(grads(loss, leaves, None), grads(expect, leaves, None), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_compile_fullgraph_on_torch_backend():
+    _compiled_matches_eager("auto")
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this process runs the test_interp_ tests itself")
+def test_triton_kernels_in_interpreter():
+    run_interpreted(__file__)
+
+
+if INTERPRETED:
+
+    @pytest.mark.parametrize("n,m,k,residual,param", list(itertools.product(
+        (123, 1000, 3000), (1, 199), (1, 2, 3), (False, True), ("plain", "or", "er"))))
+    def test_interp_fused_matches_reference(n, m, k, residual, param):
+        gen = torch.Generator().manual_seed(n * 1000 + m * 10 + k)
+        x = torch.randn(m, n, generator=gen).requires_grad_()
+        r = torch.randn(m, n, generator=gen).requires_grad_() if residual else None
+        params = [scale_params(n, param, gen) for _ in range(k)]
+        leaves = [p for site in params for p in site]
+
+        def run(backend):
+            # Each run rebuilds s from its parameters, as the model does once per step.
+            return rms_norm_scales(x, [scale(site, param) for site in params], EPS, residual=r,
+                                   backend=backend)
+
+        got, want = run("triton"), run("torch")
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        upstream = [torch.randn(m, n, generator=gen) for _ in got]
+        acts = [x] if r is None else [x, r]
+        got_grads = grads(got, acts + leaves, upstream)
+        want_grads = grads(want, acts + leaves, upstream)
+        for a, b in zip(got_grads[:len(acts)], want_grads[:len(acts)], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        for a, b in zip(got_grads[len(acts):], want_grads[len(acts):], strict=True):
+            assert_scale_grad_close(a, b, m)
+
+    def test_interp_unscaled_slots_and_four_outputs():
+        gen = torch.Generator().manual_seed(3)
+        x = torch.randn(37, 200, generator=gen).requires_grad_()
+        r = torch.randn(37, 200, generator=gen).requires_grad_()
+        s1, s3 = (torch.randn(200, generator=gen).requires_grad_() for _ in range(2))
+        # the last case scales the fourth slot, which no other CPU case reaches
+        cases = (([s1, None, s3, None], r), (None, None), ([None, s3], r), ([None, s1, None, s3], None))
+        for scales, res in cases:
+            leaves = [x] + ([r] if res is not None else []) + [s for s in scales or [] if s is not None]
+            got = rms_norm_scales(x, scales, EPS, residual=res, backend="triton")
+            want = rms_norm_scales(x, scales, EPS, residual=res, backend="torch")
+            upstream = [torch.randn(37, 200, generator=gen) for _ in got]
+            for a, b in zip(got + grads(got, leaves, upstream), want + grads(want, leaves, upstream),
+                            strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+    def test_interp_mixed_precision_computes_in_fp32():
+        gen = torch.Generator().manual_seed(4)
+        x = torch.randn(9, 300, generator=gen).bfloat16().requires_grad_()
+        s = (1 + 0.5 * torch.randn(300, generator=gen)).requires_grad_()
+        (got,) = rms_norm_scales(x, [s], EPS, backend="triton")
+        (want,) = rms_norm_scales(x, [s], EPS, backend="torch")
+        assert got.dtype == torch.bfloat16
+        # Both round the same fp32 value once: at most one bf16 step apart.
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0)
+        upstream = torch.randn(9, 300, generator=gen).bfloat16()
+        (gx, gs), (wx, ws) = grads(got, [x, s], upstream), grads(want, [x, s], upstream)
+        assert gx.dtype == torch.bfloat16 and gs.dtype == torch.float32
+        torch.testing.assert_close(gx.float(), wx.float(), rtol=2 ** -7, atol=1e-5)
+        torch.testing.assert_close(gs, ws, rtol=1e-5, atol=1e-5)
+
+    def test_interp_compile_fullgraph_on_triton_backend():
+        _compiled_matches_eager("triton")
+
+    def test_interp_ops_pass_opcheck():
+        """Schema, fake implementations (shapes, dtypes, strides) and autograd registration."""
+        gen = torch.Generator().manual_seed(6)
+
+        def leaf(*shape):
+            return torch.randn(*shape, generator=gen).requires_grad_()
+
+        fwd, bwd = torch.ops.scalevec.rms_norm_fwd, torch.ops.scalevec.rms_norm_bwd
+        three_outputs = (leaf(5, 24), leaf(5, 24), [leaf(24), leaf(24)], [True, False, True], 1, EPS)
+        torch.library.opcheck(fwd, three_outputs)
+        heads = leaf(4, 3, 8)
+        torch.library.opcheck(fwd, (heads, None, [leaf(24)], [True], 3, EPS))
+        rstd = torch.rand(4, 3, generator=gen) + 0.5
+        torch.library.opcheck(bwd, ([torch.randn(4, 3, 8, generator=gen)], None, heads.detach(), rstd,
+                                    [torch.randn(24, generator=gen)], [True], 3))
