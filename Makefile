@@ -25,8 +25,9 @@ train: setup
 test: setup
 	$(PY) -m pytest
 
+# The GPU tests (tests/gpu) on a machine with CUDA; `make test` hides the GPUs and skips them.
 test-gpu: setup
-	$(PY) -m pytest tests/gpu
+	SCALEVEC_GPU_TESTS=1 $(PY) -m pytest tests/gpu
 
 # dense-tiny under baseline and unified (a few minutes on a CPU), then the comparison plot and table.
 DEMO := runs/demo

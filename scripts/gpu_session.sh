@@ -20,7 +20,8 @@ export PYTHONPATH=/tmp/site:$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
 # the whole log is kept (tracebacks included) with the exit status; the console gets its tail
-python3 -m pytest -q tests/gpu > "$out/kernels_gpu_tests.log" 2>&1; echo "rc=$?" >> "$out/kernels_gpu_tests.log"
+SCALEVEC_GPU_TESTS=1 python3 -m pytest -q tests/gpu > "$out/kernels_gpu_tests.log" 2>&1
+echo "rc=$?" >> "$out/kernels_gpu_tests.log"
 tail -n 30 "$out/kernels_gpu_tests.log"
 python3 scripts/bench_kernels.py 2>&1 | tee "$out/bench_kernels.md"
 python3 scripts/bench_train.py --presets dense-0.12b --scales baseline,unified 2>&1 | tee "$out/bench_train.md"

@@ -1,10 +1,30 @@
-"""Shared fixtures: a small real-text corpus (a slice of the standard library) and its cache."""
+"""Shared fixtures: a small real-text corpus (a slice of the standard library) and its cache.
 
+The suite is a CPU suite on any machine: unless SCALEVEC_GPU_TESTS=1, the GPUs are hidden from this
+process and every process it starts (before anything initializes CUDA), so that `device=auto` means the
+CPU, tolerances stay the CPU's, and a 2-rank launch never asks a 1-GPU host for device 1. The GPU tests
+(tests/gpu) run with SCALEVEC_GPU_TESTS=1 (make test-gpu, scripts/gpu_session.sh), and only there.
+"""
+
+import os
 import shutil
 import sysconfig
 from pathlib import Path
 
 import pytest
+
+GPU_TESTS = os.environ.get("SCALEVEC_GPU_TESTS") == "1"
+if not GPU_TESTS:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
+    """tests/gpu belongs to the GPU run, and the GPU run is tests/gpu alone."""
+    parts = collection_path.relative_to(Path(__file__).parent).parts
+    if not parts:
+        return None
+    return (parts[0] == "gpu") != GPU_TESTS
+
 
 # Modules whose source makes a ~300 KB corpus: enough to train a tokenizer and see the loss fall.
 CORPUS_MODULES = ["argparse.py", "dataclasses.py", "functools.py", "inspect.py", "pathlib.py", "typing.py",

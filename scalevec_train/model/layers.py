@@ -16,7 +16,9 @@ def scaled(x: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
 
 
 class PreNorm(nn.Module):
-    """N(x), computed once, then one scaled copy per branch site."""
+    """N(x), computed once, then one scaled copy per branch site. Given the residual stream's pending
+    update (`delta`), the norm adds it first in the same pass and returns the new stream too: the block
+    never writes x + delta on its own."""
 
     def __init__(self, cfg: ModelConfig, branches: list[str], scale: ScaleConfig):
         super().__init__()
@@ -27,9 +29,15 @@ class PreNorm(nn.Module):
         self.sites = nn.ModuleDict({b: ScaleSite((dim,), "input", "fixed" if b == "norm" else param)
                                     for b in branches})
 
-    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        outs = rms_norm_scales(x, [s() for s in self.sites.values()], self.eps, backend=self.kernels)
-        return dict(zip(self.sites.keys(), outs, strict=True))
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """({branch: s_branch * N(h)}, h) with h = x + delta (x itself without a delta)."""
+        if delta is not None:
+            # Under autocast the update may be bf16 while the stream is fp32: x + delta promotes, so do we.
+            delta = delta.to(x.dtype)
+        outs = rms_norm_scales(x, [s() for s in self.sites.values()], self.eps, residual=delta, backend=self.kernels)
+        if delta is not None:
+            *outs, x = outs
+        return dict(zip(self.sites.keys(), outs, strict=True)), x
 
 
 class Linear(nn.Module):
@@ -58,11 +66,18 @@ class Linear(nn.Module):
         sides = (("in", self.in_site), ("out", self.out_site))
         return [SiteMaps(site, side, (self.as_input(),)) for side, site in sides if site is not None]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """W (s_in * x): the map before its output normalization and site."""
         if self.in_site is not None:
             x = scaled(x, self.in_site())
-        y = F.linear(x, self.weight)
-        s = self.out_site() if self.out_site is not None else None
+        return F.linear(x, self.weight)
+
+    def out_scale(self) -> torch.Tensor | None:
+        return self.out_site() if self.out_site is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.project(x)
+        s = self.out_scale()
         if self.out_norm == "head":
             heads = y.unflatten(-1, (-1, self.head_dim))
             s = s.view(-1, self.head_dim) if s is not None and s.numel() != self.head_dim else s

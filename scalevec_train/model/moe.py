@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from scalevec_kernels import rms_norm_scales
+from scalevec_kernels import rms_norm_scales, swiglu_norm
 from scalevec_train.model.config import ModelConfig
 from scalevec_train.model.strategies import MapInput, ScaleConfig, ScaleSite, SiteMaps, plan_map
 
@@ -91,6 +91,17 @@ def _normed_output(module: nn.Module, name: str, y: torch.Tensor,
         return rms_norm_scales(y, [s], module.eps, backend=module.kernels)[0]
     normed = rms_norm_scales(y, [None], module.eps, backend=module.kernels)[0]
     return (normed * s.index_select(0, expert_of)).to(y.dtype)
+
+
+def _swiglu(module: nn.Module, gate: torch.Tensor, up: torch.Tensor, counts: torch.Tensor | None = None,
+            expert_of: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up after the output normalizations and sites of gate and up: one fused pass when
+    both are normalized (rows grouped by expert: counts per expert; expert_of: each row's expert)."""
+    g, u = module.gate_out, module.up_out
+    if g is not None and u is not None and g.behind_norm and u.behind_norm:
+        offsets = None if counts is None else counts.cumsum(0)
+        return swiglu_norm(gate, up, g(), u(), module.eps, expert_offsets=offsets, backend=module.kernels)
+    return F.silu(_normed_output(module, "gate", gate, expert_of)) * _normed_output(module, "up", up, expert_of)
 
 
 def _norm_label(module: nn.Module, name: str) -> str | None:
@@ -175,9 +186,8 @@ class RoutedExperts(nn.Module):
             grouped = _grouped_mm_supported(xs_gate, (w_gate.shape[-1], w_gate.shape[-2]))
         else:
             grouped = self.backend == "grouped_mm"
-        gate = _normed_output(self, "gate", _expert_mm(xs_gate, w_gate, counts, grouped), expert_of)
-        up = _normed_output(self, "up", _expert_mm(xs_up, w_up, counts, grouped), expert_of)
-        hidden = F.silu(gate) * up
+        hidden = _swiglu(self, _expert_mm(xs_gate, w_gate, counts, grouped), _expert_mm(xs_up, w_up, counts, grouped),
+                         counts, expert_of)
         hidden = hidden * weights.flatten().index_select(0, order).unsqueeze(-1).to(dtype)
         out = _expert_mm(hidden, w_down, counts, grouped)
         # Back to token order (a permutation: no atomics, so deterministic), then the fp32 sum over k.
@@ -199,9 +209,9 @@ class SharedExpert(nn.Module):
         return _site_maps(self, self.w_gate.weight, self.w_up.weight, self.w_down.weight)
 
     def forward(self, x_gate: torch.Tensor, x_up: torch.Tensor) -> torch.Tensor:
-        gate = _normed_output(self, "gate", F.linear(x_gate, _fold(self.w_gate.weight, self.gate_in, self.gate_out)))
-        up = _normed_output(self, "up", F.linear(x_up, _fold(self.w_up.weight, self.up_in, self.up_out)))
-        return F.linear(F.silu(gate) * up, _fold(self.w_down.weight, self.down_in, None))
+        gate = F.linear(x_gate, _fold(self.w_gate.weight, self.gate_in, self.gate_out))
+        up = F.linear(x_up, _fold(self.w_up.weight, self.up_in, self.up_out))
+        return F.linear(_swiglu(self, gate, up), _fold(self.w_down.weight, self.down_in, None))
 
 
 class MoEFeedForward(nn.Module):

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scalevec_kernels import swiglu_norm
 from scalevec_train.model.config import ModelConfig
 from scalevec_train.model.layers import Linear, PreNorm, Rotary
 from scalevec_train.model.moe import MoEFeedForward
@@ -78,7 +79,14 @@ class FeedForward(nn.Module):
 
     def forward(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
         shared = b.get("ffn")
-        return self.w_down(F.silu(self.w_gate(b.get("gate", shared))) * self.w_up(b.get("up", shared)))
+        x_gate, x_up = b.get("gate", shared), b.get("up", shared)
+        if self.w_gate.out_norm == self.w_up.out_norm == "full":
+            # u_g * N(G) and u_u * N(U), then SwiGLU, in one pass over G and U (dual_norm on gate and up)
+            hidden = swiglu_norm(self.w_gate.project(x_gate), self.w_up.project(x_up), self.w_gate.out_scale(),
+                                 self.w_up.out_scale(), self.w_gate.eps, backend=self.w_gate.kernels)
+        else:
+            hidden = F.silu(self.w_gate(x_gate)) * self.w_up(x_up)
+        return self.w_down(hidden)
 
 
 class Block(nn.Module):
@@ -90,9 +98,13 @@ class Block(nn.Module):
         self.ffn_norm = PreNorm(cfg, input_branches(scale, "ffn", moe), scale)
         self.ffn = MoEFeedForward(cfg, scale) if moe else FeedForward(cfg, scale, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), rope)
-        return h + self.ffn(self.ffn_norm(h))
+    def forward(self, x: torch.Tensor, rope: Rotary, delta: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is x + delta (the previous block's last update, added by this block's
+        first norm); returns (h, the FFN's update) for the next norm to add."""
+        a, x = self.attn_norm(x, delta)
+        b, h = self.ffn_norm(x, self.attn(a, rope))
+        return h, self.ffn(b)
 
     def site_maps(self) -> list[SiteMaps]:
         """Every site of the block with the maps it scales (folding, describe)."""
@@ -118,10 +130,10 @@ class Transformer(nn.Module):
         if tokens.shape[-1] > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {tokens.shape[-1]} tokens exceeds model.max_seq_len="
                              f"{self.cfg.max_seq_len}")
-        x = self.tok_emb(tokens)
+        x, delta = self.tok_emb(tokens), None
         for layer in self.layers:
-            x = layer(x, self.rope)
-        x = self.final_norm(x)["final"]
+            x, delta = layer(x, self.rope, delta)
+        x = self.final_norm(x, delta)[0]["final"]
         weight = self.tok_emb.weight if self.head is None else self.head.weight
         return F.linear(x, weight)
 
