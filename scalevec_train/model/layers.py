@@ -29,12 +29,14 @@ class PreNorm(nn.Module):
         self.sites = nn.ModuleDict({b: ScaleSite((dim,), "input", "fixed" if b == "norm" else param)
                                     for b in branches})
 
-    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None
+                ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """({branch: s_branch * N(h)}, h) with h = x + delta (x itself without a delta)."""
         if delta is not None:
             # Under autocast the update may be bf16 while the stream is fp32: x + delta promotes, so do we.
             delta = delta.to(x.dtype)
-        outs = rms_norm_scales(x, [s() for s in self.sites.values()], self.eps, residual=delta, backend=self.kernels)
+        scales = [s() for s in self.sites.values()]
+        outs = rms_norm_scales(x, scales, self.eps, residual=delta, backend=self.kernels)
         if delta is not None:
             *outs, x = outs
         return dict(zip(self.sites.keys(), outs, strict=True)), x
