@@ -1,0 +1,133 @@
+"""The framework's GPU paths, run for real on CUDA (make test-gpu / scripts/gpu_session.sh; skipped
+without CUDA): the trainer in bf16 (autocast, fused AdamW, the Triton kernels chosen by model.kernels=auto)
+for dense and MoE models under baseline and unified, eager and compiled; a compiled block on the fused
+kernels against the eager PyTorch path; MoE grouped_mm against the per-expert loop in bf16; Muon on CUDA
+against torch.optim.Muon; and a resume on CUDA against the uninterrupted run."""
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from scalevec_train.accounting import peak_flops
+from scalevec_train.model.moe import MoEFeedForward
+from scalevec_train.model.strategies import scale_sites
+from scalevec_train.model.transformer import Transformer
+from scalevec_train.optim.muon import Muon
+from scalevec_train.parallel.wrap import wrap_block
+from scalevec_train.train import run
+from tests.helpers import make_config
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+FAST = ["model.dim=128", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=352", "model.n_layers=2",
+        "train.seq_len=128", "train.global_batch=16", "train.micro_batch=8", "train.eval_batches=2",
+        "schedule.warmup_steps=5", "train.log_every=5", "device=cuda", "optim.lr=1e-2"]
+MOE = ["model=moe-tiny", "model.dim=128", "model.moe.num_experts=8", "model.moe.expert_dim=128"]
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("scale", ["baseline", "unified"])
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_trainer_in_bf16_on_cuda(data_overrides, tmp_path, model, scale, compiled):
+    cfg = make_config(*data_overrides, *FAST, *(MOE if model == "moe" else []), f"scale={scale}",
+                      "train.steps=40", f"distributed.compile={str(compiled).lower()}", f"run_dir={tmp_path / 'r'}")
+    assert cfg.train.dtype == "auto"  # auto means bf16 autocast on CUDA
+    logged = [r for r in records(run(cfg)) if "loss" in r]
+    losses = [r["loss"] for r in logged]
+    assert all(math.isfinite(v) for v in losses) and logged[-1]["skipped_steps"] == 0
+    assert sum(losses[-2:]) / 2 < losses[0] - 0.3
+    if peak_flops(torch.device("cuda")):
+        assert 0 < logged[-1]["mfu"] < 1
+
+
+def test_resume_on_cuda_equals_the_uninterrupted_run(data_overrides, tmp_path):
+    """Same data, weights and optimizer state after the resume: the losses agree to bf16 rounding of
+    non-deterministic reductions (atomics in attention's backward), far below a step's change."""
+    common = [*data_overrides, *FAST, "train.steps=12", "train.log_every=1", "checkpoint.every=6",
+              "checkpoint.keep_last=3"]
+    full = run(make_config(*common, f"run_dir={tmp_path / 'full'}"))
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(full / "checkpoints" / "step_000006", resumed / "checkpoints" / "step_000006")
+    run(make_config(*common, f"run_dir={resumed}", "resume=auto"))
+    want = {r["step"]: r["loss"] for r in records(full) if "loss" in r}
+    got = {r["step"]: r["loss"] for r in records(resumed) if "loss" in r}
+    assert sorted(got) == list(range(7, 13))
+    for step, loss in got.items():
+        assert loss == pytest.approx(want[step], rel=2e-3), step
+
+
+def test_compiled_block_on_fused_kernels_matches_eager_torch():
+    """A unified block (per-head norms behind q, k, v; the fused norm + SwiGLU; the residual-fused
+    pre-norms) compiled on the Triton kernels, against the same block eager on the PyTorch path, in bf16."""
+    outs = {}
+    for kernels, compiled in (("torch", False), ("triton", True)):
+        cfg = make_config("scale=unified", *FAST, f"model.kernels={kernels}")
+        model = Transformer(cfg.model, cfg.scale).cuda()
+        model.init_weights(0)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        with torch.no_grad():
+            for _, site in scale_sites(model):
+                for p in site.parameters():
+                    p.add_(0.3 * torch.randn(p.shape, generator=gen, device="cuda"))
+        for block in model.layers:
+            wrap_block(block, "none", compiled)
+        tokens = torch.randint(0, cfg.model.vocab_size, (4, 128), generator=gen, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(tokens)
+        logits.float().logsumexp(-1).mean().backward()
+        outs[kernels] = logits.float(), {n: p.grad.float() for n, p in model.named_parameters()}
+    (want, want_grads), (got, got_grads) = outs["torch"], outs["triton"]
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    for name, g in want_grads.items():
+        err = (got_grads[name] - g).norm() / g.norm().clamp(min=1e-12)
+        assert err < 3e-2, (name, err.item())
+
+
+def test_moe_grouped_mm_matches_the_loop_in_bf16():
+    """Both backends on the same bf16 inputs, against an fp32 reference: grouped_mm within twice the
+    loop's own error (plus a small atol)."""
+    cfg = make_config(*MOE, "scale=unified")
+    torch.manual_seed(0)
+    layer = MoEFeedForward(cfg.model, cfg.scale).cuda()
+    sites = {p for _, site in scale_sites(layer) for p in site.parameters()}
+    for p in layer.parameters():
+        if p not in sites:  # the sites start at s = 1
+            torch.nn.init.normal_(p, std=0.05)
+    x = torch.randn(4, 256, cfg.model.dim, device="cuda")
+    outs = {}
+    for backend in ("grouped_mm", "loop"):
+        layer.experts.backend = backend
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            outs[backend] = layer({"ffn": x}).float()
+    layer.experts.backend = "loop"
+    reference = layer({"ffn": x}).float()
+    loop_err = (outs["loop"] - reference).abs().max().item()
+    assert (outs["grouped_mm"] - reference).abs().max().item() <= 2 * loop_err + 1e-3
+
+
+def test_muon_on_cuda_equals_torch_muon():
+    """Five steps on fixed gradients; bf16 Newton-Schulz in torch's own operation order: bit for bit."""
+    torch.manual_seed(0)
+    init = [torch.randn(s, device="cuda") for s in ((256, 64), (64, 160), (128, 128))]
+    results = []
+    for make in (lambda ps: torch.optim.Muon(ps, lr=0.02, adjust_lr_fn="original"),
+                 lambda ps: Muon(ps, lr=0.02, lr_adjust="original")):
+        params = [t.clone().requires_grad_() for t in init]
+        opt = make(params)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(5):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen, device="cuda")
+            opt.step()
+        results.append(params)
+    for theirs, ours in zip(*results, strict=True):
+        assert torch.equal(ours, theirs)
