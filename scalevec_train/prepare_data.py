@@ -1,21 +1,50 @@
 """`python -m scalevec_train.prepare_data [overrides]`: prepare the configured data (tokenizer and
-token shards) ahead of training. Training does the same on first use; both reuse the cache."""
+token shards) ahead of training. Training does the same on first use; both reuse the cache.
 
+The same command under torchrun (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE) or as the tasks of a SLURM array
+(SLURM_ARRAY_TASK_ID, SLURM_ARRAY_TASK_COUNT) shares the work: each process encodes its parts, and the
+last to finish writes the prepared folder, the same as one process would (data/parts.py). The cache
+(data.cache_dir) must be on a file system that every process sees.
+"""
+
+import os
 import sys
 
-from hydra.errors import HydraException
-
-from scalevec_train.config import compose_config
-from scalevec_train.data import prepare_data
+from scalevec_train.data import prepare_share
 from scalevec_train.errors import ScalevecError
 
 
+def processes(env: dict[str, str]) -> tuple[int, int, int]:
+    """(rank, world size, processes on this node) of the preparation this process takes part in."""
+    if "WORLD_SIZE" in env:
+        rank, world, local = int(env.get("RANK", 0)), int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", 1))
+    elif "SLURM_ARRAY_TASK_COUNT" in env:
+        rank = int(env["SLURM_ARRAY_TASK_ID"]) - int(env.get("SLURM_ARRAY_TASK_MIN", 0))
+        world, local = int(env["SLURM_ARRAY_TASK_COUNT"]), 1
+    else:
+        return 0, 1, 1
+    if not 0 <= rank < world:
+        raise ScalevecError("process", f"rank {rank} is outside [0, {world}).",
+                            "launch under torchrun, or as a SLURM array with consecutive task ids (--array=0-N).")
+    return rank, world, local
+
+
 def main(argv: list[str]) -> int:
+    # Imported here, not above: the encoding worker processes import this module again, and need
+    # neither Hydra nor the config (which imports torch) to start.
+    from hydra.errors import HydraException
+
+    from scalevec_train.config import compose_config
+
     try:
-        data = prepare_data(compose_config(argv).data)
+        rank, world, local = processes(dict(os.environ))
+        data = prepare_share(compose_config(argv).data, rank, world, local)
     except (ScalevecError, HydraException) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if data is None:
+        print(f"process {rank} of {world}: its parts are written; the last process to finish merges them")
+        return 0
     print(f"prepared {data.root}")
     print(f"tokenizer {data.tokenizer_path} (vocab {data.vocab_size}, sha256 {data.tokenizer_hash[:12]})")
     for split, manifest in data.manifest.items():

@@ -4,13 +4,15 @@ from dataclasses import dataclass, field
 
 from scalevec_train.errors import ScalevecError
 
-SOURCES = ("stdlib", "text_dir", "hf", "shards")
+SOURCES = ("stdlib", "python_env", "text_dir", "hf", "shards")
+EMBEDDED = ("stdlib", "python_env")  # sources that read the running Python's files, so take no data.path
 
 
 @dataclass
 class DataConfig:
-    # stdlib (the running Python's standard library source) | text_dir | hf (a `datasets` dataset) |
-    # shards (a folder prepared earlier)
+    # stdlib (the running Python's standard library source, about 10M tokens) | python_env (the standard
+    # library plus every package installed beside it, site-packages) | text_dir | hf (a `datasets`
+    # dataset) | shards (a folder prepared earlier)
     source: str = "stdlib"
     # text_dir: folder of text files; hf: dataset name or local path; shards: prepared folder
     path: str = ""
@@ -30,14 +32,24 @@ class DataConfig:
     val_fraction: float = 0.02
     # tokenizer vocab size; YAML presets set it to ${model.vocab_size}
     vocab_size: int = 4096
-    # an existing SentencePiece model to use instead of training one (empty: train one)
+    # an existing tokenizer to use instead of training one (empty: train one): a SentencePiece model, or a
+    # Hugging Face tokenizer.json (or a folder holding one) whose end-of-document token is a special
+    # token named </s>, <|endoftext|>, <|end_of_text|> or <eos>
     tokenizer_path: str = ""
     # SentencePiece model type when training: bpe | unigram (unigram trains about 10x slower)
     tokenizer_type: str = "bpe"
     # tokenizer training reads at most this many bytes of training text
     tokenizer_train_bytes: int = 16_000_000
-    # tokens per shard file
+    # tokens per shard file (the last shard of each part shorter)
     shard_tokens: int = 1 << 26
+    # processes that encode documents (0: the cores this process may use, shared among the processes of
+    # a node when the preparation itself runs under torchrun); the shards are the same for any number
+    num_workers: int = 0
+    # documents are prepared in parts of about this many bytes of text (a part ends with the document
+    # that reaches it), in corpus order: the unit of work that preparation under torchrun or a SLURM array
+    # deals out, and the unit a killed preparation resumes from. Where a part ends, a shard ends. Not
+    # part of the cache key: it moves shard boundaries but never changes the token stream.
+    part_bytes: int = 1 << 27
     # where tokenizers and prepared shards are cached (relative to the working directory)
     cache_dir: str = "data_cache"
 
@@ -45,11 +57,11 @@ class DataConfig:
         if self.source not in SOURCES:
             raise ScalevecError("data.source", f"unknown source {self.source!r}.",
                                 f"use one of {', '.join(SOURCES)}.")
-        if self.source == "stdlib" and self.path:
-            raise ScalevecError("data.path", f"is set ({self.path!r}) but data.source=stdlib ignores it.",
+        if self.source in EMBEDDED and self.path:
+            raise ScalevecError("data.path", f"is set ({self.path!r}) but data.source={self.source} ignores it.",
                                 "pick the source that reads it (data=text_dir, data=hf, data=shards) "
                                 "or clear data.path.")
-        if self.source != "stdlib" and not self.path:
+        if self.source not in EMBEDDED and not self.path:
             raise ScalevecError("data.path", f"data.source={self.source} needs a path.",
                                 f"pass data.path=... ({_PATH_HELP[self.source]}).")
         if self.source == "text_dir" and not self.patterns:
@@ -73,6 +85,11 @@ class DataConfig:
                                 f"{self.tokenizer_train_bytes} is not positive.")
         if self.shard_tokens < 1:
             raise ScalevecError("data.shard_tokens", f"{self.shard_tokens} is not positive.")
+        if self.num_workers < 0:
+            raise ScalevecError("data.num_workers", f"{self.num_workers} is negative.",
+                                "use 0 for every available core, or a number of processes.")
+        if self.part_bytes < 1:
+            raise ScalevecError("data.part_bytes", f"{self.part_bytes} is not positive.")
         if not self.cache_dir:
             raise ScalevecError("data.cache_dir", "is empty.", "name a folder for the data cache.")
 
@@ -80,5 +97,5 @@ class DataConfig:
 _PATH_HELP = {
     "text_dir": "a folder of text files",
     "hf": "a dataset name or a local jsonl/parquet/arrow file or folder",
-    "shards": "a folder prepared earlier, holding tokenizer.model, train/ and val/",
+    "shards": "a folder prepared earlier, holding its tokenizer, train/ and val/",
 }

@@ -5,18 +5,29 @@ package nor the network.
 """
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 from scalevec_train.data.config import DataConfig
+from scalevec_train.data.document import Document
 from scalevec_train.errors import ScalevecError
 
 # Builders for a single local file, by suffix.
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+_ARROW_BATCH = 1024  # rows per Arrow batch
+
+
+def _as_str(column, row: int) -> str:
+    return column[row].as_py()
 
 
 class HfCorpus:
-    """Each row is one document, keyed by its row number; empty or missing texts are skipped."""
+    """Each row is one document, keyed by its row number; missing texts (None) are skipped.
+
+    A dataset on disk is read in Arrow batches: a row's size comes from the column without making a
+    Python string of its text, which only a row that is encoded here needs. A stream is read row by row.
+    """
 
     def __init__(self, cfg: DataConfig):
         self.cfg = cfg
@@ -32,26 +43,60 @@ class HfCorpus:
         return {"path": cfg.path, "config": cfg.hf_config, "split": cfg.hf_split, "field": cfg.text_field,
                 "max_bytes": cfg.max_corpus_bytes, "files": _local_files(self.path)}
 
-    def documents(self) -> Iterator[tuple[str, str]]:
-        cfg = self.cfg
-        total = 0
-        for i, row in enumerate(self._load()):
-            if i == 0 and cfg.text_field not in row:
-                raise ScalevecError("data.text_field", f"{cfg.text_field!r} is not a column of {cfg.path}.",
-                                    f"use one of {list(row)}.")
-            text = row[cfg.text_field]
+    def documents(self) -> Iterator[Document]:
+        cap, total = self.cfg.max_corpus_bytes, 0
+        for i, size, read in self._rows():
+            if cap:
+                # whole documents only, and at least one however large it is
+                if total and total + size > cap:
+                    return
+                total += size
+            yield Document(str(i), size, read)
+
+    def _rows(self) -> Iterator[tuple[int, int, Callable[[], str]]]:
+        """(row number, bytes of text, its reader) of every row whose text is not missing."""
+        rows = self._load()
+        import datasets  # present: _load() needs it
+
+        if not isinstance(rows, datasets.Dataset):
+            yield from self._stream(rows)
+            return
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        field = self._check_field(rows.column_names)
+        kind = rows.data.schema.field(field).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise self._not_text(str(kind))
+        i = 0
+        for batch in rows.with_format("arrow").iter(batch_size=_ARROW_BATCH):
+            column = batch[field]
+            for j, size in enumerate(pc.binary_length(column).to_pylist()):
+                if size is not None:
+                    yield i + j, size, partial(_as_str, column, j)
+            i += len(column)
+
+    def _stream(self, rows) -> Iterator[tuple[int, int, Callable[[], str]]]:
+        field = self.cfg.text_field
+        for i, row in enumerate(rows):
+            if i == 0:
+                self._check_field(list(row))
+            text = row[field]
             if text is None:
                 continue
             if not isinstance(text, str):
-                raise ScalevecError("data.text_field", f"column {cfg.text_field!r} of {cfg.path} holds "
-                                    f"{type(text).__name__}, not text.", "name a column of strings.")
-            if cfg.max_corpus_bytes:
-                size = len(text.encode())
-                # whole documents only, and at least one however large it is
-                if total and total + size > cfg.max_corpus_bytes:
-                    return
-                total += size
-            yield str(i), text
+                raise self._not_text(type(text).__name__)
+            yield i, len(text.encode()), partial(str, text)
+
+    def _check_field(self, columns: list[str]) -> str:
+        if self.cfg.text_field not in columns:
+            raise ScalevecError("data.text_field", f"{self.cfg.text_field!r} is not a column of {self.cfg.path}.",
+                                f"use one of {columns}.")
+        return self.cfg.text_field
+
+    def _not_text(self, kind: str) -> ScalevecError:
+        return ScalevecError("data.text_field", f"column {self.cfg.text_field!r} of {self.cfg.path} holds "
+                             f"{kind}, not text.", "name a column of strings.")
 
     def _load(self):
         try:

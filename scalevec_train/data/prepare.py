@@ -1,48 +1,47 @@
-"""Preparation: corpus -> SentencePiece tokenizer -> token shards with manifests, cached on disk.
+"""Preparation: corpus -> tokenizer -> token shards with manifests, cached on disk.
 
 Cache layout under data.cache_dir:
-    tokenizers/<key>.model         key: hash of the corpus fingerprint and the tokenizer settings
-    <source>-<key>/tokenizer.model key: hash of the corpus fingerprint, split, tokenizer and shard size
-    <source>-<key>/{train,val}/    shards and manifest.json
-    .lock                          held while preparing, so concurrent processes prepare only once
+    tokenizers/<key>.model           key: hash of the corpus fingerprint and the tokenizer settings
+    <source>-<key>/tokenizer.model   key: hash of the corpus fingerprint, split, tokenizer and shard size
+        (or tokenizer.json: data.tokenizer_path names a Hugging Face tokenizer)
+    <source>-<key>/{train,val}/      shards and manifest.json
+    .<source>-<key>.*.parts/         the parts of a preparation in progress (parts.py)
+    .lock                            held while preparing, so concurrent processes prepare only once
 A prepared folder is built under a temporary name and renamed when complete, so a killed preparation
 never leaves a folder that looks valid. The same folder layout is what data.source=shards reads.
+
+prepare_data() prepares in this process (with data.num_workers encoding processes); prepare_share() is
+one process's share of a preparation that several processes run together (prepare_data.py under
+torchrun, or a SLURM array), and the last of them to finish merges.
 """
 
 import fcntl
 import hashlib
 import json
 import logging
-import os
-import shutil
-import tempfile
+import multiprocessing
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import chain
 from pathlib import Path
-
-import numpy as np
-import sentencepiece as spm
 
 from scalevec_train.data import tokenizer
 from scalevec_train.data.config import DataConfig
-from scalevec_train.data.corpus import Corpus, open_corpus
-from scalevec_train.data.shards import FORMAT, MANIFEST, ShardWriter, open_manifest, scan_token_range
-from scalevec_train.data.split import ValSplit
+from scalevec_train.data.corpus import open_corpus
+from scalevec_train.data.document import Corpus
+from scalevec_train.data.encode import available_cores
+from scalevec_train.data.parts import encode_parts, merge, staging_dir
+from scalevec_train.data.shards import FORMAT, MANIFEST, open_manifest, scan_token_range
+from scalevec_train.data.split import SPLITS, ValSplit
 from scalevec_train.errors import ScalevecError
 
 log = logging.getLogger(__name__)
 
-SPLITS = ("train", "val")
-TOKENIZER = "tokenizer.model"
-_BATCH_CHARS = 1 << 22  # documents are encoded in batches of about this many characters
-
 
 @dataclass(frozen=True)
 class PreparedData:
-    root: Path  # folder holding tokenizer.model, train/ and val/
+    root: Path  # folder holding tokenizer.model (or tokenizer.json), train/ and val/
     tokenizer_path: Path
     tokenizer_hash: str  # sha256 of the tokenizer file
     vocab_size: int
@@ -62,17 +61,34 @@ class PreparedData:
             raise ScalevecError("split", f"unknown split {split!r}.", f"use one of {list(self.manifest)}.")
         return self.root / split
 
-    def load_tokenizer(self) -> spm.SentencePieceProcessor:
+    def load_tokenizer(self) -> tokenizer.Tokenizer:
         return tokenizer.load(self.tokenizer_path)
 
 
 def prepare_data(cfg: DataConfig) -> PreparedData:
     """Tokenizer and shards for `cfg`, built on first use and reused (after checks) afterwards."""
+    data = prepare_share(cfg, 0, 1)
+    assert data is not None  # the only process is the last to finish
+    return data
+
+
+def prepare_share(cfg: DataConfig, rank: int, world: int, local_world: int = 1) -> PreparedData | None:
+    """Process `rank`'s share of a preparation that `world` processes run together, `local_world` of
+    them on this node (sharing its cores): the prepared data, or None while other processes' parts are
+    still missing (the last process to finish merges). One process (world=1) prepares everything."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        # An encoding worker is importing the main module of the process that started it (spawn), and
+        # that module prepares data at import: it would wait forever for the lock its parent holds.
+        raise ScalevecError("prepare_data", "was called while a worker process imported the main module.",
+                            "call it under `if __name__ == \"__main__\":` in the script that prepares data.")
     cfg.validate()
     if cfg.source == "shards":
         data = open_prepared(Path(cfg.path), cfg.tokenizer_path, scan=True)
     else:
-        data = _prepare_text(cfg)
+        workers = cfg.num_workers or max(1, available_cores() // local_world)
+        data = _prepare_text(cfg, rank, world, workers)
+        if data is None:
+            return None
     check_vocab(data, cfg.vocab_size)
     return data
 
@@ -98,9 +114,9 @@ def open_prepared(root: Path, tokenizer_path: str | Path = "", scan: bool = Fals
     if not root.is_dir():
         raise ScalevecError("data.path", f"{root} is not a folder.",
                             "point it at a folder written by python -m scalevec_train.prepare_data.")
-    tok_path = Path(tokenizer_path) if tokenizer_path else root / TOKENIZER
-    if not tok_path.is_file():
-        raise ScalevecError(str(tok_path), "is missing.",
+    tok_path = tokenizer.resolve(tokenizer_path) if tokenizer_path else tokenizer.find(root)
+    if tok_path is None:
+        raise ScalevecError(str(root / tokenizer.SENTENCEPIECE_FILE), f"is missing (and so is {tokenizer.HF_FILE}).",
                             "set data.tokenizer_path to the tokenizer of the shards.")
     tok_hash = tokenizer.file_hash(tok_path)
     sp = tokenizer.load(tok_path)
@@ -114,6 +130,9 @@ def open_prepared(root: Path, tokenizer_path: str | Path = "", scan: bool = Fals
         if m["vocab_size"] != sp.get_piece_size():
             raise ScalevecError(where, f"says vocab_size={m['vocab_size']}, but {tok_path} has "
                                 f"{sp.get_piece_size()} pieces.", "prepare the data again.")
+        if m.get("eos_id", sp.eos_id()) != sp.eos_id():
+            raise ScalevecError(where, f"says eos_id={m['eos_id']}, but {tok_path} ends documents with "
+                                f"{sp.eos_id()}.", "prepare the data again.")
         if m["num_tokens"] == 0:
             raise ScalevecError(where, "lists no tokens.", "prepare the data again from a non-empty corpus.")
         if scan:
@@ -122,7 +141,7 @@ def open_prepared(root: Path, tokenizer_path: str | Path = "", scan: bool = Fals
                         vocab_size=sp.get_piece_size(), eos_id=sp.eos_id(), manifest=manifests)
 
 
-def _prepare_text(cfg: DataConfig) -> PreparedData:
+def _prepare_text(cfg: DataConfig, rank: int, world: int, workers: int) -> PreparedData | None:
     corpus = open_corpus(cfg)
     cache = Path(cfg.cache_dir)
     identity = {"source": cfg.source, "corpus": corpus.fingerprint(), "val_fraction": cfg.val_fraction}
@@ -130,28 +149,34 @@ def _prepare_text(cfg: DataConfig) -> PreparedData:
     if cfg.tokenizer_path:
         _check_vocab_size(tokenizer.load(tok_path).get_piece_size(), tok_path, cfg.vocab_size)
     root = _data_root(cfg, identity, cache, tok_path)
-    if root is None or not root.is_dir():
-        # All ranks of a job may get here at once on first use: one prepares, the others then find
-        # its result instead of racing it with a tokenizer of their own.
+    if root is not None and root.is_dir():
+        return open_prepared(root)
+    split = None  # made only when needed: it hashes every document key
+    # All processes of a job may get here at once on first use: one trains the tokenizer, the others
+    # then find it instead of racing it with one of their own. One process prepares the shards under
+    # the lock too (the other ranks of a training job wait for them); processes that share the work
+    # encode their parts outside it and take it only to merge.
+    with _exclusive(cache):
+        if not tok_path.is_file():
+            split = ValSplit(cfg.val_fraction, corpus.keys())
+            _train_tokenizer(cfg, corpus, split, tok_path)
+        root = _data_root(cfg, identity, cache, tok_path)
+        if world == 1 and not root.is_dir():
+            _build(cfg, corpus, split, tok_path, root, rank, world, workers)
+    if not root.is_dir():
+        _build(cfg, corpus, split, tok_path, root, rank, world, workers)
         with _exclusive(cache):
-            split = None  # made only when needed: it hashes every document key
-            if not tok_path.is_file():
-                split = ValSplit(cfg.val_fraction, corpus.keys())
-                _train_tokenizer(cfg, corpus, split, tok_path)
-            root = _data_root(cfg, identity, cache, tok_path)
-            if not root.is_dir():
-                _build(root, corpus, split or ValSplit(cfg.val_fraction, corpus.keys()), tok_path, cfg)
+            if not root.is_dir() and not _merge(cfg, tok_path, root):
+                log.info("process %d of %d: its parts are written; the last process to finish merges", rank,
+                         world)
+                return None
     return open_prepared(root)
 
 
 def _tokenizer_path(cfg: DataConfig, identity: dict, cache: Path) -> Path:
     """The configured tokenizer, or where the one trained for this corpus and these settings is cached."""
     if cfg.tokenizer_path:
-        path = Path(cfg.tokenizer_path)
-        if not path.is_file():
-            raise ScalevecError("data.tokenizer_path", f"{path} does not exist.",
-                                "point it at a SentencePiece .model file, or clear it to train one.")
-        return path
+        return tokenizer.resolve(Path(cfg.tokenizer_path))
     settings = tokenizer.settings(cfg.vocab_size, cfg.tokenizer_type, cfg.tokenizer_train_bytes)
     return cache / "tokenizers" / f"{_digest({**identity, 'tokenizer': settings})}.model"
 
@@ -175,68 +200,33 @@ def _exclusive(cache: Path) -> Iterator[None]:
 
 def _train_tokenizer(cfg: DataConfig, corpus: Corpus, split: ValSplit, tok_path: Path) -> None:
     start = time.perf_counter()
-    train_texts = (text for key, text in corpus.documents() if not split.is_val(key))
+    train_texts = (doc.read() for doc in corpus.documents() if not split.is_val(doc.key))
     tokenizer.train(tokenizer.training_lines(train_texts, cfg.tokenizer_train_bytes),
                     cfg.vocab_size, cfg.tokenizer_type, tok_path)
     log.info("trained a %d-piece tokenizer in %.1fs: %s", cfg.vocab_size, time.perf_counter() - start,
              tok_path)
 
 
-def _build(root: Path, corpus: Corpus, split: ValSplit, tok_path: Path, cfg: DataConfig) -> None:
+def _build(cfg: DataConfig, corpus: Corpus, split: ValSplit | None, tok_path: Path, root: Path, rank: int,
+           world: int, workers: int) -> None:
+    """Encodes this process's parts; with one process, merges them too."""
     start = time.perf_counter()
-    tok_hash = tokenizer.file_hash(tok_path)
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{root.name}."))
-    try:
-        shutil.copyfile(tok_path, tmp / TOKENIZER)
-        sp = tokenizer.load(tok_path)
-        eos = sp.eos_id()
-        if eos < 0:
-            raise ScalevecError(str(tok_path), "has no end-of-document (eos) piece to separate documents.",
-                                "use a SentencePiece model trained with an eos_id.")
-        writers = {s: ShardWriter(tmp / s, sp.get_piece_size(), tok_hash, cfg.shard_tokens) for s in SPLITS}
-        docs = dict.fromkeys(SPLITS, 0)
-        for keys, texts in _batches(corpus.documents()):
-            encoded = sp.encode(texts, num_threads=tokenizer.threads())
-            held_out = [split.is_val(key) for key in keys]
-            for s in SPLITS:
-                chosen = [ids for ids, val in zip(encoded, held_out, strict=True)
-                          if ids and val == (s == "val")]
-                docs[s] += len(chosen)
-                stream = chain.from_iterable(ids + [eos] for ids in chosen)
-                writers[s].add(np.fromiter(stream, dtype=np.int64))
-        if docs["train"] == 0:
-            raise ScalevecError("data", "empty corpus: no training document holds any text.",
-                                "point data.source/data.path at text.")
-        if docs["val"] == 0:
-            raise ScalevecError("data.val_fraction", "no document with text fell into the validation split.",
-                                "raise data.val_fraction or add documents.")
-        for s, writer in writers.items():
-            m = writer.close(split=s, num_documents=docs[s], eos_id=eos,
-                             corpus={"source": cfg.source, "path": cfg.path})
-            log.info("%s: %d documents, %d tokens", s, docs[s], m["num_tokens"])
-        try:
-            os.rename(tmp, root)
-        except OSError:
-            if not root.is_dir():
-                raise
-            # Another process finished the same preparation first; its folder is equally valid.
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info("prepared %s in %.1fs", root, time.perf_counter() - start)
+    tok = tokenizer.load(tok_path)
+    if tok.eos_id() < 0:
+        raise ScalevecError(str(tok_path), "has no end-of-document (eos) piece to separate documents.",
+                            "use a SentencePiece model trained with an eos_id.")
+    split = split or ValSplit(cfg.val_fraction, corpus.keys())
+    encode_parts(corpus.documents(), split, tok_path, staging_dir(root, cfg.part_bytes), cfg.part_bytes,
+                 cfg.shard_tokens, tok.get_piece_size(), rank, world, workers)
+    if world == 1:
+        _merge(cfg, tok_path, root)
+        log.info("prepared %s in %.1fs", root, time.perf_counter() - start)
 
 
-def _batches(documents: Iterator[tuple[str, str]]) -> Iterator[tuple[list[str], list[str]]]:
-    keys, texts, size = [], [], 0
-    for key, text in documents:
-        keys.append(key)
-        texts.append(text)
-        size += len(text)
-        if size >= _BATCH_CHARS:
-            yield keys, texts
-            keys, texts, size = [], [], 0
-    if keys:
-        yield keys, texts
+def _merge(cfg: DataConfig, tok_path: Path, root: Path) -> bool:
+    tok = tokenizer.load(tok_path)
+    return merge(staging_dir(root, cfg.part_bytes), root, tok_path, tokenizer.file_hash(tok_path),
+                 tok.get_piece_size(), tok.eos_id(), {"source": cfg.source, "path": cfg.path})
 
 
 def _digest(value: object) -> str:

@@ -23,13 +23,17 @@ def dtype_name(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
+def shard_name(index: int) -> str:
+    return f"{index:05d}.bin"
+
+
 class ShardWriter:
     """Appends token arrays to shard files of `shard_tokens` tokens (the last one shorter)."""
 
-    def __init__(self, split_dir: Path, vocab_size: int, tokenizer_hash: str, shard_tokens: int):
+    def __init__(self, split_dir: Path, vocab_size: int, shard_tokens: int):
         self.dir = split_dir
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.vocab_size, self.tokenizer_hash, self.shard_tokens = vocab_size, tokenizer_hash, shard_tokens
+        self.vocab_size, self.shard_tokens = vocab_size, shard_tokens
         self.dtype = dtype_name(vocab_size)
         self.pending: list[np.ndarray] = []
         self.pending_len = 0
@@ -44,24 +48,29 @@ class ShardWriter:
         while self.pending_len >= self.shard_tokens:
             self._flush(self.shard_tokens)
 
-    def close(self, **info) -> dict:
-        """Writes the last shard and the manifest (with `info` added to it); returns the manifest."""
+    def finish(self) -> list[dict]:
+        """Writes the last shard; returns the shards written, {"name", "num_tokens"} each."""
         if self.pending_len:
             self._flush(self.pending_len)
-        manifest = {"format": FORMAT, "dtype": self.dtype, "vocab_size": self.vocab_size,
-                    "tokenizer_hash": self.tokenizer_hash,
-                    "num_tokens": sum(s["num_tokens"] for s in self.shards), "shards": self.shards, **info}
-        # Written last: a split folder whose writer died midway has no manifest and is refused.
-        (self.dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        return manifest
+        return self.shards
 
     def _flush(self, n: int) -> None:
         tokens = np.concatenate(self.pending)
-        name = f"{len(self.shards):05d}.bin"
+        name = shard_name(len(self.shards))
         tokens[:n].tofile(self.dir / name)
         self.shards.append({"name": name, "num_tokens": n})
         rest = tokens[n:]
         self.pending, self.pending_len = ([rest] if rest.size else []), rest.size
+
+
+def write_manifest(split_dir: Path, vocab_size: int, tokenizer_hash: str, shards: list[dict], **info) -> dict:
+    """The manifest of the split folder holding `shards` (with `info` added to it); returns it."""
+    manifest = {"format": FORMAT, "dtype": dtype_name(vocab_size), "vocab_size": vocab_size,
+                "tokenizer_hash": tokenizer_hash, "num_tokens": sum(s["num_tokens"] for s in shards),
+                "shards": shards, **info}
+    # Written last: a split folder whose writer died midway has no manifest and is refused.
+    (split_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest
 
 
 def open_manifest(split_dir: Path) -> dict:

@@ -8,6 +8,7 @@ import hashlib
 
 from scalevec_train.errors import ScalevecError
 
+SPLITS = ("train", "val")
 _SPACE = 1 << 64
 
 

@@ -1,15 +1,38 @@
-"""Training, identifying and loading the SentencePiece tokenizer."""
+"""Tokenizers: training scalevec's SentencePiece tokenizer; finding, identifying and loading a
+tokenizer of either kind (a SentencePiece .model, or a Hugging Face tokenizer.json: hf_tokenizer.py).
+
+A folder (prepared data, a run directory) holds one tokenizer, as tokenizer.model or tokenizer.json.
+"""
 
 import hashlib
 import io
 import os
+import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import sentencepiece as spm
 
 from scalevec_train.errors import ScalevecError
+
+SENTENCEPIECE_FILE, HF_FILE = "tokenizer.model", "tokenizer.json"
+
+
+class Tokenizer(Protocol):
+    """What scalevec uses of a tokenizer: spm.SentencePieceProcessor has it, HfTokenizer mirrors it."""
+
+    def encode(self, input: str | list[str]) -> list[int] | list[list[int]]:
+        """Token ids of a text (or of each text of a list), without BOS or EOS."""
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def eos_id(self) -> int:
+        """The id that ends every document in the token stream (-1: none)."""
+
+    def get_piece_size(self) -> int:
+        """One more than the highest id: the embedding rows a model needs."""
 
 # Settings chosen for source code as much as prose: text passes through unchanged (identity
 # normalization, whitespace kept, no dummy prefix) so that decode(encode(text)) == text and indentation
@@ -77,12 +100,58 @@ def file_hash(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def load(path: Path) -> spm.SentencePieceProcessor:
+def resolve(path: Path) -> Path:
+    """The tokenizer file a path names: the file itself, or the one a folder holds."""
+    path = Path(path)
+    if path.is_dir():
+        found = find(path)
+        if found is None:
+            raise ScalevecError(str(path), f"holds no {HF_FILE} or {SENTENCEPIECE_FILE}.",
+                                "point data.tokenizer_path at a tokenizer file or a folder holding one.")
+        return found
+    if not path.is_file():
+        raise ScalevecError("data.tokenizer_path", f"{path} does not exist.",
+                            "point it at a SentencePiece .model file or a tokenizer.json, or clear it to "
+                            "train one.")
+    return path
+
+
+def find(folder: Path) -> Path | None:
+    """The tokenizer file of a folder (a Hugging Face folder may hold both: its tokenizer.json rules)."""
+    for name in (HF_FILE, SENTENCEPIECE_FILE):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def file_name(path: Path) -> str:
+    """The name a tokenizer file takes in a folder scalevec writes."""
+    return HF_FILE if Path(path).suffix == ".json" else SENTENCEPIECE_FILE
+
+
+def install(path: Path, folder: Path) -> Path:
+    """Copies the tokenizer file `path` into `folder` under its kind's name, removing a tokenizer of the
+    other kind that an earlier run left there (a folder holds one tokenizer)."""
+    name = file_name(path)
+    for other in {HF_FILE, SENTENCEPIECE_FILE} - {name}:
+        (folder / other).unlink(missing_ok=True)
+    shutil.copyfile(path, folder / name)
+    return folder / name
+
+
+def load(path: Path) -> Tokenizer:
+    """The tokenizer in a file or folder: a SentencePieceProcessor, or an HfTokenizer for a .json."""
+    path = resolve(path)
+    if path.suffix == ".json":
+        from scalevec_train.data.hf_tokenizer import HfTokenizer
+
+        return HfTokenizer(path)
     try:
         return spm.SentencePieceProcessor(model_file=str(path))
     except (OSError, RuntimeError) as err:
         raise ScalevecError(str(path), f"is not a SentencePiece model: {err}",
-                            "point data.tokenizer_path at a .model file.") from None
+                            "point data.tokenizer_path at a SentencePiece .model file or a "
+                            "tokenizer.json.") from None
 
 
 def write_atomic(path: Path, payload: bytes) -> None:
@@ -101,10 +170,3 @@ def write_atomic(path: Path, payload: bytes) -> None:
 def _chain(first: str, rest: Iterator[str]) -> Iterator[str]:
     yield first
     yield from rest
-
-
-def threads() -> int:
-    """The CPU cores this process may use."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1

@@ -19,7 +19,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from scalevec_train.data import DataConfig, PreparedData, TokenLoader, check_vocab, prepare_data
+from scalevec_train.data import parts as parts_module
 from scalevec_train.data import prepare as prepare_module
+from scalevec_train.data.corpus import open_corpus
 from scalevec_train.data.permutation import permute
 from scalevec_train.data.shards import ShardWriter
 from scalevec_train.errors import ScalevecError
@@ -49,8 +51,9 @@ def write_corpus(root: Path, n_docs: int = 20, seed: int = 0) -> dict[str, str]:
 
 
 def text_cfg(corpus: Path, cache: Path, **overrides) -> DataConfig:
+    # One encoding process unless a test asks for more: workers take seconds to start on a busy machine.
     return DataConfig(**{"source": "text_dir", "path": str(corpus), "cache_dir": str(cache),
-                         "vocab_size": VOCAB, "val_fraction": 0.2, **overrides})
+                         "vocab_size": VOCAB, "val_fraction": 0.2, "num_workers": 1, **overrides})
 
 
 def split_tokens(data: PreparedData, split: str) -> np.ndarray:
@@ -66,6 +69,11 @@ def split_texts(data: PreparedData, split: str) -> list[str]:
     sp = data.load_tokenizer()
     ends = np.flatnonzero(tokens == data.eos_id)
     return [sp.decode(doc[:-1].tolist()) for doc in np.split(tokens, ends + 1)[:-1]]
+
+
+def folder_bytes(root: Path) -> dict[str, bytes]:
+    """Every file under `root` by its relative path: what byte-identical preparations share."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def copy_prepared(data: PreparedData, dest: Path) -> Path:
@@ -150,16 +158,35 @@ def test_changed_corpus_is_prepared_again(tmp_path):
     assert "omega omega" in "".join(split_texts(after, "train") + split_texts(after, "val"))
 
 
-def test_interrupted_preparation_leaves_no_cache(corpus, tmp_path, monkeypatch):
-    def killed(self, **info):
-        raise KeyboardInterrupt
+def test_interrupted_preparation_resumes_from_its_finished_parts(corpus, tmp_path, monkeypatch):
+    """Killed while writing its third part: no folder that looks prepared; the next preparation encodes
+    only the parts that were not finished, and its result is that of an uninterrupted one."""
+    cfg = text_cfg(corpus[0], tmp_path / "cache", part_bytes=4000, shard_tokens=700)
+    reference = prepare_data(text_cfg(corpus[0], tmp_path / "reference", part_bytes=4000, shard_tokens=700))
+    finish, finished = parts_module.PartWriter.finish, []
 
-    monkeypatch.setattr(ShardWriter, "close", killed)
+    def killed_at_the_third(self):
+        if len(finished) == 2:
+            raise KeyboardInterrupt
+        finish(self)
+        finished.append(self.part)
+
+    monkeypatch.setattr(parts_module.PartWriter, "finish", killed_at_the_third)
     with pytest.raises(KeyboardInterrupt):
-        prepare_data(text_cfg(corpus[0], tmp_path))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "tokenizers"]
+        prepare_data(cfg)
+    assert not [p for p in (tmp_path / "cache").iterdir() if not p.name.startswith(".") and p.name != "tokenizers"]
     monkeypatch.undo()
-    assert split_texts(prepare_data(text_cfg(corpus[0], tmp_path)), "val")
+    init, encoded = parts_module.PartWriter.__init__, []
+
+    def recording(self, staging, part, *args):
+        encoded.append(part)
+        init(self, staging, part, *args)
+
+    monkeypatch.setattr(parts_module.PartWriter, "__init__", recording)
+    data = prepare_data(cfg)
+    assert finished == [0, 1] and encoded[0] == 2 and len(encoded) > 2
+    assert folder_bytes(data.root) == folder_bytes(reference.root)
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [".lock", data.root.name, "tokenizers"]
 
 
 def test_prepared_folder_reads_back_as_shards(prepared, tmp_path):
@@ -198,7 +225,7 @@ def test_token_id_beyond_vocab_is_an_error(prepared, tmp_path):
     del shard
     with pytest.raises(ScalevecError, match=f"token id {VOCAB} >= vocab_size={VOCAB}"):
         prepare_data(shards_cfg(folder))
-    writer = ShardWriter(tmp_path / "new", VOCAB, prepared.tokenizer_hash, shard_tokens=100)
+    writer = ShardWriter(tmp_path / "new", VOCAB, shard_tokens=100)
     with pytest.raises(ScalevecError, match=f"id {VOCAB} outside"):
         writer.add(np.array([0, VOCAB - 1, VOCAB]))
 
@@ -260,7 +287,7 @@ def test_presets_compose_onto_the_dataclass(tmp_path):
     (tmp_path / "main.yaml").write_text("defaults:\n  - data: stdlib\n  - _self_\n"
                                         "model:\n  vocab_size: 512\n")
     with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
-        for preset in ("stdlib", "text_dir", "hf", "shards"):
+        for preset in ("stdlib", "python_env", "text_dir", "hf", "shards"):
             raw = OmegaConf.to_container(compose("main", overrides=[f"data={preset}"]), resolve=True)["data"]
             cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), raw))
             assert cfg == DataConfig(source=preset, vocab_size=512)
@@ -374,6 +401,27 @@ def test_stdlib_default_preparation(tmp_path):
     assert torch.equal(inputs[:, 1:], targets[:, :-1])
 
 
+def test_python_env_is_the_stdlib_then_the_installed_packages():
+    """The files a walk of each folder finds (hidden folders, caches and the stdlib's own
+    site-packages left out), the standard library first; keys name the folder they came from."""
+    paths = sysconfig.get_paths()
+
+    def found(root: Path, skip: set[str]) -> list[str]:
+        return sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")
+                      if not skip & set(p.relative_to(root).parts[:-1])
+                      and not any(part.startswith(".") for part in p.relative_to(root).parts[:-1]))
+
+    stdlib = found(Path(paths["stdlib"]), {"site-packages", "dist-packages", "__pycache__"})
+    packages = found(Path(paths["purelib"]), {"site-packages", "dist-packages", "__pycache__"})
+    corpus = open_corpus(DataConfig(source="python_env"))
+    keys = corpus.keys()
+    assert sorted(keys[:len(stdlib)]) == ["stdlib/" + k for k in stdlib]
+    assert sorted(keys[len(stdlib):]) == ["purelib/" + k for k in packages]  # this venv: one package folder
+    assert "purelib/numpy/__init__.py" in keys and "stdlib/json/decoder.py" in keys
+    doc = next(d for d in corpus.documents() if d.key == "purelib/numpy/__init__.py")
+    assert doc.read() == (Path(paths["purelib"]) / "numpy" / "__init__.py").read_text()
+
+
 def test_hf_without_datasets_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
     (tmp_path / "rows.jsonl").write_text('{"text": "a"}\n')
@@ -390,29 +438,6 @@ def test_hf_byte_cap_keeps_whole_leading_documents(tmp_path, monkeypatch):
     rows = [{"text": None}, {"text": "x" * 100}, {"text": "y" * 10}, {"text": "z" * 10}]
     monkeypatch.setattr(HfCorpus, "_load", lambda self: iter(rows))
     corpus = HfCorpus(DataConfig(source="hf", path=str(tmp_path), max_corpus_bytes=50))
-    assert list(corpus.documents()) == [("1", "x" * 100)]
+    assert [(d.key, d.size, d.read()) for d in corpus.documents()] == [("1", 100, "x" * 100)]
     corpus = HfCorpus(DataConfig(source="hf", path=str(tmp_path), max_corpus_bytes=115))
-    assert list(corpus.documents()) == [("1", "x" * 100), ("2", "y" * 10)]
-
-
-def test_hf_local_jsonl_parquet_and_streaming(corpus, tmp_path):
-    pytest.importorskip("datasets")
-    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")  # datasets needs them
-    texts = list(corpus[1].values())
-    rows = [{"id": i, "content": t} for i, t in enumerate(texts)] + [{"id": -1, "content": None}]
-    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
-    cfg = DataConfig(source="hf", path=str(tmp_path / "rows.jsonl"), text_field="content", val_fraction=0.3,
-                     cache_dir=str(tmp_path / "cache"), vocab_size=VOCAB)
-    try:
-        data = prepare_data(cfg)
-    except ScalevecError as err:  # the hash split of 20 rows left one side empty: not the point here
-        pytest.fail(str(err))
-    assert sorted(split_texts(data, "train") + split_texts(data, "val")) == sorted(texts)
-    for path, streaming in ((tmp_path / "rows.jsonl", True), (tmp_path / "rows.parquet", False)):
-        other = prepare_data(DataConfig(**{**cfg.__dict__, "path": str(path), "streaming": streaming,
-                                           "cache_dir": str(tmp_path / f"cache-{streaming}")}))
-        for split in ("train", "val"):
-            assert np.array_equal(split_tokens(other, split), split_tokens(data, split))
-    with pytest.raises(ScalevecError, match="data.text_field"):
-        prepare_data(DataConfig(**{**cfg.__dict__, "text_field": "body"}))
+    assert [(d.key, d.read()) for d in corpus.documents()] == [("1", "x" * 100), ("2", "y" * 10)]

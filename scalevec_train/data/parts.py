@@ -1,0 +1,188 @@
+"""Shards written in parts, by one process or many, and merged into a prepared folder.
+
+The documents, in corpus order, are cut into parts of about data.part_bytes bytes of text: a part ends
+with the document that reaches that size. Of the `world` processes preparing together (one; or those of
+a torchrun job or a SLURM array, on any nodes that share the cache), process `rank` encodes parts
+rank, rank + world, ...; it steps over the documents of the others by their size, without reading them.
+Each part's tokens go to shard files of a folder of its own, renamed into place when complete, so that a
+killed preparation resumes from the parts it finished. Once every part is there, one process (under the
+cache lock: the last to finish) merges: it links the parts' shards, numbered in corpus order, into the
+prepared folder and writes the manifests. Parts and shards are the same for any number of processes and
+workers, so the prepared folder is too.
+
+Staging, beside the prepared folder <root>, until the merge removes it:
+    .<root>.<part_bytes>.parts/part-00007/{train,val}/NNNNN.bin, part.json   a finished part
+    .<root>.<part_bytes>.parts/count.json                                    the number of parts
+"""
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from scalevec_train.data import tokenizer
+from scalevec_train.data.document import Document
+from scalevec_train.data.encode import Batch, Encoded, encode_batches
+from scalevec_train.data.shards import ShardWriter, shard_name, write_manifest
+from scalevec_train.data.split import SPLITS, ValSplit
+from scalevec_train.errors import ScalevecError
+
+log = logging.getLogger(__name__)
+
+_BATCH_CHARS = 1 << 22  # documents go to the workers in batches of about this many characters
+_RECORD, _COUNT = "part.json", "count.json"
+
+
+def staging_dir(root: Path, part_bytes: int) -> Path:
+    # part_bytes in the name: parts cut at another size never mix
+    return root.parent / f".{root.name}.{part_bytes}.parts"
+
+
+def part_dir(staging: Path, part: int) -> Path:
+    return staging / f"part-{part:05d}"
+
+
+class Cutter:
+    """The batches of the documents of this process's unfinished parts: each within one part, and at
+    least one per part (an empty one for a part without text, which is written all the same). `parts` is
+    the number of parts once the documents are exhausted."""
+
+    def __init__(self, documents: Iterator[Document], part_bytes: int, mine: Callable[[int], bool]):
+        self.documents, self.part_bytes, self.mine = documents, part_bytes, mine
+        self.parts = 0
+
+    def __iter__(self) -> Iterator[Batch]:
+        part, filled, mine = 0, 0, self.mine(0)
+        keys, texts, chars = [], [], 0
+        for doc in self.documents:
+            if filled >= self.part_bytes:
+                if mine:
+                    yield Batch(part, keys, texts)
+                    keys, texts, chars = [], [], 0
+                part, filled = part + 1, 0
+                mine = self.mine(part)
+            filled += doc.size
+            if mine:
+                text = doc.read()
+                keys.append(doc.key)
+                texts.append(text)
+                chars += len(text)
+                if chars >= _BATCH_CHARS:
+                    yield Batch(part, keys, texts)
+                    keys, texts, chars = [], [], 0
+        if mine:
+            yield Batch(part, keys, texts)
+        self.parts = part + 1
+
+
+class PartWriter:
+    """One part's shards and record, built in a temporary folder and renamed into place by finish()."""
+
+    def __init__(self, staging: Path, part: int, vocab_size: int, shard_tokens: int):
+        self.part, self.final = part, part_dir(staging, part)
+        self.tmp = Path(tempfile.mkdtemp(dir=staging, prefix=f".{self.final.name}."))
+        self.writers = {s: ShardWriter(self.tmp / s, vocab_size, shard_tokens) for s in SPLITS}
+        self.documents = dict.fromkeys(SPLITS, 0)
+
+    def add(self, encoded: Encoded) -> None:
+        for s in SPLITS:
+            self.writers[s].add(encoded.tokens[s])
+            self.documents[s] += encoded.documents[s]
+
+    def finish(self) -> None:
+        record = {s: {"shards": self.writers[s].finish(), "num_documents": self.documents[s]} for s in SPLITS}
+        (self.tmp / _RECORD).write_text(json.dumps(record))
+        try:
+            os.rename(self.tmp, self.final)
+        except OSError:
+            if not self.final.is_dir():
+                raise
+            # Another process finished the same part first; its folder is equally valid.
+        self.discard()
+
+    def discard(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def encode_parts(documents: Iterator[Document], split: ValSplit, tok_path: Path, staging: Path, part_bytes: int,
+                 shard_tokens: int, vocab_size: int, rank: int, world: int, workers: int) -> None:
+    """Writes this process's parts that are not in `staging` yet, then the number of parts."""
+    staging.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    cutter = Cutter(documents, part_bytes,
+                    lambda p: p % world == rank and not part_dir(staging, p).is_dir())
+    writer, written = None, 0
+    try:
+        for encoded in encode_batches(cutter, tok_path, split, workers):
+            if writer is None or encoded.part != writer.part:
+                if writer is not None:
+                    writer.finish()
+                    written += 1
+                writer = PartWriter(staging, encoded.part, vocab_size, shard_tokens)
+            writer.add(encoded)
+        if writer is not None:
+            writer.finish()
+            written += 1
+    finally:
+        if writer is not None:
+            writer.discard()
+    tokenizer.write_atomic(staging / _COUNT, json.dumps({"parts": cutter.parts}).encode())
+    log.info("process %d of %d: encoded %d of %d parts in %.1fs (workers: %d)", rank, world, written,
+             cutter.parts, time.perf_counter() - start, workers)
+
+
+def merge(staging: Path, root: Path, tok_path: Path, tok_hash: str, vocab_size: int, eos: int,
+          corpus_info: dict) -> bool:
+    """Builds `root` from the parts in `staging` if all are there (False if not); the caller holds the
+    cache lock. The folder appears whole or not at all."""
+    if not (staging / _COUNT).is_file():
+        return False
+    count = json.loads((staging / _COUNT).read_text())["parts"]
+    if not all((part_dir(staging, p) / _RECORD).is_file() for p in range(count)):
+        return False
+    records = [json.loads((part_dir(staging, p) / _RECORD).read_text()) for p in range(count)]
+    documents = {s: sum(r[s]["num_documents"] for r in records) for s in SPLITS}
+    if documents["train"] == 0:
+        raise ScalevecError("data", "empty corpus: no training document holds any text.",
+                            "point data.source/data.path at text.")
+    if documents["val"] == 0:
+        raise ScalevecError("data.val_fraction", "no document with text fell into the validation split.",
+                            "raise data.val_fraction or add documents.")
+    tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{root.name}."))
+    try:
+        tokenizer.install(tok_path, tmp)
+        for s in SPLITS:
+            (tmp / s).mkdir()
+            shards = []
+            for p, record in enumerate(records):
+                for shard in record[s]["shards"]:
+                    name = shard_name(len(shards))
+                    _link(part_dir(staging, p) / s / shard["name"], tmp / s / name)
+                    shards.append({"name": name, "num_tokens": shard["num_tokens"]})
+            m = write_manifest(tmp / s, vocab_size, tok_hash, shards, split=s, num_documents=documents[s],
+                               eos_id=eos, corpus=corpus_info)
+            log.info("%s: %d documents, %d tokens", s, documents[s], m["num_tokens"])
+        try:
+            os.rename(tmp, root)
+        except OSError:
+            if not root.is_dir():
+                raise
+            # Another process merged first; its folder is equally valid.
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    log.info("merged %d parts into %s", count, root)
+    return True
+
+
+def _link(src: Path, dst: Path) -> None:
+    """A second name for a shard (the parts stay whole until the merge is complete), or a copy where the
+    file system has no hard links."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
