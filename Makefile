@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.setup-$(shell printf '%s' '$(TORCH_SPEC)' | tr -c 'A-Za-z0-9._-' '_')
 
-.PHONY: setup train test test-gpu lint demo clean
+.PHONY: setup train test test-gpu lint demo ladder-demo clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,22 @@ demo: setup
 	  $(DEMO)/dense-tiny-unified-adamw-cosine-s0 --reference scale=baseline --out $(DEMO)/compare
 	@echo "comparison plot:  $(DEMO)/compare/curves.png"
 	@echo "comparison table: $(DEMO)/compare/summary.md (and summary.csv)"
+
+# The scaling-ladder workflow in miniature (configs/experiment/ladder_demo.yaml): WSD trunks over three
+# ladder rungs, branches of them to half the budget, and the compute multiplier of unified at both budgets.
+LADDER := runs/ladder_demo
+BRANCH_FROM := $(LADDER)/$${model.name}-$${scale.name}-$${schedule.name}-tpp0.5-s$${seed}
+ladder-demo: setup
+	$(PY) -m scalevec_train.train -m +experiment=ladder_demo
+	$(PY) -m scalevec_train.train -m +experiment=ladder_demo train.tokens_per_param=0.25 'branch_from=$(BRANCH_FROM)'
+	$(PY) scripts/compare_runs.py $(LADDER)/*-tpp0.5-s* --efficiency --reference scale=baseline \
+	  --out $(LADDER)/efficiency_tpp0.5
+	$(PY) scripts/compare_runs.py $(LADDER)/*-tpp0.25-s* --efficiency --reference scale=baseline \
+	  --out $(LADDER)/efficiency_tpp0.25
+	$(PY) scripts/compare_runs.py $(LADDER)/dense-l3-*-s* --reference 'scale=baseline train.tokens_per_param=0.5' \
+	  --out $(LADDER)/branches_l3
+	@echo "compute multipliers: $(LADDER)/efficiency_tpp{0.5,0.25}/efficiency.{md,png}"
+	@echo "trunks and branches: $(LADDER)/branches_l3/curves.png"
 
 lint: setup
 	$(PY) -m ruff check .

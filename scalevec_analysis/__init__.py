@@ -3,7 +3,8 @@ scaling laws. Kept out of `scalevec_train` so that training does not need matplo
 plots use (`pip install -e ".[analysis]"`).
 
 Modules: `runs` reads run directories and wandb runs, `groups` groups them and summarizes the groups,
-`scaling` fits the scaling law, `plots` draws, `report` writes an output directory.
+`scaling` fits the scaling law, `efficiency` measures compute multipliers over a ladder, `plots` draws,
+`report` writes an output directory.
 
 Definitions (the CLI's --help repeats them):
 
@@ -22,13 +23,19 @@ Definitions (the CLI's --help repeats them):
   tokens between the two logged points around the crossing (T_R is R's first token count if its first
   point is already low enough). >1 means G reaches its loss with fewer tokens than R needs for it.
   When R's curve never gets that low, T_R and the efficiency are "not reached" (None).
+- The *compute multiplier* of a strategy at a ladder point is the training compute (FLOPs per token times
+  tokens) the reference needs to reach the point's terminal loss, read off the reference's fit
+  L(C) = E + A C^(-alpha), divided by the point's compute (`efficiency` has the details: measured and
+  from the fits, bootstrap intervals over seeds). >1: the strategy needs less compute for that loss.
 """
 
+from scalevec_analysis.efficiency import compute_efficiency, efficiency_series, reference_compute
 from scalevec_analysis.groups import ema, find_group, first_reach, group_runs, metric_curve, summarize
-from scalevec_analysis.report import write_comparison, write_scaling
+from scalevec_analysis.report import write_comparison, write_efficiency, write_scaling
 from scalevec_analysis.runs import Run, load_run_dir, load_wandb, merge_records, parse_wandb_filter, run_from_history
 from scalevec_analysis.scaling import fit_power_law, scaling_series
 
-__all__ = ["Run", "ema", "find_group", "first_reach", "fit_power_law", "group_runs", "load_run_dir", "load_wandb",
-           "merge_records", "metric_curve", "parse_wandb_filter", "run_from_history", "scaling_series", "summarize",
-           "write_comparison", "write_scaling"]
+__all__ = ["Run", "compute_efficiency", "efficiency_series", "ema", "find_group", "first_reach", "fit_power_law",
+           "group_runs", "load_run_dir", "load_wandb", "merge_records", "metric_curve", "parse_wandb_filter",
+           "reference_compute", "run_from_history", "scaling_series", "summarize", "write_comparison",
+           "write_efficiency", "write_scaling"]

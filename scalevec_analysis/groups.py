@@ -13,8 +13,9 @@ import numpy as np
 from scalevec_analysis.runs import Run
 from scalevec_train.errors import ScalevecError
 
-# Config keys that never tell groups apart: they differ per seed or only say where things are kept.
-_IGNORED_KEYS = frozenset({"run_dir", "resume", "data.cache_dir"})
+# Config keys that never tell groups apart: they differ per seed or only say where things are kept. A
+# branch (branch_from) is its trunk's computation up to the branch point: it groups by its own settings.
+_IGNORED_KEYS = frozenset({"run_dir", "resume", "data.cache_dir", "branch_from"})
 _IGNORED_PREFIXES = ("logger.", "checkpoint.", "hydra.")
 _PATH_SUFFIXES = ("dir", "path", "file")
 _STARTING_POINT_KEYS = frozenset({"init_from"})
@@ -51,9 +52,9 @@ class GroupSummary:
 
 def is_ignored(key: str, value: Any, extra: Sequence[str] = ()) -> bool:
     """True for config keys that differ per seed or are bookkeeping: `seed` (and any `*.seed`),
-    `run_dir`, `resume`, `data.cache_dir`, `logger.*`, `checkpoint.*`, `hydra.*`, path-like keys (last
-    part `dir`/`path`/`file` or ending in `_dir`/`_path`/`_file`), keys whose value is an absolute or
-    home path (except `init_from`), and the keys (or sections) in `extra`."""
+    `run_dir`, `resume`, `data.cache_dir`, `branch_from`, `logger.*`, `checkpoint.*`, `hydra.*`, path-like
+    keys (last part `dir`/`path`/`file` or ending in `_dir`/`_path`/`_file`), keys whose value is an
+    absolute or home path (except `init_from`), and the keys (or sections) in `extra`."""
     last = key.rsplit(".", 1)[-1]
     if key in _IGNORED_KEYS or last == "seed" or key.startswith(_IGNORED_PREFIXES):
         return True

@@ -1,13 +1,14 @@
-"""The plots: loss curves of groups and scaling fits. matplotlib is imported only when a plot is drawn, so
-that the rest of the package works without it."""
+"""The plots: loss curves of groups, scaling fits and compute efficiency. matplotlib is imported only when a
+plot is drawn, so that the rest of the package works without it."""
 
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from scalevec_analysis.efficiency import EfficiencyRow, Series
 from scalevec_analysis.groups import Group, ema, mean_curve, metric_curve
-from scalevec_analysis.scaling import ScalingSeries
+from scalevec_analysis.scaling import PowerLawFit, ScalingSeries
 from scalevec_train.errors import ScalevecError
 
 
@@ -71,4 +72,48 @@ def plot_scaling(series: Sequence[ScalingSeries], path: Path, metric: str = "val
     ax.set_title("Scaling fit L(N) = E + A·N^(-α) per strategy")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize="small")
+    fig.savefig(path, dpi=120)
+
+
+def plot_efficiency(series: Sequence[Series], fits: dict[str, PowerLawFit], rows: Sequence[EfficiencyRow],
+                    reference: str, path: Path, metric: str = "val_loss") -> None:
+    """Left: terminal loss against training compute, every run (faint), each point's mean and each
+    series' fit. Right: the compute multipliers of the strategies' points, measured and from the fits,
+    with their bootstrap intervals (a multiplier the reference never reaches is left out)."""
+    fig = _figure(path, figsize=(13, 5), layout="constrained")
+    loss_ax, mult_ax = fig.subplots(1, 2)
+    for i, s in enumerate(series):
+        color = f"C{i % 10}"
+        for p in s.points:
+            loss_ax.scatter([p.compute] * len(p.losses), p.losses, color=color, alpha=0.3, s=12)
+        computes = np.array([p.compute for p in s.points])
+        loss_ax.scatter(computes, [p.losses.mean() for p in s.points], color=color, zorder=3)
+        grid = np.geomspace(computes[0] / 1.5, computes[-1] * 1.5, 200)
+        f = fits[s.label]
+        loss_ax.plot(grid, f(grid), color=color, label=f"{s.label}{' (ref)' if s.label == reference else ''}: "
+                                                       f"E={f.E:.3f}, A={f.A:.3g}, α={f.alpha:.3f}")
+        points = [r for r in rows if r.series == s.label and r.compute is not None]
+        for offset, kind, marker in ((0.97, "measured", "o"), (1.03, "fitted", "s")):
+            shown = [r for r in points if np.isfinite(getattr(r, kind).high)]
+            if not shown:
+                continue
+            value = np.array([getattr(r, kind).value for r in shown])
+            errors = np.array([[v - getattr(r, kind).low, getattr(r, kind).high - v] for r, v in zip(shown, value,
+                                                                                                   strict=True)]).T
+            mult_ax.errorbar([r.compute * offset for r in shown], value, yerr=errors, color=color, marker=marker,
+                             linestyle="none", capsize=3, label=f"{s.label}, {kind}")
+    loss_ax.set_xscale("log")
+    loss_ax.set_xlabel("training compute C (FLOPs)")
+    loss_ax.set_ylabel(f"terminal {'validation loss' if metric == 'val_loss' else 'loss'}")
+    loss_ax.set_title("Fits L(C) = E + A·C^(-α) per strategy")
+    loss_ax.grid(alpha=0.3, which="both")
+    loss_ax.legend(fontsize="small")
+    mult_ax.axhline(1.0, color="black", linewidth=0.8)
+    mult_ax.set_xscale("log")
+    mult_ax.set_xlabel("training compute C (FLOPs)")
+    mult_ax.set_ylabel(f"compute multiplier against {reference}")
+    mult_ax.set_title("Compute multiplier, 95% bootstrap intervals over seeds")
+    mult_ax.grid(alpha=0.3, which="both")
+    if mult_ax.get_legend_handles_labels()[0]:
+        mult_ax.legend(fontsize="small")
     fig.savefig(path, dpi=120)

@@ -1,11 +1,18 @@
-"""Output directories: a comparison of groups (curves.png, summary.md, summary.csv) or a scaling fit
-(scaling.png, scaling.md, scaling.csv)."""
+"""Output directories: a comparison of groups (curves.png, summary.md, summary.csv), a scaling fit
+(scaling.png, scaling.md, scaling.csv) or compute efficiency (efficiency.png, efficiency.md, efficiency.csv)."""
 
 from collections.abc import Sequence
 from pathlib import Path
 
+from scalevec_analysis.efficiency import (
+    compute_efficiency,
+    efficiency_markdown,
+    efficiency_series,
+    find_reference,
+    write_efficiency_csv,
+)
 from scalevec_analysis.groups import find_group, group_runs, summarize, summary_markdown, write_summary_csv
-from scalevec_analysis.plots import plot_curves, plot_scaling
+from scalevec_analysis.plots import plot_curves, plot_efficiency, plot_scaling
 from scalevec_analysis.runs import Run
 from scalevec_analysis.scaling import scaling_markdown, scaling_series, write_scaling_csv
 
@@ -36,4 +43,21 @@ def write_scaling(runs: Sequence[Run], out_dir: str | Path, metric: str = "val_l
     (out / "scaling.md").write_text(table)
     write_scaling_csv(series, out / "scaling.csv")
     plot_scaling(series, out / "scaling.png", metric)
+    return table
+
+
+def write_efficiency(runs: Sequence[Run], reference: str, out_dir: str | Path, metric: str = "val_loss",
+                     last_k: int = 1, series_keys: Sequence[str] = ("scale",), ignore: Sequence[str] = (),
+                     bootstrap: int = 1000) -> str:
+    """Compute multipliers of every strategy against `reference` (scalevec_analysis.efficiency); write
+    out_dir/efficiency.png, efficiency.md and efficiency.csv; return the markdown."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    series = efficiency_series(runs, metric, last_k, series_keys, ignore)
+    ref = find_reference(series, reference)
+    rows, fits = compute_efficiency(series, ref, bootstrap)
+    table = efficiency_markdown(rows, fits, ref.label, bootstrap)
+    (out / "efficiency.md").write_text(table)
+    write_efficiency_csv(rows, out / "efficiency.csv")
+    plot_efficiency(series, fits, rows, ref.label, out / "efficiency.png", metric)
     return table

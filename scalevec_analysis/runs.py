@@ -27,6 +27,7 @@ class Run:
     config: dict[str, Any]
     records: list[dict[str, float]]
     params: float | None = None  # parameter count N, needed only by the scaling fit
+    flops_per_token: float | None = None  # training FLOPs per token, needed only for compute efficiency
 
 
 def _freeze(value: Any) -> Any:
@@ -117,7 +118,8 @@ def _params_from_records(records: list[dict[str, float]]) -> float | None:
 def load_run_dir(path: str | Path) -> Run:
     """A trainer run directory (config.yaml, metrics.jsonl, optional describe.json) -> Run.
 
-    N for the scaling fit: describe.json's `total_params`, else the last `params` in the metrics.
+    N for the scaling fit: describe.json's `total_params`, else the last `params` in the metrics; FLOPs per
+    token for compute efficiency: describe.json's `train_flops_per_token`.
     """
     run_dir = Path(path)
     config_path, metrics_path = run_dir / "config.yaml", run_dir / "metrics.jsonl"
@@ -131,11 +133,13 @@ def load_run_dir(path: str | Path) -> Run:
     records = read_metrics(metrics_path)
     params = _params_from_records(records)
     describe = run_dir / "describe.json"
+    flops = None
     if describe.is_file():
-        total = json.loads(describe.read_text()).get("total_params")
-        if total is not None:
-            params = float(total)
-    return Run(str(run_dir), with_current_defaults(flatten_config(config)), records, params)
+        described = json.loads(describe.read_text())
+        if described.get("total_params") is not None:
+            params = float(described["total_params"])
+        flops = described.get("train_flops_per_token")
+    return Run(str(run_dir), with_current_defaults(flatten_config(config)), records, params, flops)
 
 
 def _unwrap_wandb_config(config: dict) -> dict:

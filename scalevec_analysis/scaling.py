@@ -63,7 +63,12 @@ def fit_power_law(sizes: Sequence[float], losses: Sequence[float], alpha_max: fl
     n0 = float(np.exp(np.log(n).mean()))
     base = n / n0
     grid = np.linspace(alpha_max / 4000, alpha_max, 4000)
-    ssr = np.array([_profile(base, y, a)[0] for a in grid])
+    # the profile residual of every grid alpha at once (as _profile computes it for one)
+    x = np.power(base[None, :], -grid[:, None])
+    xc = x - x.mean(axis=1, keepdims=True)
+    yc = y - y.mean()
+    slope = (xc @ yc) / np.einsum("ij,ij->i", xc, xc)
+    ssr = np.sum((yc[None, :] - slope[:, None] * xc) ** 2, axis=1)
     i = int(np.argmin(ssr))
     lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
     ratio = (math.sqrt(5) - 1) / 2

@@ -65,6 +65,15 @@ def matmul_params_per_token(model: nn.Module) -> int:
     return total
 
 
+def non_embedding_params(model: nn.Module) -> int:
+    """N of `train.tokens_per_param` and of the ladder's size rule: the weights a token multiplies with
+    (MoE: the active ones) minus the embedding and the output head. Without embeddings because at the
+    ladder's small sizes the vocabulary table is a large, size-irregular share (Kaplan et al. 2020 fit
+    cleaner laws without it); active because 6 N D is then the training compute; without scale sites
+    so that every strategy of a model gets the same token budget."""
+    return matmul_params_per_token(model) - model.cfg.vocab_size * model.cfg.dim
+
+
 def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
     cfg = model.cfg
     attention = 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim

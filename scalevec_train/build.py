@@ -16,6 +16,7 @@ import torch
 
 from scalevec_kernels import KernelError, check_backend
 from scalevec_train.accounting import peak_flops, train_flops_per_token
+from scalevec_train.branch import branch_point, check_own_run_dir
 from scalevec_train.checkpoint.files import check_model_fits, checkpoint_root, find_resume, inspect
 from scalevec_train.checkpoint.manager import CheckpointManager, ModelState, OptimizerState
 from scalevec_train.config import Config
@@ -29,6 +30,7 @@ from scalevec_train.parallel.fsdp import parallelize, uses_bf16
 from scalevec_train.parallel.process_group import broadcast_object, local_rank, rank, world_size
 from scalevec_train.training.callbacks import (
     Checkpointer,
+    EpochMonitor,
     Evaluator,
     ModelMetrics,
     ScaleMonitor,
@@ -36,7 +38,7 @@ from scalevec_train.training.callbacks import (
     SpeedMonitor,
     StabilityGuard,
 )
-from scalevec_train.training.guards import fault_nan_steps
+from scalevec_train.training.guards import FAULT_INF_GRAD_ENV, FAULT_NAN_ENV, fault_steps
 from scalevec_train.training.trainer import Trainer
 
 
@@ -49,6 +51,7 @@ class Run:
     run_dir: Path
     checkpointer: Checkpointer
     guard: StabilityGuard
+    branched_from: Path | None  # the trunk's checkpoint when this run starts a branch (branch_from)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -74,11 +77,16 @@ def build(cfg: Config) -> Run:
         check_backend(cfg.model.kernels, device.type)
     except KernelError as e:
         raise ScalevecError("model.kernels", e.problem, e.fix) from None
-    nan_steps = fault_nan_steps()
+    nan_steps, inf_grad_steps = fault_steps(FAULT_NAN_ENV, rank()), fault_steps(FAULT_INF_GRAD_ENV, rank())
     # Every rank uses rank 0's run_dir and checkpoint choice.
     run_dir = Path(broadcast_object(cfg.run_dir))
     check_run_dir(run_dir)
+    if cfg.branch_from:
+        check_own_run_dir(Path(cfg.branch_from), run_dir)
     resume_from = broadcast_object(find_resume(run_dir, cfg.resume))
+    # A branch that has checkpoints of its own continues from them (resume=auto) like any run.
+    branched_from = broadcast_object(branch_point(cfg, run_dir)) if cfg.branch_from and not resume_from else None
+    resume_from = resume_from or branched_from
     train_state = inspect(resume_from) if resume_from else None
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.scale)
@@ -91,11 +99,12 @@ def build(cfg: Config) -> Run:
 
     rank_, world = rank(), world_size()
     train_loader = TokenLoader(data, "train", cfg.train.seq_len, cfg.train.micro_batch, cfg.seed, rank_, world)
-    # The validation set is the first eval_batches * micro_batch sequences of the val split in a fixed
+    # The validation set is the first eval_batches * global_batch sequences of the val split in a fixed
     # order (seed 0, whatever the run's seed), split over the ranks: the same sequences, and so a
-    # comparable val_loss, for every seed and world size.
+    # comparable val_loss, for every seed, world size and micro-batch.
     val_loader = TokenLoader(data, "val", cfg.train.seq_len, cfg.train.micro_batch, 0, rank_, world)
-    val_data = [val_loader.next_batch() for _ in range(cfg.train.eval_batches // world)]
+    val_batches = cfg.train.eval_batches * cfg.train.global_batch // (cfg.train.micro_batch * world)
+    val_data = [val_loader.next_batch() for _ in range(val_batches)]
     if train_state is not None:
         train_loader.load_state_dict(train_state["loader"])
 
@@ -123,6 +132,7 @@ def build(cfg: Config) -> Run:
         SpeedMonitor(tokens_per_step, train_flops_per_token(model, cfg.train.seq_len), peak_flops(device), world),
         ScaleMonitor(),
         ModelMetrics(),
+        EpochMonitor(),
         Evaluator(val_data, cfg.train.eval_every),
         checkpointer,
     ]
@@ -131,8 +141,8 @@ def build(cfg: Config) -> Run:
         steps=cfg.train.steps, accum=cfg.train.global_batch // (cfg.train.micro_batch * world),
         grad_clip=cfg.train.grad_clip, device=device, autocast=autocast_for(cfg.train.dtype, device),
         log_every=cfg.train.log_every, tokens_per_step=tokens_per_step, callbacks=callbacks,
-        start_step=start_step, nan_steps=nan_steps)
-    return Run(trainer, data, run_dir, checkpointer, guard)
+        start_step=start_step, nan_steps=nan_steps, inf_grad_steps=inf_grad_steps)
+    return Run(trainer, data, run_dir, checkpointer, guard, branched_from)
 
 
 def check_run_dir(run_dir: Path) -> None:

@@ -8,15 +8,18 @@ with `key=value` and this module's checks give the one-line errors); presets set
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from scalevec_train.accounting import non_embedding_params
 from scalevec_train.data.config import DataConfig
 from scalevec_train.errors import ScalevecError
 from scalevec_train.model.config import ModelConfig
 from scalevec_train.model.strategies import ScaleConfig
+from scalevec_train.model.transformer import Transformer
 from scalevec_train.optim.groups import OptimConfig
 from scalevec_train.optim.schedules import ScheduleConfig
 from scalevec_train.parallel.config import DistributedConfig
@@ -48,6 +51,10 @@ class Config:
     # a Hugging Face Llama folder (config.json + safetensors) whose weights start a fresh run under any
     # dense model and strategy; empty: random initialization. A resumed run takes its checkpoint instead.
     init_from: str = ""
+    # a run directory or checkpoint of another run (the trunk) to branch from: this run starts from its
+    # weights, optimizer state and data position in its own run_dir, and decays to its own train.steps
+    # (scalevec_train/branch.py: which checkpoint, what must match); empty: no branch
+    branch_from: str = ""
     # auto (cuda if available) | cpu | cuda
     device: str = "auto"
 
@@ -69,14 +76,51 @@ class Config:
             raise ScalevecError("device", f"unknown device {self.device!r}.", "use auto, cpu or cuda.")
         if not self.run_dir:
             raise ScalevecError("run_dir", "is empty.", "set run_dir=<a directory>.")
+        if self.branch_from and (self.init_from or self.resume not in ("none", "auto")):
+            other = "init_from" if self.init_from else "resume"
+            raise ScalevecError("branch_from", f"and {other} both say where the run starts.",
+                                f"drop {other} (a branch starts from its trunk's checkpoint; resume=auto "
+                                "continues a branch that has checkpoints of its own).")
+
+    def derive(self, world_size: int) -> None:
+        """Fill the options derived from others: a null train.micro_batch from the ranks, train.steps and
+        checkpoint.every from their tokens per parameter."""
+        self.train.derive_micro_batch(world_size)
+        tokens_per_step = self.train.global_batch * self.train.seq_len
+        per_param = {"steps": self.train.tokens_per_param, "every": self.checkpoint.every_tokens_per_param}
+        per_param = {k: v for k, v in per_param.items() if v is not None and v > 0}  # validate() names bad ones
+        if not per_param or tokens_per_step <= 0:
+            return
+        self.model.validate()  # the model is built to count its parameters
+        self.scale.validate()
+        with torch.device("meta"):
+            n = non_embedding_params(Transformer(self.model, self.scale))
+        if "steps" in per_param:
+            self.train.steps = max(1, round(per_param["steps"] * n / tokens_per_step))
+        if "every" in per_param:  # rounded down: a budget's checkpoint lies before a branch's decay
+            self.checkpoint.every = max(1, int(per_param["every"] * n / tokens_per_step))
 
 
 # Hydra's base config (`- scalevec_defaults` in configs/config.yaml): every option at its default.
 ConfigStore.instance().store(name="scalevec_defaults", node=OmegaConf.to_container(OmegaConf.structured(Config)))
 
 
+def batch_tokens(tokens: int, *, _root_: DictConfig) -> int:
+    """`${batch_tokens:N}`: a global batch of N tokens in sequences of train.seq_len, so that a recipe's
+    batch stays N tokens when the sequence length is changed."""
+    seq_len = _root_.train.seq_len
+    if seq_len <= 0 or tokens % seq_len:
+        raise ScalevecError("train.global_batch", f"{tokens} tokens are not a whole number of sequences of "
+                            f"train.seq_len={seq_len}.", "set train.global_batch (in sequences), or a sequence "
+                            f"length that divides {tokens}.")
+    return tokens // seq_len
+
+
+OmegaConf.register_new_resolver("batch_tokens", batch_tokens)
+
+
 def to_config(raw: DictConfig, world_size: int = 1) -> Config:
-    """Type-check the composed config against the dataclasses, then validate it."""
+    """Type-check the composed config against the dataclasses, derive what follows from it, validate it."""
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
         cfg = OmegaConf.to_object(merged)
@@ -84,8 +128,14 @@ def to_config(raw: DictConfig, world_size: int = 1) -> Config:
         raise ScalevecError(e.full_key or "config", f"unknown key ({e.msg.splitlines()[0]}).",
                             "check the spelling against the config file that defines this group.") from None
     except OmegaConfBaseException as e:
+        cause = e.__context__
+        while cause is not None and not isinstance(cause, ScalevecError):  # a resolver's own error
+            cause = cause.__context__
+        if cause is not None:
+            raise cause from None
         raise ScalevecError(e.full_key or "config", e.msg.splitlines()[0],
                             "give a value of the type the config file documents.") from None
+    cfg.derive(world_size)
     cfg.validate(world_size)
     return cfg
 

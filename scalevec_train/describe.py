@@ -8,7 +8,13 @@ import sys
 import torch
 from hydra.errors import HydraException
 
-from scalevec_train.accounting import active_params, norm_flops_per_token, total_params, train_flops_per_token
+from scalevec_train.accounting import (
+    active_params,
+    non_embedding_params,
+    norm_flops_per_token,
+    total_params,
+    train_flops_per_token,
+)
 from scalevec_train.config import compose_config
 from scalevec_train.errors import ScalevecError
 from scalevec_train.model.strategies import ScaleConfig, scale_sites, site_display_name
@@ -40,6 +46,7 @@ def describe(cfg) -> dict:
     model_flops = train_flops_per_token(model, cfg.train.seq_len)
     out = {
         "model": cfg.model.name, "scale": cfg.scale.name, "total_params": total,
+        "non_embedding_params": non_embedding_params(model),
         "scale_params": scale_params, "scale_share": scale_params / total,
         "extra_train_flops_per_token": extra, "extra_flops_share": extra / model_flops,
         "train_flops_per_token": model_flops, "sites": sites,

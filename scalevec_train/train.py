@@ -6,7 +6,6 @@ What survives crashes, signals and bad numbers, and how failures are reported: d
 
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -14,8 +13,10 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from scalevec_train.accounting import total_params
+from scalevec_train.branch import copy_trunk_metrics
 from scalevec_train.build import build
 from scalevec_train.config import CONFIG_DIR, Config, to_config, to_yaml
+from scalevec_train.data import tokenizer
 from scalevec_train.describe import describe
 from scalevec_train.errors import DivergedError, ScalevecError
 from scalevec_train.optim.groups import describe_groups
@@ -28,7 +29,7 @@ def write_run_files(cfg: Config, run_dir: Path, tokenizer_path: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     (run_dir / "describe.json").write_text(json.dumps(describe(cfg), indent=1))
-    shutil.copyfile(tokenizer_path, run_dir / "tokenizer.model")
+    tokenizer.install(tokenizer_path, run_dir)  # as tokenizer.model, or tokenizer.json
 
 
 def drop_partial_line(path: Path) -> None:
@@ -61,6 +62,8 @@ def run(cfg: Config) -> Path:
     if main:
         write_run_files(cfg, run_dir, built.data.tokenizer_path)
         drop_partial_line(run_dir / "metrics.jsonl")
+        if built.branched_from is not None:
+            copy_trunk_metrics(built.branched_from, run_dir)
         print(f"run_dir: {run_dir}  params: {total_params(trainer.model):,}  "
               f"optimizer: {describe_groups(trainer.optimizer)}", file=sys.stderr)
         if cfg.logger.name == "wandb":

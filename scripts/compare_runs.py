@@ -3,12 +3,14 @@
 import argparse
 import sys
 
-from scalevec_analysis import load_run_dir, load_wandb, write_comparison, write_scaling
+from scalevec_analysis import load_run_dir, load_wandb, write_comparison, write_efficiency, write_scaling
 from scalevec_train.errors import ScalevecError
 
 DESCRIPTION = """\
-Groups runs by their resolved config minus the seed and bookkeeping (run_dir, resume, logger.*,
-checkpoint.*, data.cache_dir, path-like keys; more with --ignore) and compares the groups.
+Groups runs by their resolved config minus the seed and bookkeeping (run_dir, resume, branch_from,
+logger.*, checkpoint.*, data.cache_dir, path-like keys; more with --ignore) and compares the groups. A WSD
+branch's run directory holds its trunk's records up to the branch point, so branches and their trunk
+overlay as runs of their own lengths.
 
 Default mode writes OUT/curves.png (loss and validation loss against tokens), OUT/summary.md and
 OUT/summary.csv, and prints the table:
@@ -26,6 +28,15 @@ OUT/summary.csv, and prints the table:
 --series, default the `scale` section) to the mean terminal loss at each parameter count N
 (describe.json total_params, else `params` in the metrics), and writes OUT/scaling.png,
 OUT/scaling.md and OUT/scaling.csv.
+
+--efficiency mode measures compute efficiency against --reference over a ladder: runs split into series
+(--series, default `scale`) and, within a series, into points (everything else but the seed: model size,
+budget). Each series is fitted with L(C) = E + A*C^(-alpha), C = train_flops_per_token (describe.json)
+times tokens. A point's compute multiplier is the compute the reference's fit needs to reach the point's
+loss divided by the point's compute (>1: the strategy needs less), measured (the point's mean loss) and
+from the fits (the strategy's fitted loss), per point and as the geometric mean over a series' points,
+with 95% percentile bootstrap intervals over seeds (--bootstrap resamples). Writes OUT/efficiency.png,
+OUT/efficiency.md and OUT/efficiency.csv.
 """
 
 
@@ -38,8 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="""wandb runs matching ENTITY/PROJECT:{"config.scale.name": "unified"} """
                         "(JSON passed to wandb.Api().runs as filters; repeatable)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--reference", help="reference group: its label or key=value terms, e.g. 'scale=baseline' "
-                                       "(required unless --scaling)")
+    p.add_argument("--reference", help="reference group (--efficiency: series): its label or key=value terms, "
+                                       "e.g. 'scale=baseline' (required unless --scaling)")
     p.add_argument("--metric", choices=["val_loss", "loss"], default="val_loss",
                    help="the loss that defines terminal loss and token efficiency (default val_loss)")
     p.add_argument("--last-k", type=int, default=10,
@@ -51,14 +62,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also ignore this config key or section when grouping (repeatable)")
     p.add_argument("--scaling", action="store_true", help="fit L(N) = E + A*N^(-alpha) per strategy")
     p.add_argument("--series", action="append", metavar="KEY",
-                   help="--scaling: config keys or sections that define a strategy (default: scale)")
+                   help="--scaling, --efficiency: config keys or sections that define a strategy (default: scale)")
+    p.add_argument("--efficiency", action="store_true",
+                   help="compute multipliers of each strategy against --reference over a ladder")
+    p.add_argument("--bootstrap", type=int, default=1000,
+                   help="--efficiency: bootstrap resamples over seeds for the intervals (default 1000)")
     args = p.parse_args(argv)
     if not (args.run_dirs or args.wandb or args.wandb_filter):
         p.error("give at least one RUN_DIR, --wandb or --wandb-filter")
     if not args.scaling and not args.reference:
         p.error("--reference is required (unless --scaling)")
+    if args.scaling and args.efficiency:
+        p.error("--scaling and --efficiency are separate modes: pick one")
     if args.last_k < 1:
         p.error("--last-k must be at least 1")
+    if args.bootstrap < 1:
+        p.error("--bootstrap must be at least 1")
     if args.ema is not None and not 0.0 <= args.ema < 1.0:
         p.error("--ema must be in [0, 1)")
     return args
@@ -73,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.scaling:
             table = write_scaling(runs, args.out, args.metric, args.last_k, args.series or ["scale"],
                                   args.ignore)
+        elif args.efficiency:
+            table = write_efficiency(runs, args.reference, args.out, args.metric, args.last_k,
+                                     args.series or ["scale"], args.ignore, args.bootstrap)
         else:
             table = write_comparison(runs, args.reference, args.out, args.metric, args.last_k, args.ema,
                                      args.logx, args.logy, args.ignore)

@@ -4,6 +4,7 @@ The suite is a CPU suite on any machine: unless SCALEVEC_GPU_TESTS=1, the GPUs a
 process and every process it starts (before anything initializes CUDA), so that `device=auto` means the
 CPU, tolerances stay the CPU's, and a 2-rank launch never asks a 1-GPU host for device 1. The GPU tests
 (tests/gpu) run with SCALEVEC_GPU_TESTS=1 (make test-gpu, scripts/gpu_session.sh), and only there.
+Processes a test starts belong to the `processes` / `module_processes` fixtures (tests/launch.py).
 """
 
 import os
@@ -16,6 +17,10 @@ import pytest
 GPU_TESTS = os.environ.get("SCALEVEC_GPU_TESTS") == "1"
 if not GPU_TESTS:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    # One intra-op thread (read when torch is imported): the suite's tiny models gain nothing from more,
+    # and on cores shared with other processes OpenMP threads spin waiting for a descheduled sibling,
+    # which made single-process training tests up to 10x slower beside a busy process.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
@@ -46,3 +51,23 @@ def data_overrides(corpus_dir, tmp_path_factory) -> list[str]:
     cache = tmp_path_factory.mktemp("data_cache")
     return ["data=text_dir", f"data.path={corpus_dir}", f"data.cache_dir={cache}", "model.vocab_size=512",
             "logger.progress_bar=false"]
+
+
+@pytest.fixture
+def processes(tmp_path):
+    """Starts the processes of one test; kills whatever of them still runs when the test ends."""
+    from tests.launch import Processes  # here: importing torch is left to the tests
+
+    owned = Processes(tmp_path)
+    yield owned
+    owned.kill()
+
+
+@pytest.fixture(scope="module")
+def module_processes(tmp_path_factory):
+    """The same for a module's fixtures."""
+    from tests.launch import Processes
+
+    owned = Processes(tmp_path_factory.mktemp("processes"))
+    yield owned
+    owned.kill()

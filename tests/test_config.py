@@ -41,8 +41,10 @@ def test_config_error_names_key(overrides, message):
 
 
 def test_global_batch_must_divide_by_world_size():
-    with pytest.raises(ScalevecError, match=r"micro_batch \* ranks = 16 \* 3"):
+    with pytest.raises(ScalevecError, match=r"train.global_batch: 16 sequences cannot be split evenly over 3 ranks"):
         make_config(world_size=3)
+    with pytest.raises(ScalevecError, match=r"micro_batch \* ranks = 16 \* 2"):
+        make_config("train.micro_batch=16", world_size=2)
 
 
 def test_unknown_preset_is_refused_with_the_options():

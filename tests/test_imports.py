@@ -22,6 +22,7 @@ LAYERS = {
     "scalevec_train.config": 5,
     "scalevec_train.interop": 6,
     "scalevec_train.describe": 6,
+    "scalevec_train.branch": 6,
     "scalevec_train.build": 7,
     "scalevec_train.train": 8,
     "scalevec_train.prepare_data": 8,

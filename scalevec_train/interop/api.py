@@ -4,16 +4,15 @@
     model, tokenizer = scalevec_train.load("runs/my_run/checkpoints/step_001000", fold=True, device="cuda")
     logits = model(torch.tensor([tokenizer.encode("def f(x):")]))
 
-A run directory holds config.yaml, tokenizer.model and checkpoints/step_*/ (torch.distributed.checkpoint
-format). Only the model part of a checkpoint is read, resharded into one unsharded fp32 model. The
-checkpoint's metadata is a pickle: it is read with an unpickler that admits only the checkpoint
-metadata classes, and the tensors with torch.load(weights_only=True), so a crafted checkpoint cannot
-run code.
+A run directory holds config.yaml, its tokenizer (tokenizer.model, or tokenizer.json) and
+checkpoints/step_*/ (torch.distributed.checkpoint format). Only the model part of a checkpoint is read,
+resharded into one unsharded fp32 model. The checkpoint's metadata is a pickle: it is read with an
+unpickler that admits only the checkpoint metadata classes, and the tensors with
+torch.load(weights_only=True), so a crafted checkpoint cannot run code.
 """
 
 from pathlib import Path
 
-import sentencepiece as spm
 import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -21,25 +20,26 @@ from omegaconf.errors import OmegaConfBaseException
 from scalevec_train.checkpoint.files import COMPLETE, TMP_PREFIX, complete_checkpoints
 from scalevec_train.checkpoint.manager import load_model
 from scalevec_train.config import Config, to_config
-from scalevec_train.data import tokenizer as sp_tokenizer
+from scalevec_train.data import tokenizer as data_tokenizer
+from scalevec_train.data.tokenizer import Tokenizer
 from scalevec_train.errors import ScalevecError
 from scalevec_train.model.fold import fold as fold_model
 from scalevec_train.model.transformer import Transformer
 
 CONFIG_FILE = "config.yaml"
-TOKENIZER_FILE = "tokenizer.model"
 
 
 def load(path: str | Path, fold: bool = False,
-         device: str | torch.device = "cpu") -> tuple[Transformer, spm.SentencePieceProcessor]:
-    """The model (in eval mode, fp32, on `device`) and the SentencePiece tokenizer of a run directory
-    (its newest complete checkpoint) or of one checkpoints/step_* directory. fold=True returns the
-    folded model (every foldable scale site absorbed into its linear map; same logits)."""
+         device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer]:
+    """The model (in eval mode, fp32, on `device`) and the tokenizer of a run directory (its newest
+    complete checkpoint) or of one checkpoints/step_* directory: a SentencePieceProcessor, or for a
+    tokenizer.json an HfTokenizer with the same encode/decode/eos_id/get_piece_size. fold=True returns
+    the folded model (every foldable scale site absorbed into its linear map; same logits)."""
     run_dir, checkpoint = resolve(Path(path))
     cfg = read_config(run_dir)
     # The tokenizer is cheap to check: a bad one fails before any weight is read.
     tok_path = tokenizer_path(run_dir, cfg)
-    tokenizer = sp_tokenizer.load(tok_path)
+    tokenizer = data_tokenizer.load(tok_path)
     if tokenizer.get_piece_size() > cfg.model.vocab_size:
         raise ScalevecError(str(tok_path), f"has {tokenizer.get_piece_size()} pieces, more "
                             f"than the model's vocab_size={cfg.model.vocab_size}.",
@@ -101,15 +101,17 @@ def empty_model(cfg: Config) -> Transformer:
 
 
 def tokenizer_path(run_dir: Path, cfg: Config) -> Path:
-    """run_dir/tokenizer.model (written by the trainer), else the tokenizer the data config names."""
-    candidates = [run_dir / TOKENIZER_FILE]
+    """The run directory's tokenizer (written by the trainer), else the tokenizer the data config names."""
+    candidates = [run_dir]
     if cfg.data.tokenizer_path:
         candidates.append(Path(cfg.data.tokenizer_path))
     if cfg.data.source == "shards":
-        candidates.append(Path(cfg.data.path) / TOKENIZER_FILE)
+        candidates.append(Path(cfg.data.path))
     for path in candidates:
-        if path.is_file():
-            return path
-    raise ScalevecError(str(run_dir / TOKENIZER_FILE), "is missing (and the data config names no tokenizer "
-                        "file that exists).", f"copy the tokenizer.model the run used into {run_dir} (its data "
-                        f"cache holds it: {cfg.data.cache_dir}/{cfg.data.source}-*/tokenizer.model).")
+        found = data_tokenizer.find(path) if path.is_dir() else path if path.is_file() else None
+        if found is not None:
+            return found
+    raise ScalevecError(str(run_dir / data_tokenizer.SENTENCEPIECE_FILE), f"is missing (so is "
+                        f"{data_tokenizer.HF_FILE}, and the data config names no tokenizer file that exists).",
+                        f"copy the tokenizer the run used into {run_dir} (its data cache holds it: "
+                        f"{cfg.data.cache_dir}/{cfg.data.source}-*/tokenizer.model or tokenizer.json).")

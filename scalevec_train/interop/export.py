@@ -8,8 +8,9 @@ The model is folded first (fold.py), then written as
                              normalizations with weights on map outputs (dnp, unified, qk_norm, post_norm)
                              and mixture-of-experts layers
     tokenizer.json, tokenizer_config.json   a transformers fast tokenizer built from the SentencePiece model
-                             (encodes text to the same ids, adds no BOS/EOS)
-    tokenizer.model          the SentencePiece model itself
+                             (encodes text to the same ids, adds no BOS/EOS), or the run's Hugging Face
+                             tokenizer without its post-processor (which would add tokens training never saw)
+    tokenizer.model          the SentencePiece model itself (SentencePiece runs only)
 Pre-norms whose scales folded away are written as RMSNorm weights of ones. config.json carries the
 RoPE base both as `rope_theta` (transformers 4.x) and `rope_parameters` (5.x).
 """
@@ -20,10 +21,11 @@ import shutil
 import uuid
 from pathlib import Path
 
-import sentencepiece as spm
 import torch
 from safetensors.torch import save_file
 
+from scalevec_train.data.hf_tokenizer import HfTokenizer
+from scalevec_train.data.tokenizer import Tokenizer
 from scalevec_train.errors import ScalevecError
 from scalevec_train.interop.api import load
 from scalevec_train.model.fold import fold
@@ -46,7 +48,7 @@ def export(path: str | Path, out: str | Path) -> Path:
     return export_model(model, tokenizer, out)
 
 
-def export_model(model: Transformer, tokenizer: spm.SentencePieceProcessor, out: str | Path) -> Path:
+def export_model(model: Transformer, tokenizer: Tokenizer, out: str | Path) -> Path:
     """Fold `model` and write it with its tokenizer as a transformers folder `out` (new or empty). The
     folder appears whole or not at all."""
     out = Path(out)
@@ -216,23 +218,29 @@ def scalevec_config(folded: Transformer) -> dict:
     }
 
 
-def write_tokenizer(tokenizer: spm.SentencePieceProcessor, out: Path, max_len: int) -> None:
-    """tokenizer.json and tokenizer_config.json for transformers' PreTrainedTokenizerFast, and the
-    SentencePiece model as tokenizer.model."""
-    proto_bytes = tokenizer.serialized_model_proto()
-    fast = fast_tokenizer(proto_bytes)
-    (out / "tokenizer.model").write_bytes(proto_bytes)
-    fast.save(str(out / "tokenizer.json"))
-    pieces = [tokenizer.id_to_piece(i) for i in range(tokenizer.get_piece_size())]
-    special = {"unk_token": tokenizer.unk_id(), "eos_token": tokenizer.eos_id(), "bos_token": tokenizer.bos_id(),
-               "pad_token": tokenizer.pad_id()}
-    special = {k: pieces[i] for k, i in special.items() if i >= 0}
+def write_tokenizer(tokenizer: Tokenizer, out: Path, max_len: int) -> None:
+    """tokenizer.json and tokenizer_config.json for transformers' PreTrainedTokenizerFast; for a
+    SentencePiece tokenizer also the model itself as tokenizer.model."""
+    if isinstance(tokenizer, HfTokenizer):
+        spec = json.loads(tokenizer.backend.to_str())
+        spec["post_processor"] = None  # training added no BOS/EOS to a document's tokens: neither may this
+        (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False, indent=2) + "\n")
+        special = {"eos_token": tokenizer.backend.id_to_token(tokenizer.eos_id())}
+    else:
+        proto_bytes = tokenizer.serialized_model_proto()
+        fast = fast_tokenizer(proto_bytes)
+        (out / "tokenizer.model").write_bytes(proto_bytes)
+        fast.save(str(out / "tokenizer.json"))
+        pieces = [tokenizer.id_to_piece(i) for i in range(tokenizer.get_piece_size())]
+        special = {"unk_token": tokenizer.unk_id(), "eos_token": tokenizer.eos_id(),
+                   "bos_token": tokenizer.bos_id(), "pad_token": tokenizer.pad_id()}
+        special = {k: pieces[i] for k, i in special.items() if i >= 0}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **special,
         "add_bos_token": False,
         "add_eos_token": False,
-        # SentencePiece reads "</s>" in text as characters, not as the end of a document: so do we.
+        # scalevec reads "</s>" in text as characters, not as the end of a document: so do we.
         "split_special_tokens": True,
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_len,

@@ -7,12 +7,21 @@ from scalevec_train.errors import ScalevecError
 
 @dataclass
 class TrainConfig:
-    # optimizer steps
+    # optimizer steps (a model's recipe, configs/recipe/, may set another length)
     steps: int = 300
-    # sequences per optimizer step, summed over all data-parallel ranks
+    # the run's length in tokens per parameter: when set, train.steps = tokens_per_param * N / tokens per
+    # step, N the model's non-embedding parameters a token multiplies with (active ones in MoE layers;
+    # accounting.non_embedding_params); null: train.steps
+    tokens_per_param: float | None = None
+    # sequences per optimizer step, summed over all data-parallel ranks (a recipe gives it in tokens:
+    # ${batch_tokens:N} is N tokens at train.seq_len)
     global_batch: int = 16
-    # sequences per forward pass on one rank; global_batch / (micro_batch * ranks) = accumulation steps
-    micro_batch: int = 16
+    # sequences per forward pass on one rank; global_batch / (micro_batch * ranks) = accumulation steps.
+    # null: the largest that divides global_batch / ranks and holds at most max_micro_batch_tokens tokens
+    micro_batch: int | None = None
+    # the most tokens (micro_batch * seq_len) a derived micro_batch holds; lower it when a forward runs out
+    # of memory
+    max_micro_batch_tokens: int = 16384
     # tokens per training sequence
     seq_len: int = 128
     # clip the global gradient norm to this; 0 disables clipping
@@ -21,8 +30,9 @@ class TrainConfig:
     log_every: int = 10
     # validate every this many steps (and at the first and last step); 0: only at the first and last
     eval_every: int = 50
-    # validation batches of micro_batch sequences per evaluation, over all ranks (a multiple of the
-    # rank count); the same sequences every time and on any world size
+    # validation per evaluation: this many global batches (eval_batches * global_batch sequences, the
+    # first of the val split in a fixed order), split over the ranks and run micro_batch at a time: the
+    # same sequences every time, for every seed, world size and micro-batch
     eval_batches: int = 8
     # compute precision: auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
     dtype: str = "auto"
@@ -33,11 +43,30 @@ class TrainConfig:
     # 0 disables the check
     spike_factor: float = 1.5
 
+    def derive_micro_batch(self, world_size: int) -> None:
+        """Fill a null micro_batch: the largest divisor of global_batch / ranks within max_micro_batch_tokens
+        (at least one sequence). Left null where the batch itself is invalid: validate() says why."""
+        if self.micro_batch is not None or min(self.global_batch, self.seq_len, self.max_micro_batch_tokens) <= 0:
+            return
+        if self.global_batch % world_size == 0:
+            per_rank = self.global_batch // world_size
+            fits = max(1, self.max_micro_batch_tokens // self.seq_len)
+            self.micro_batch = max(d for d in range(1, min(per_rank, fits) + 1) if per_rank % d == 0)
+
     def validate(self, world_size: int) -> None:
-        for key in ("steps", "global_batch", "micro_batch", "seq_len", "log_every", "eval_batches"):
+        for key in ("steps", "global_batch", "seq_len", "log_every", "eval_batches", "max_micro_batch_tokens"):
             if getattr(self, key) <= 0:
                 raise ScalevecError(f"train.{key}", f"must be positive, got {getattr(self, key)}.",
                                     "use a number above 0.")
+        if self.micro_batch is None:  # derive_micro_batch found no whole share per rank
+            raise ScalevecError("train.global_batch", f"{self.global_batch} sequences cannot be split evenly over "
+                                f"{world_size} ranks.", f"use a multiple of {world_size}.")
+        if self.micro_batch <= 0:
+            raise ScalevecError("train.micro_batch", f"must be positive, got {self.micro_batch}.",
+                                "use a number above 0, or null to derive it.")
+        if self.tokens_per_param is not None and self.tokens_per_param <= 0:
+            raise ScalevecError("train.tokens_per_param", f"must be positive, got {self.tokens_per_param}.",
+                                "use a number above 0, or null to train for train.steps.")
         if self.eval_every < 0 or self.grad_clip < 0:
             raise ScalevecError("train.eval_every" if self.eval_every < 0 else "train.grad_clip",
                                 "must not be negative.", "use 0 to turn it off.")
@@ -48,9 +77,6 @@ class TrainConfig:
                 f"{self.global_batch} sequences are not divisible by micro_batch * ranks = "
                 f"{self.micro_batch} * {world_size}.",
                 f"use a multiple of {per_step}, or change train.micro_batch.")
-        if self.eval_batches % world_size:
-            raise ScalevecError("train.eval_batches", f"{self.eval_batches} validation batches cannot be split "
-                                f"evenly over {world_size} ranks.", f"use a multiple of {world_size}.")
         if self.dtype not in ("auto", "fp32", "bf16"):
             raise ScalevecError("train.dtype", f"unknown value {self.dtype!r}.", "use auto, fp32 or bf16.")
         if self.max_bad_steps < 1:
@@ -65,6 +91,10 @@ class TrainConfig:
 class CheckpointConfig:
     # save every this many steps (and at the end of the run); 0: only at the end
     every: int = 0
+    # when set, checkpoint.every is the steps of this many tokens per parameter (N as for
+    # train.tokens_per_param; rounded down, at least one step): checkpoints at the same budgets on every
+    # model of a ladder, for WSD branches to start from; null: checkpoint.every
+    every_tokens_per_param: float | None = None
     # keep the newest this many complete checkpoints; older ones are deleted
     keep_last: int = 2
     # write checkpoints in the background while training goes on (torch.distributed.checkpoint.async_save)
@@ -75,3 +105,6 @@ class CheckpointConfig:
             raise ScalevecError("checkpoint.every" if self.every < 0 else "checkpoint.keep_last",
                                 "every must be >= 0 and keep_last >= 1.",
                                 "use checkpoint.every=0 to save only at the end, and keep at least one.")
+        if self.every_tokens_per_param is not None and self.every_tokens_per_param <= 0:
+            raise ScalevecError("checkpoint.every_tokens_per_param", f"must be positive, got "
+                                f"{self.every_tokens_per_param}.", "use a number above 0, or null.")

@@ -9,18 +9,28 @@ import threading
 
 from scalevec_train.errors import ScalevecError
 
-# Fault injection for testing the numerical guards (docs/reliability.md): the loss of these steps is
-# made NaN on every rank, e.g. SCALEVEC_FAULT_NAN_STEPS=3,4. Unset in real runs.
+# Fault injection for testing the numerical guards (docs/reliability.md), unset in real runs: steps
+# whose loss is made NaN (SCALEVEC_FAULT_NAN_STEPS=3,4), and steps whose loss stays finite while its
+# gradient is made infinite (SCALEVEC_FAULT_INF_GRAD_STEPS=5). A step applies to every rank, step@rank
+# (3@1) to that rank only.
 FAULT_NAN_ENV = "SCALEVEC_FAULT_NAN_STEPS"
+FAULT_INF_GRAD_ENV = "SCALEVEC_FAULT_INF_GRAD_STEPS"
 
 
-def fault_nan_steps() -> frozenset[int]:
-    raw = os.environ.get(FAULT_NAN_ENV, "")
+def fault_steps(env: str, rank: int) -> frozenset[int]:
+    """The steps that fault-injection variable `env` names for `rank`."""
+    raw = os.environ.get(env, "")
+    steps = set()
     try:
-        return frozenset(int(s) for s in raw.split(",") if s.strip())
+        for entry in filter(None, (s.strip() for s in raw.split(","))):
+            step, _, only = entry.partition("@")
+            if not only or int(only) == rank:
+                steps.add(int(step))
     except ValueError:
-        raise ScalevecError(FAULT_NAN_ENV, f"{raw!r} is not a comma-separated list of step numbers.",
-                            "unset it (it only injects faults for tests), or write e.g. 3,4.") from None
+        raise ScalevecError(env, f"{raw!r} is not a comma-separated list of step numbers (each optionally "
+                            "@rank).", "unset it (it only injects faults for tests), or write e.g. 3,4 or 3@1."
+                            ) from None
+    return frozenset(steps)
 
 
 class StepGuard:

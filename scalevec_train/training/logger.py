@@ -47,7 +47,8 @@ def wandb_mode(cfg: LoggerConfig) -> str:
 
 
 # Keys that differ between the seeds of one experiment arm, or are bookkeeping: not part of the group.
-_NOT_GROUPING = ("seed", "run_dir", "resume", "logger", "checkpoint", "data.cache_dir")
+# A branch (branch_from) is its trunk's computation up to the branch point: it groups by its own settings.
+_NOT_GROUPING = ("seed", "run_dir", "resume", "logger", "checkpoint", "data.cache_dir", "branch_from")
 
 
 def wandb_init_args(cfg: LoggerConfig, config: dict, run_dir: Path) -> dict:

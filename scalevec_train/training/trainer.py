@@ -74,16 +74,19 @@ class Trainer:
     """Trains `model` from step `start_step` to `steps` (or an earlier requested stop).
 
     lr_at(step) is the schedule's multiplier of each group's `base_lr`; `autocast` returns the precision
-    context of a forward; nan_steps are steps whose loss is made NaN (fault injection for tests)."""
+    context of a forward. Fault injection for tests: nan_steps are steps whose loss is made NaN,
+    inf_grad_steps steps whose loss stays finite while the gradient it starts the backward with is infinite."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loader, lr_at: Callable[[int], float],
                  steps: int, accum: int, grad_clip: float, device: torch.device,
                  autocast: Callable[[], AbstractContextManager], log_every: int, tokens_per_step: int,
-                 callbacks: list[Callback], start_step: int = 0, nan_steps: frozenset[int] = frozenset()):
+                 callbacks: list[Callback], start_step: int = 0, nan_steps: frozenset[int] = frozenset(),
+                 inf_grad_steps: frozenset[int] = frozenset()):
         self.model, self.optimizer, self.loader, self.lr_at = model, optimizer, loader, lr_at
         self.steps, self.accum, self.grad_clip, self.device = steps, accum, grad_clip, device
         self.autocast, self.log_every, self.tokens_per_step = autocast, log_every, tokens_per_step
         self.callbacks, self.step, self.nan_steps = callbacks, start_step, nan_steps
+        self.inf_grad_steps = inf_grad_steps
         self.logger: MetricsLogger | None = None  # set by fit()
         self.replicated = replicated_params(model)
         self.stop_reason: str | None = None
@@ -125,6 +128,8 @@ class Trainer:
             aux = self.model.auxiliary_loss()
             if aux is not None:  # trains the router; not part of the logged loss
                 loss = loss + aux
+            if self.step + 1 in self.inf_grad_steps:
+                loss.register_hook(lambda grad: grad * float("inf"))
             (loss / self.accum).backward()
         reduce_replicated_grads(self.replicated)
         self._hooks("on_backward_end")

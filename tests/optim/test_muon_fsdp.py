@@ -7,8 +7,6 @@ checkpoint run in the pytest process.
 """
 
 import os
-import socket
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from scalevec_train.optim.muon import Muon
-from tests.helpers import REPO
+from tests.launch import child_env
 
 VOCAB, DIM, STEPS, SAVE_AT, BATCH = 11, 16, 5, 3, 8
 QKV_SPLIT = [6, 4, 4]
@@ -109,12 +107,12 @@ def load(model, opt, path):
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def _worker(rank, port, workdir):
+def _worker(rank, workdir):
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
     try:
         out = {}
         for name, shape in MESHES.items():
@@ -137,32 +135,19 @@ def _worker(rank, port, workdir):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _assert_params_close(got, want):
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
 
 
-def test_fsdp_matches_one_process_and_resumes_across_world_sizes(tmp_path):
+def test_fsdp_matches_one_process_and_resumes_across_world_sizes(tmp_path, processes):
     model, opt = build(None)
     ref_losses = train(model, opt, range(SAVE_AT))
     save(model, opt, tmp_path / "ckpt_1process")
     ref_losses += train(model, opt, range(SAVE_AT, STEPS))
     ref_params = full_params(model)
 
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    if sys.platform == "linux":
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    proc = subprocess.run([sys.executable, __file__, str(tmp_path), str(_free_port())], env=env,
-                          capture_output=True, text=True, timeout=180)
-    # not the exit code: gloo's threads now and then abort at interpreter exit, after all the work
-    assert (tmp_path / "dist.pt").exists(), proc.stderr[-4000:]
+    processes.run([sys.executable, __file__, str(tmp_path)], tmp_path, child_env())
     out = torch.load(tmp_path / "dist.pt")
 
     for name in MESHES:
@@ -182,4 +167,4 @@ def test_fsdp_matches_one_process_and_resumes_across_world_sizes(tmp_path):
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(int(sys.argv[2]), sys.argv[1]), nprocs=2, join=True)
+    mp.spawn(_worker, args=(sys.argv[1],), nprocs=2, join=True)

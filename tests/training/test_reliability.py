@@ -1,15 +1,24 @@
 """Reliability with real processes and signals: crashes, restarts, SIGTERM, non-finite steps, bad input.
 
-The reference is an uninterrupted 2-rank torchrun run (FSDP2 over gloo, fp32 on CPU). Against it:
-  - the same run with every process SIGKILLed mid-training and relaunched with resume=auto, and one
-    whose rank-1 worker is SIGKILLed under `torchrun --max-restarts=1` (which restarts the group by
-    itself, resume=auto on its command line), must end with the reference's per-step losses and final
-    parameters (a resumed run appends records: the last record of a step counts);
-  - SIGTERM, to a single process or to the torchrun launcher, must leave a complete checkpoint of the
-    step the run stopped at and a clean exit; resume=auto then finishes with the reference losses.
-Non-finite steps are injected with SCALEVEC_FAULT_NAN_STEPS; a skipped step must leave parameters and
-optimizer state bit-identical. Bad inputs, through the command line and in-process, must each fail with
-their own message before expensive work, and leave every run directory byte-identical.
+The reference is one plain process (the trainer in this process) training the same shrunk moe-tiny
+(the expert biases are part of what must survive) for as many steps as the run under test ended with.
+Runs that get a signal are given far more steps than they can train before it (train.steps=10**6 with
+a constant LR after warmup, so that the length of a run changes none of its steps): whenever the signal
+lands, the run is in the middle, and the test then works with the step it stopped at. Against the
+reference:
+  - a 2-rank torchrun run with every process SIGKILLed after its first checkpoint, relaunched with
+    resume=auto, must end with the reference's per-step losses and final parameters (a resumed run
+    appends records: the last record of a step counts);
+  - under `torchrun --max-restarts=1 ... resume=auto`, SIGKILL of the rank-1 worker must restart the
+    group from the newest checkpoint by itself, and SIGTERM to the new rank 1 alone must then stop
+    both ranks at one step with a checkpoint and a clean exit;
+  - SIGTERM to a single process, or to the torchrun launcher, must leave a complete checkpoint of the
+    step the run stopped at and a clean exit; resume=auto then continues with the reference.
+Non-finite steps are injected with SCALEVEC_FAULT_NAN_STEPS and SCALEVEC_FAULT_INF_GRAD_STEPS, also on
+one rank only: a skipped step must leave parameters and optimizer state bit-identical on every rank,
+and too many in a row must stop every rank at the same step. Bad inputs, through the command line and
+in-process, must each fail with their own message before expensive work, and leave every run directory
+byte-identical.
 """
 
 import hashlib
@@ -19,151 +28,48 @@ import os
 import pickle
 import shutil
 import signal
-import subprocess
-import sys
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from scalevec_train.checkpoint import files as checkpoint_files
 from scalevec_train.data import prepare_data
 from scalevec_train.data import tokenizer as sp_tokenizer
 from scalevec_train.errors import ScalevecError
 from scalevec_train.train import run
-from scalevec_train.training.guards import FAULT_NAN_ENV, StepGuard
-from tests.helpers import REPO, make_config
+from scalevec_train.training.guards import FAULT_INF_GRAD_ENV, FAULT_NAN_ENV, StepGuard
+from tests.helpers import make_config
+from tests.launch import (
+    assert_same_curve,
+    assert_same_tensors,
+    checkpoint_state,
+    child_env,
+    complete_steps,
+    curve,
+    final_model,
+    latest_step,
+    records,
+    train_command,
+)
 
-STEPS, EVERY, KILL_AFTER = 40, 5, 8
+EVERY = 3
+# Dense, for the bad-input cases.
 TINY = ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128", "model.n_layers=2",
         "train.seq_len=32", "train.global_batch=4", "train.eval_batches=2", "train.eval_every=0",
-        "schedule.warmup_steps=2", f"train.steps={STEPS}", "train.log_every=1", f"checkpoint.every={EVERY}"]
-LAUNCH_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                   "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", "HYDRA_FULL_ERROR", FAULT_NAN_ENV)
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV_KEYS}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = "1"
-    return {**env, **extra}
-
-
-def one_process(*overrides: str) -> list[str]:
-    return [sys.executable, "-m", "scalevec_train.train", *overrides]
-
-
-def torchrun(*overrides: str, restarts: int = 0) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            f"--max-restarts={restarts}", "-m", "scalevec_train.train", "train.micro_batch=1", *overrides]
-
-
-def launch(command: list[str], cwd: Path) -> None:
-    proc = subprocess.run(command, cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{' '.join(command)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-
-
-class Started:
-    """A training process running in the background; its output goes to a file (no pipe to fill)."""
-
-    def __init__(self, command: list[str], cwd: Path, run_dir: Path):
-        self.run_dir, self.log = run_dir, cwd / f"{run_dir.name}.log"
-        with self.log.open("w") as out:
-            self.proc = subprocess.Popen(command, cwd=cwd, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
-
-    def output(self) -> str:
-        return self.log.read_text()
-
-    def wait_for_step(self, step: int) -> int:
-        """Blocks until metrics.jsonl holds a record of `step` or later; returns the latest step."""
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"the run ended before step {step}:\n{self.output()[-5000:]}"
-            latest = max(records(self.run_dir, strict=False), key=lambda r: r["step"], default={"step": -1})
-            if latest["step"] >= step:
-                return latest["step"]
-            time.sleep(0.02)
-        raise AssertionError(f"no step {step} within the time limit:\n{self.output()[-5000:]}")
-
-    def wait(self) -> int:
-        return self.proc.wait(timeout=300)
-
-
-def records(run_dir: Path, strict: bool = True) -> list[dict]:
-    """The metrics records in file order. strict=False skips a line being written right now."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            if strict:
-                raise
-    return out
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    """Loss per step; a resumed run logs steps after its checkpoint again, and the last record counts."""
-    return {r["step"]: r["loss"] for r in records(run_dir) if "loss" in r}
-
-
-def assert_same_losses(got: dict[int, float], expected: dict[int, float]) -> None:
-    assert sorted(got) == list(range(1, STEPS + 1))
-    for step in got:
-        assert got[step] == pytest.approx(expected[step], rel=1e-5, abs=0), step
-
-
-def checkpoint_state(ckpt: Path, scratch: Path) -> dict:
-    """A DCP checkpoint as one state dict ({"model": ..., "optim": ...}), read in this process."""
-    assert (ckpt / checkpoint_files.COMPLETE).is_file(), ckpt
-    out = scratch / f"{ckpt.parent.parent.name}-{ckpt.name}.pt"
-    dcp_to_torch_save(ckpt, out)
-    return torch.load(out, weights_only=True)
-
-
-def assert_same_params(run_dir: Path, expected: dict[str, torch.Tensor], scratch: Path) -> None:
-    got = checkpoint_state(checkpoint_files.step_dir(run_dir, STEPS), scratch)["model"]
-    assert got.keys() == expected.keys()
-    for name, value in expected.items():
-        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6, msg=name)
-
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and all its descendants, from the parent pids in /proc (torchrun's workers run in sessions
-    of their own, so a process-group kill would miss them)."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    tree, todo = [], [pid]
-    while todo:
-        tree.append(todo.pop())
-        todo += parents.get(tree[-1], [])
-    return tree
-
-
-def worker_of_rank(launcher: int, rank: int) -> int:
-    for pid in process_tree(launcher)[1:]:
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        if f"RANK={rank}".encode() in env:
-            return pid
-    raise AssertionError(f"no worker of rank {rank} under {launcher}")
-
-
-def gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
+        "schedule.warmup_steps=2", "train.steps=40", "train.log_every=1", f"checkpoint.every={EVERY}"]
+# Every micro-batch is 2 sequences on 1 and on 2 ranks: the MoE load-balancing loss is the same function.
+MOE = ["model=moe-tiny", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2",
+       "model.ffn_dim=64", "model.moe.expert_dim=32", "model.moe.aux_loss_coef=0.01", "train.seq_len=32",
+       "train.global_batch=4", "train.micro_batch=2", "train.eval_batches=2", "train.eval_every=0",
+       "schedule=constant", "schedule.warmup_steps=2", "train.log_every=1", f"checkpoint.every={EVERY}"]
+ENDLESS = f"train.steps={10**6}"
+# 2 ranks against 1 process (parameters): fp32 sums in another order differ by about 1e-7 relative, which
+# Adam's normalized steps turn into a few 1e-6 over some 20 steps; a lost or repeated step moves them
+# by about lr = 3e-3.
+ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -171,99 +77,128 @@ def common(data_overrides) -> list[str]:
     return [*data_overrides, *TINY]
 
 
-@dataclass
-class Reference:
-    losses: dict[int, float]
-    params: dict[str, torch.Tensor]
+@pytest.fixture(scope="module")
+def moe(data_overrides) -> list[str]:
+    prepare_data(make_config(*data_overrides).data)  # here, once, rather than by 2 ranks at a time
+    return [*data_overrides, *MOE]
 
 
 @pytest.fixture(scope="module")
-def reference(common, tmp_path_factory) -> Reference:
-    """The uninterrupted 2-rank run."""
-    run_dir = tmp_path_factory.mktemp("reliability") / "reference"
-    launch(torchrun(*common, f"run_dir={run_dir}"), cwd=run_dir.parent)
-    params = checkpoint_state(checkpoint_files.step_dir(run_dir, STEPS), run_dir.parent)["model"]
-    curve = losses(run_dir)
-    assert curve[STEPS] < curve[1] - 0.2  # it trains
-    return Reference(curve, params)
+def reference(moe, tmp_path_factory):
+    """steps -> the run directory of the one-process run of that many steps."""
+    root = tmp_path_factory.mktemp("reference")
+
+    def get(steps: int) -> Path:
+        run_dir = root / str(steps)
+        if not run_dir.exists():
+            run(make_config(*moe, f"train.steps={steps}", f"run_dir={run_dir}"))
+        return run_dir
+    return get
+
+
+def assert_reference_run(run_dir: Path, steps: int, reference, scratch: Path) -> None:
+    """Losses of steps 1..steps and the parameters (expert biases included) of the checkpoint at `steps`
+    equal those of the uninterrupted one-process run."""
+    expected = reference(steps)
+    assert_same_curve({s: v for s, v in curve(run_dir).items() if s <= steps}, curve(expected), range(1, steps + 1))
+    assert_same_tensors(final_model(run_dir, steps, scratch), final_model(expected, steps, scratch), atol=ATOL)
+
+
+def checkpointed_and_beyond(run_dir: Path) -> bool:
+    """A complete checkpoint exists and training went on past it (a kill then loses steps)."""
+    saved = complete_steps(run_dir)
+    return bool(saved) and latest_step(run_dir) > saved[-1]
 
 
 # Crashes and restarts.
 
-def test_sigkill_of_every_process_then_resume_auto_gives_the_uninterrupted_run(common, reference, tmp_path):
+def test_sigkill_of_every_process_then_resume_auto_gives_the_uninterrupted_run(moe, reference, processes,
+                                                                               tmp_path):
     run_dir = tmp_path / "killed"
-    started = Started(torchrun(*common, f"run_dir={run_dir}"), tmp_path, run_dir)
-    started.wait_for_step(KILL_AFTER)
-    tree = process_tree(started.proc.pid)
-    assert len(tree) >= 3  # the launcher and its two workers
-    for pid in tree:
-        os.kill(pid, signal.SIGKILL)
-    started.wait()
-    deadline = time.monotonic() + 30
-    while not all(map(gone, tree)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert all(map(gone, tree))
-    assert max(r["step"] for r in records(run_dir)) < STEPS  # killed before the end
-    last = int(checkpoint_files.complete_checkpoints(run_dir)[-1].name.split("_")[1])
-    assert EVERY <= last < STEPS
-    # As if the kill had hit while a record was being appended.
-    kept = len(records(run_dir))
+    started = processes.start(train_command(2, *moe, ENDLESS, f"run_dir={run_dir}"), tmp_path)
+    started.wait_until(lambda: checkpointed_and_beyond(run_dir), "training past a checkpoint")
+    processes.kill()
+    assert started.wait() == -signal.SIGKILL
+    last, logged = complete_steps(run_dir)[-1], latest_step(run_dir)
+    # As if the kill had hit while a record was being appended (it may have: then that line goes too).
+    kept = len(records(run_dir, strict=False))
     with (run_dir / "metrics.jsonl").open("a") as f:
         f.write('{"step": 99, "lo')
 
-    launch(torchrun(*common, f"run_dir={run_dir}", "resume=auto"), cwd=tmp_path)
+    steps = logged + 2  # the resumed run logs again every step the killed one did, and trains on
+    processes.run(train_command(2, *moe, f"train.steps={steps}", f"run_dir={run_dir}", "resume=auto"), tmp_path)
     resumed = [r["step"] for r in records(run_dir)[kept:] if "loss" in r]  # every line parses again
-    assert resumed == list(range(last + 1, STEPS + 1))
-    assert_same_losses(losses(run_dir), reference.losses)
-    assert_same_params(run_dir, reference.params, tmp_path)
+    assert resumed == list(range(last + 1, steps + 1))
+    assert_reference_run(run_dir, steps, reference, tmp_path)
 
 
-def test_torchrun_max_restarts_resumes_by_itself_after_one_rank_is_killed(common, reference, tmp_path):
+def test_max_restarts_resumes_after_a_kill_then_sigterm_to_one_rank_stops_both(moe, reference, processes,
+                                                                                tmp_path):
     run_dir = tmp_path / "restarted"
-    started = Started(torchrun(*common, f"run_dir={run_dir}", "resume=auto", restarts=1), tmp_path, run_dir)
-    started.wait_for_step(KILL_AFTER)
-    os.kill(worker_of_rank(started.proc.pid, 1), signal.SIGKILL)
-    assert started.wait() == 0, started.output()[-5000:]
-    assert started.output().count("run_dir: ") == 2  # rank 0 started twice
-    assert Counter(r["step"] for r in records(run_dir) if "loss" in r)[1] == 1  # from a checkpoint
-    assert_same_losses(losses(run_dir), reference.losses)
-    assert_same_params(run_dir, reference.params, tmp_path)
+    started = processes.start(train_command(2, *moe, ENDLESS, f"run_dir={run_dir}", "resume=auto", restarts=1),
+                              tmp_path)
+    started.wait_until(lambda: checkpointed_and_beyond(run_dir), "training past a checkpoint")
+    os.kill(processes.worker(1), signal.SIGKILL)
+
+    def restarted_and_training() -> bool:
+        """torchrun stopped the old group and started a new one (its rank 0 printed run_dir again), which
+        trained a step (each logged record is a stdout line with loss=): both ranks are in the loop."""
+        out = started.output()
+        return out.count("run_dir: ") == 2 and "loss=" in out.rsplit("run_dir: ", 1)[1]
+
+    started.wait_until(restarted_and_training, "a step trained by the restarted group")
+    os.kill(processes.worker(1), signal.SIGTERM)
+    assert started.wait() == 0, started.describe()
+    stopped = records(run_dir)[-1]
+    assert stopped["stopped"] == "SIGTERM"
+    ckpt = checkpoint_files.complete_checkpoints(run_dir)[-1]
+    assert ckpt == checkpoint_files.step_dir(run_dir, stopped["step"])
+    assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # both ranks saved
+    assert f"stopped by SIGTERM after step {stopped['step']}" in started.output()
+    assert Counter(r["step"] for r in records(run_dir) if "loss" in r)[1] == 1  # the restart resumed
+    assert_reference_run(run_dir, stopped["step"], reference, tmp_path)
 
 
 # SIGTERM.
 
-def test_sigterm_checkpoints_the_current_step_and_exits_cleanly(common, reference, tmp_path):
+def assert_stopped_by_sigterm(run_dir: Path, output: str) -> int:
+    """The run logged its stop, saved the step it stopped at, and said so; returns that step."""
+    stopped = records(run_dir)[-1]
+    assert stopped["stopped"] == "SIGTERM"
+    assert checkpoint_files.complete_checkpoints(run_dir)[-1] == checkpoint_files.step_dir(run_dir, stopped["step"])
+    assert f"stopped by SIGTERM after step {stopped['step']}" in output
+    return stopped["step"]
+
+
+def resume_in_process(moe, run_dir: Path, steps: int) -> None:
+    run(make_config(*moe, f"train.steps={steps}", f"run_dir={run_dir}", "resume=auto"))
+
+
+def test_sigterm_checkpoints_the_current_step_and_exits_cleanly(moe, reference, processes, tmp_path):
     run_dir = tmp_path / "sigterm"
-    started = Started(one_process(*common, "train.micro_batch=2", f"run_dir={run_dir}"), tmp_path, run_dir)
-    seen = started.wait_for_step(KILL_AFTER)
+    started = processes.start(train_command(1, *moe, ENDLESS, f"run_dir={run_dir}"), tmp_path)
+    started.wait_until(lambda: latest_step(run_dir) >= 1, "a training step")
     started.proc.send_signal(signal.SIGTERM)
-    assert started.wait() == 0, started.output()[-5000:]
-    last = records(run_dir)[-1]
-    assert last["stopped"] == "SIGTERM" and seen <= last["step"] < STEPS
-    assert checkpoint_files.complete_checkpoints(run_dir)[-1] == checkpoint_files.step_dir(run_dir, last["step"])
-    assert f"stopped by SIGTERM after step {last['step']}" in started.output()
+    assert started.wait() == 0, started.describe()
+    step = assert_stopped_by_sigterm(run_dir, started.output())
     assert "Traceback" not in started.output()
+    resume_in_process(moe, run_dir, step + 2)
+    assert_reference_run(run_dir, step + 2, reference, tmp_path)
 
-    launch(one_process(*common, "train.micro_batch=2", f"run_dir={run_dir}", "resume=auto"), cwd=tmp_path)
-    assert_same_losses(losses(run_dir), reference.losses)  # one process against two ranks: rel 1e-5
 
-
-def test_sigterm_to_torchrun_stops_both_ranks_at_one_step_with_a_checkpoint(common, reference, tmp_path):
+def test_sigterm_to_torchrun_stops_both_ranks_at_one_step_with_a_checkpoint(moe, reference, processes, tmp_path):
     run_dir = tmp_path / "sigterm_torchrun"
-    started = Started(torchrun(*common, f"run_dir={run_dir}"), tmp_path, run_dir)
-    seen = started.wait_for_step(KILL_AFTER)
+    started = processes.start(train_command(2, *moe, ENDLESS, f"run_dir={run_dir}"), tmp_path)
+    started.wait_until(lambda: latest_step(run_dir) >= 1, "a training step")
     started.proc.send_signal(signal.SIGTERM)  # torchrun forwards it to its workers
-    started.wait()  # torchrun itself reports the signal it got; its workers exit cleanly
-    last = records(run_dir)[-1]
-    assert last["stopped"] == "SIGTERM" and seen <= last["step"] < STEPS
-    ckpt = checkpoint_files.complete_checkpoints(run_dir)[-1]
-    assert ckpt == checkpoint_files.step_dir(run_dir, last["step"])
+    # torchrun itself reports the signal it got (SignalException, exit code 1); its workers stop cleanly
+    assert started.wait() == 1, started.describe()
+    assert "SignalException" in started.output() and "Error executing job" not in started.output()
+    step = assert_stopped_by_sigterm(run_dir, started.output())
+    ckpt = checkpoint_files.step_dir(run_dir, step)
     assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-    assert "Error executing job" not in started.output()
-
-    launch(torchrun(*common, f"run_dir={run_dir}", "resume=auto"), cwd=tmp_path)
-    assert_same_losses(losses(run_dir), reference.losses)
-    assert_same_params(run_dir, reference.params, tmp_path)
+    resume_in_process(moe, run_dir, step + 2)  # on one process
+    assert_reference_run(run_dir, step + 2, reference, tmp_path)
 
 
 # Numerical guards.
@@ -308,20 +243,18 @@ def test_a_non_finite_step_is_skipped_and_counted(common, tmp_path, monkeypatch)
     assert saved["guard"]["skipped_steps"] == 1
 
 
-def test_repeated_non_finite_steps_stop_the_run_with_the_last_good_state(common, tmp_path):
+def test_repeated_non_finite_steps_stop_the_run_with_the_last_good_state(common, processes, tmp_path):
     run_dir = tmp_path / "diverged"
-    proc = subprocess.run(one_process(*common, "train.micro_batch=2", "train.steps=10", "checkpoint.every=3",
-                                      "train.max_bad_steps=3", f"run_dir={run_dir}"),
-                          cwd=tmp_path, env=child_env(**{FAULT_NAN_ENV: "4,5,6,7"}), capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 3, proc.stderr[-5000:]
-    assert "Traceback" not in proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    output = processes.run(train_command(1, *common, "train.micro_batch=2", "train.steps=10", "checkpoint.every=3",
+                                         "train.max_bad_steps=3", f"run_dir={run_dir}"),
+                           tmp_path, env=child_env(**{FAULT_NAN_ENV: "4,5,6,7"}), code=3)
+    assert "Traceback" not in output
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1
     assert errors[0].startswith("error: training (steps 4-6): 3 steps in a row had a non-finite loss")
     assert "train.max_bad_steps=3" in errors[0] and "of step 3, the last good one" in errors[0]
     assert " Fix: " in errors[0]
-    assert [line for line in proc.stderr.splitlines() if " skipped: loss nan" in line][0].startswith(
+    assert [line for line in output.splitlines() if " skipped: loss nan" in line][0].startswith(
         "warning: step 4 skipped")
     assert records(run_dir)[-1]["stopped"] == "diverged"
 
@@ -331,6 +264,36 @@ def test_repeated_non_finite_steps_stop_the_run_with_the_last_good_state(common,
     saved = checkpoint_files.read_train_state(stop)
     assert saved["loader"]["position"] == 6 * 4
     assert saved["guard"] == {"skipped_steps": 3, "bad_streak": 3, "loss_ema": saved["guard"]["loss_ema"]}
+
+
+def test_faults_on_one_rank_are_skipped_or_stop_every_rank_at_one_step(moe, processes, tmp_path):
+    """2 ranks: a NaN loss on rank 1 alone (step 3), an infinite gradient under a finite loss on rank 0
+    alone (step 5), then NaN losses on rank 1 at steps 7 and 8 with train.max_bad_steps=2. Every rank
+    skips the same steps (a skipped step leaves the parameters, the optimizer state and the expert
+    biases of every shard bit-identical) and both stop at step 8 with the state of step 6 saved."""
+    run_dir = tmp_path / "faults"
+    env = child_env(**{FAULT_NAN_ENV: "3@1,7@1,8@1", FAULT_INF_GRAD_ENV: "5@0"})
+    # a rank that fails makes torchrun exit with 1; the root cause it reports is the divergence, exit code 3
+    output = processes.run(train_command(2, *moe, "train.steps=10", "train.max_bad_steps=2", "checkpoint.every=1",
+                                         "checkpoint.keep_last=20", f"run_dir={run_dir}"), tmp_path, env, code=1)
+    assert "exitcode  : 3" in output and "error: training (steps 7-8)" in output
+    by_step = {r["step"]: r for r in records(run_dir)}
+    assert [s for s, r in by_step.items() if r.get("bad_step")] == [3, 5, 7, 8]
+    assert by_step[3]["bad_loss"] == "nan"
+    assert math.isfinite(float(by_step[5]["bad_loss"])) and not math.isfinite(float(by_step[5]["bad_grad_norm"]))
+    assert [by_step[s]["skipped_steps"] for s in range(1, 9)] == [0, 0, 1, 1, 2, 2, 3, 4]
+    assert by_step[8]["stopped"] == "diverged" and max(by_step) == 8
+
+    state = {s: trained_state(checkpoint_files.step_dir(run_dir, s), tmp_path) for s in range(2, 9)}
+    for skipped, before in ((3, 2), (5, 4), (8, 6)):
+        assert_identical(state[skipped], state[before])
+        assert sorted(p.name for p in checkpoint_files.step_dir(run_dir, skipped).glob("*.distcp")) == [
+            "__0_0.distcp", "__1_0.distcp"]
+    for step in (4, 6):  # trains on in between
+        assert not torch.equal(state[step]["model/tok_emb.weight"], state[step - 1]["model/tok_emb.weight"])
+    assert any(not torch.equal(v, state[2][k]) for k, v in state[6].items() if k.endswith("expert_bias"))
+    saved = checkpoint_files.read_train_state(checkpoint_files.step_dir(run_dir, 8))
+    assert saved["loader"]["position"] == 8 * 4 and saved["guard"]["skipped_steps"] == 4
 
 
 def test_loss_spikes_are_flagged_against_a_running_average():
@@ -486,7 +449,6 @@ class Case:
     # ctx -> overrides, applied after run_dir=<a fresh folder that must stay absent>
     setup: object
     message: str  # a part of the one-line message
-    world: int = 1
     env: dict = field(default_factory=dict)
 
 
@@ -496,8 +458,6 @@ IN_PROCESS = [
     Case("optimizer", "config", existing_run("optim.name=sgd"), "optim.name"),
     Case("warmup", "config", existing_run("schedule.warmup_steps=500"), "schedule.warmup_steps"),
     Case("max_bad_steps", "config", existing_run("train.max_bad_steps=0"), "train.max_bad_steps: must be"),
-    Case("eval_split", "config", lambda ctx: ["train.global_batch=6", "train.eval_batches=2"],
-         "train.eval_batches: 2 validation batches cannot be split evenly over 3 ranks", world=3),
     Case("run_dir_file", "before_data", lambda ctx: [f"run_dir={with_file(ctx)}"], "is a file, so it cannot"),
     Case("resume_none", "before_data", existing_run("resume=none"), "already holds checkpoints"),
     Case("resume_missing", "before_data", lambda ctx: [f"resume={ctx.tmp / 'nowhere'}"], "does not exist"),
@@ -547,8 +507,7 @@ def test_bad_input_fails_early_with_its_own_message(case, common, existing, prep
         monkeypatch.setattr("scalevec_train.build.prepare_data", fail("data preparation"))
     monkeypatch.setattr("scalevec_train.build.parallelize", fail("model initialization"))
     with pytest.raises(ScalevecError) as info:
-        run(make_config(*common, "train.micro_batch=2", f"run_dir={tmp_path / 'fresh'}", *overrides,
-                        world_size=case.world))
+        run(make_config(*common, "train.micro_batch=2", f"run_dir={tmp_path / 'fresh'}", *overrides))
     message = str(info.value)
     assert case.message in message, message
     assert " Fix: " in message and "\n" not in message
@@ -584,7 +543,8 @@ CLI = [
 ]
 
 
-def test_bad_input_on_the_command_line_exits_nonzero_with_one_message(common, existing, prepared, tmp_path):
+def test_bad_input_on_the_command_line_exits_nonzero_with_one_message(common, existing, prepared, processes,
+                                                                       tmp_path):
     """All cases run at once (they are independent processes) against the same existing run."""
     before = tree_digest(existing)
     started = []
@@ -592,18 +552,16 @@ def test_bad_input_on_the_command_line_exits_nonzero_with_one_message(common, ex
         ctx = Ctx(tmp_path / case.name, existing, prepared)
         ctx.tmp.mkdir()
         overrides = [*common, "train.micro_batch=2", f"run_dir={existing}", "resume=auto", *case.args(ctx)]
-        proc = subprocess.Popen(one_process(*overrides), cwd=ctx.tmp, env=child_env(**case.env), text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        started.append((case, ctx, proc))
+        started.append((case, ctx, processes.start(train_command(1, *overrides), ctx.tmp, child_env(**case.env))))
     for case, ctx, proc in started:
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == case.code, (case.name, err[-3000:])
-        assert case.message in err, (case.name, err[-3000:])
-        assert "Traceback" not in err, case.name
+        assert proc.wait() == case.code, (case.name, proc.describe())
+        out = proc.output()  # stdout and stderr: a failed start prints nothing but the error
+        assert case.message in out, (case.name, out[-3000:])
+        assert "Traceback" not in out, case.name
         if case.code == 2:
-            assert len(err.strip().splitlines()) == 1 and " Fix: " in err, (case.name, err)
+            assert len(out.strip().splitlines()) == 1 and " Fix: " in out, (case.name, out)
         assert not (ctx.tmp / "fresh").exists()
-        MESSAGES[f"cli:{case.name}"] = err.strip()
+        MESSAGES[f"cli:{case.name}"] = out.strip()
     assert tree_digest(existing) == before
 
 

@@ -61,3 +61,11 @@ def test_every_strategy_trains(tmp_path, data_overrides, scale):
                           "optim.lr=1e-2", f"run_dir={tmp_path / scale}"))
     curve = losses(out)
     assert curve[30] < curve[5] - 0.3
+    # Every learnable scale site moves: its logged statistics (of s and of an or/er magnitude, per layer
+    # and over layers) change between the first and the last logged step.
+    logged = [r for r in metrics(out) if "loss" in r]
+    sites = {k.rsplit("/", 1)[0] for k in logged[-1] if k.startswith("scale/") and not k.endswith("/grad_norm")}
+    assert bool(sites) == (scale != "none")
+    for site in sites:
+        stats = [f"{site}/{stat}" for stat in ("mean", "std", "min", "max")]
+        assert any(logged[0][key] != logged[-1][key] for key in stats), site

@@ -2,16 +2,18 @@
 
     evaluation.py    Evaluator: val_loss on fixed batches
     monitors.py      SpeedMonitor: tokens/s and MFU; ModelMetrics: the model's own metrics (MoE load)
+    epochs.py        EpochMonitor: passes over the training data, and a warning when they are many
     scales.py        ScaleMonitor: scale-site values and gradient norms
     checkpointer.py  Checkpointer: periodic, final and stop checkpoints
     stability.py     StabilityGuard: non-finite steps and loss spikes; SigtermStop: a clean stop
 """
 
 from scalevec_train.training.callbacks.checkpointer import Checkpointer
+from scalevec_train.training.callbacks.epochs import EpochMonitor
 from scalevec_train.training.callbacks.evaluation import Evaluator
 from scalevec_train.training.callbacks.monitors import ModelMetrics, SpeedMonitor
 from scalevec_train.training.callbacks.scales import ScaleMonitor
 from scalevec_train.training.callbacks.stability import SigtermStop, StabilityGuard
 
-__all__ = ["Checkpointer", "Evaluator", "ModelMetrics", "ScaleMonitor", "SigtermStop", "SpeedMonitor",
+__all__ = ["Checkpointer", "EpochMonitor", "Evaluator", "ModelMetrics", "ScaleMonitor", "SigtermStop", "SpeedMonitor",
            "StabilityGuard"]

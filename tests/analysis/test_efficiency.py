@@ -1,0 +1,101 @@
+"""Compute efficiency on synthetic ladders with a known multiplier: the reference's terminal loss follows
+L_R(C) = E + A C^(-alpha) and the strategy's is L_R(k C), so the strategy reaches every loss with k times
+less compute; seeds scatter around those losses symmetrically."""
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from scalevec_analysis import compute_efficiency, efficiency_series, load_run_dir, reference_compute
+from scalevec_analysis.efficiency import SUMMARY, find_reference
+from scalevec_analysis.scaling import PowerLawFit
+from scalevec_train.errors import ScalevecError
+from tests.analysis.test_compare import REPO
+
+E, A, ALPHA = 1.8, 1000.0, 0.2
+# ladder points: (model, training FLOPs per token, terminal tokens)
+LADDER = [("l1", 2e6, 1e7), ("l2", 8e6, 4e7), ("l3", 3e7, 1.5e8), ("l4", 1.2e8, 6e8), ("l6", 5e8, 2.5e9)]
+SEED_OFFSETS = (-0.004, 0.0, 0.004)
+
+
+def law(compute: float) -> float:
+    return E + A * compute ** -ALPHA
+
+
+def write_ladder(root: Path, multiplier: float, strategy: str = "unified") -> list[Path]:
+    dirs = []
+    for scale, k in (("baseline", 1.0), (strategy, multiplier)):
+        for model, flops, tokens in LADDER:
+            for seed, offset in enumerate(SEED_OFFSETS):
+                d = root / f"{model}-{scale}-s{seed}"
+                d.mkdir(parents=True)
+                config = {"seed": seed, "run_dir": str(d), "model": {"name": model}, "scale": {"name": scale},
+                          "train": {"tokens_per_param": 20}}
+                (d / "config.yaml").write_text(yaml.safe_dump(config))
+                (d / "describe.json").write_text(json.dumps({"total_params": 1, "train_flops_per_token": flops}))
+                records = [{"step": 0, "tokens": 0, "val_loss": 9.0},
+                           {"step": 100, "tokens": tokens, "val_loss": law(k * flops * tokens) + offset}]
+                (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+                dirs.append(d)
+    return dirs
+
+
+@pytest.mark.parametrize("multiplier", [1.25, 1.0, 0.8])
+def test_a_known_multiplier_is_recovered_within_its_interval(tmp_path, multiplier):
+    runs = [load_run_dir(d) for d in write_ladder(tmp_path, multiplier)]
+    series = efficiency_series(runs)
+    reference = find_reference(series, "scale=baseline")
+    assert [p.compute for p in reference.points] == [f * t for _, f, t in LADDER]
+    rows, fits = compute_efficiency(series, reference, bootstrap=300)
+    assert fits[reference.label].alpha == pytest.approx(ALPHA, rel=1e-6)
+    assert [r.point for r in rows] == [f"model={m}" for m, _, _ in LADDER] + [SUMMARY]
+    for row in rows:
+        for m in (row.measured, row.fitted):
+            # the seeds average to the law, so the estimate is the true multiplier; the interval holds it
+            assert m.value == pytest.approx(multiplier, rel=1e-6), row.point
+            assert m.low < multiplier < m.high, row.point
+    summary = rows[-1].fitted
+    # seed noise of +-0.004 resolves a multiplier of 1.25 from 1: a wrong one falls outside
+    assert summary.high - summary.low < 0.2
+    assert not summary.low < (1.0 if multiplier != 1.0 else 1.25) < summary.high
+
+
+def test_reference_compute_inverts_the_law():
+    fit = PowerLawFit(E=E, A=A, alpha=ALPHA, rmse=0.0)
+    assert reference_compute(fit, law(3.5e12)) == pytest.approx(3.5e12, rel=1e-9)
+    assert reference_compute(fit, E) == math.inf == reference_compute(fit, E - 0.1)
+
+
+def test_compare_runs_efficiency_writes_plot_and_tables(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare_runs", REPO / "scripts" / "compare_runs.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    dirs = write_ladder(tmp_path / "runs", 1.25)
+    out = tmp_path / "out"
+    assert cli.main([*map(str, dirs), "--efficiency", "--reference", "scale=baseline", "--out", str(out),
+                     "--bootstrap", "100"]) == 0
+    assert (out / "efficiency.png").stat().st_size > 10_000
+    rows = list(csv.DictReader((out / "efficiency.csv").open()))
+    assert [r["point"] for r in rows][-1] == SUMMARY
+    assert float(rows[-1]["fitted"]) == pytest.approx(1.25, rel=1e-6)
+    assert "| scale=unified | all points (geometric mean) | 15 |" in (out / "efficiency.md").read_text()
+
+
+def test_efficiency_needs_three_ladder_points_and_flops(tmp_path):
+    dirs = write_ladder(tmp_path, 1.25)
+    few = [load_run_dir(d) for d in dirs if d.name.startswith(("l1", "l2"))]
+    series = efficiency_series(few)
+    with pytest.raises(ScalevecError, match="has 2 points of distinct compute"):
+        compute_efficiency(series, find_reference(series, "scale=baseline"))
+    run = load_run_dir(dirs[0])
+    run.flops_per_token = None
+    with pytest.raises(ScalevecError, match="no training FLOPs per token"):
+        efficiency_series([run])
+    assert np.isfinite(load_run_dir(dirs[0]).flops_per_token)

@@ -1,0 +1,215 @@
+"""Launching training processes from tests, and reading what their runs leave behind.
+
+Every process a test starts belongs to a `Processes`, which a fixture owns (conftest.py: `processes`
+for one test, `module_processes` for a module's fixtures): at teardown, passed or failed, whatever is
+still running is killed. A process is marked through its environment, which every descendant inherits
+(torchrun's workers, which run in sessions of their own, and the group torchrun restarts), so none is
+missed, whatever became of its parent.
+
+No test chooses a port: torchrun --standalone binds its rendezvous store to port 0 and hands its
+workers a store of its own, gloo binds its own sockets, and spawned test groups meet in a file:// store.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from scalevec_train.checkpoint import files as checkpoint_files
+from scalevec_train.training.guards import FAULT_INF_GRAD_ENV, FAULT_NAN_ENV
+from tests.helpers import REPO
+
+# Generous: a 4-rank launch on 2 busy cores takes minutes; only a hang gets near this.
+TIMEOUT = 600
+MARK_ENV = "SCALEVEC_TEST_PROCESS"
+LAUNCH_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                   "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", "HYDRA_FULL_ERROR", FAULT_NAN_ENV,
+                   FAULT_INF_GRAD_ENV, MARK_ENV)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This environment without launch variables, with the repository importable and one thread per
+    process (several processes share few cores)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV_KEYS}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    if sys.platform == "linux":  # gloo on the loopback device, whatever the host name resolves to
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    return {**env, **extra}
+
+
+def torchrun(nproc: int, restarts: int = 0) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            f"--max-restarts={restarts}"]
+
+
+def train_command(nproc: int, *overrides: str, restarts: int = 0) -> list[str]:
+    """python -m scalevec_train.train (1 process, no torchrun) or torchrun with nproc processes."""
+    if nproc == 1:
+        return [sys.executable, "-m", "scalevec_train.train", *overrides]
+    return [*torchrun(nproc, restarts), "-m", "scalevec_train.train", *overrides]
+
+
+def many_command(nproc: int, runs: list[list[str]], spec: Path) -> list[str]:
+    """torchrun with nproc processes training `runs` (lists of overrides) one after the other
+    (tests/train_many.py); the list is written to `spec`."""
+    spec.write_text(json.dumps(runs))
+    return [*torchrun(nproc), str(REPO / "tests" / "train_many.py"), str(spec)]
+
+
+class Started:
+    """A process running in the background; its output goes to a file (no pipe to fill)."""
+
+    def __init__(self, command: list[str], cwd: Path, log: Path, env: dict[str, str]):
+        self.command, self.log = command, log
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def describe(self) -> str:
+        return f"{' '.join(self.command)}\n{self.output()[-6000:]}"
+
+    def wait_until(self, condition: Callable[[], object], what: str, timeout: float = TIMEOUT):
+        """Polls `condition` until it returns a true value, and returns that; fails if the process ends
+        first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"the process ended before {what}:\n{self.describe()}"
+            found = condition()
+            if found:
+                return found
+            time.sleep(0.05)
+        raise AssertionError(f"no {what} within {timeout} s:\n{self.describe()}")
+
+    def wait(self, timeout: float = TIMEOUT) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running after {timeout} s:\n{self.describe()}") from None
+
+
+class Processes:
+    """The processes of one test or one module's fixtures (see the module docstring)."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir, self.mark = log_dir, uuid.uuid4().hex
+        self.started: list[Started] = []
+
+    def start(self, command: list[str], cwd: Path, env: dict[str, str] | None = None) -> Started:
+        log = self.log_dir / f"process{len(self.started)}.log"
+        started = Started(command, cwd, log, {**(env or child_env()), MARK_ENV: self.mark})
+        self.started.append(started)
+        return started
+
+    def run(self, command: list[str], cwd: Path, env: dict[str, str] | None = None, code: int = 0) -> str:
+        """Runs `command` to its end; fails unless it exits with `code`. Returns its output."""
+        started = self.start(command, cwd, env)
+        assert started.wait() == code, started.describe()
+        return started.output()
+
+    def pids(self, *entries: str) -> list[int]:
+        """The live processes carrying this mark (everything started here, and their descendants) and the
+        environment `entries` (NAME=value)."""
+        wanted = [f"{MARK_ENV}={self.mark}".encode(), *(e.encode() for e in entries)]
+        return [pid for pid, env in environments().items() if all(w in env for w in wanted)]
+
+    def worker(self, rank: int) -> int:
+        """The pid of the live torchrun worker of `rank` (of the newest group after a restart)."""
+        found = self.pids(f"RANK={rank}")
+        assert len(found) == 1, f"workers of rank {rank}: {found}"
+        return found[0]
+
+    def kill(self) -> None:
+        """SIGKILL every process carrying the mark, until none is left (a launcher being killed may still
+        start one)."""
+        deadline = time.monotonic() + 30
+        while (pids := self.pids()) and time.monotonic() < deadline:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.05)
+        for started in self.started:
+            started.proc.wait()  # reaped, so that no zombie is left behind
+        assert not self.pids(), "processes survived SIGKILL"
+
+
+def environments() -> dict[int, list[bytes]]:
+    """The environment (NAME=value entries) of every live process this user may read."""
+    out = {}
+    for path in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            out[int(path.parent.name)] = path.read_bytes().split(b"\0")
+        except OSError:  # gone, or not ours
+            continue
+    return out
+
+
+# What a run directory holds.
+
+def records(run_dir: Path, strict: bool = True) -> list[dict]:
+    """The metrics records in file order. strict=False skips a line being written right now."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if strict:
+                raise
+    return out
+
+
+def curve(run_dir: Path, key: str = "loss") -> dict[int, float]:
+    """`key` per step; a resumed run logs steps after its checkpoint again, and the last record counts."""
+    return {r["step"]: r[key] for r in records(run_dir) if key in r}
+
+
+def latest_step(run_dir: Path) -> int:
+    return max((r["step"] for r in records(run_dir, strict=False)), default=-1)
+
+
+def complete_steps(run_dir: Path) -> list[int]:
+    return [int(p.name.split("_")[1]) for p in checkpoint_files.complete_checkpoints(run_dir)]
+
+
+def checkpoint_state(ckpt: Path, scratch: Path) -> dict:
+    """A DCP checkpoint as one state dict ({"model": ..., "optim": ...}), read in this process."""
+    assert (ckpt / checkpoint_files.COMPLETE).is_file(), ckpt
+    out = scratch / f"{ckpt.parent.parent.name}-{ckpt.name}-{uuid.uuid4().hex[:6]}.pt"
+    dcp_to_torch_save(ckpt, out)
+    return torch.load(out, weights_only=True)
+
+
+def final_model(run_dir: Path, step: int, scratch: Path) -> dict[str, torch.Tensor]:
+    return checkpoint_state(checkpoint_files.step_dir(run_dir, step), scratch)["model"]
+
+
+def assert_same_curve(got: dict[int, float], expected: dict[int, float], steps, rel: float = 1e-5,
+                      what: str = "loss") -> None:
+    """Per-step values against the reference's. rel 1e-5: fp32 sums in another order (over ranks,
+    shards and micro-batches) move a loss or norm by about 1e-7 relative per step, and the differences
+    grow over a few steps of training; a real difference (one sample, one step) is far above."""
+    assert sorted(got) == sorted(steps), what
+    for step in steps:
+        assert got[step] == pytest.approx(expected[step], rel=rel, abs=0), (what, step)
+
+
+def assert_same_tensors(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], atol: float) -> None:
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
