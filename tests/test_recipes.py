@@ -4,10 +4,7 @@ sets the length. Expected numbers are closed forms of the model's shape, not the
 
 import itertools
 import json
-import os
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +13,7 @@ import yaml
 from scalevec_train.config import CONFIG_DIR
 from scalevec_train.errors import ScalevecError
 from tests.helpers import REPO, make_config
+from tests.launch import Processes, train_command
 
 MODELS = sorted(p.stem for p in (Path(CONFIG_DIR) / "model").glob("*.yaml"))
 
@@ -153,22 +151,10 @@ def test_every_readme_training_command_composes_on_1_and_8_ranks():
         make_config(*overrides, world_size=ranks)
 
 
-def child_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def train_launched(nproc: int, run_dir: Path, overrides: list[str]) -> dict[int, float]:
+def train_launched(processes: Processes, nproc: int, run_dir: Path, overrides: list[str]) -> dict[int, float]:
     """Train with `nproc` processes (torchrun above 1) and no batch override; returns the losses."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    proc = subprocess.run([*(launcher if nproc > 1 else [sys.executable]), "-m", "scalevec_train.train", *overrides,
-                           "model=dense-tiny", "train.steps=3", "schedule.warmup_steps=1", "train.log_every=1",
-                           "train.eval_every=0", f"run_dir={run_dir}"], cwd=run_dir.parent, env=child_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    processes.run(train_command(nproc, *overrides, "model=dense-tiny", "train.steps=3", "schedule.warmup_steps=1",
+                                "train.log_every=1", "train.eval_every=0", f"run_dir={run_dir}"), run_dir.parent)
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["micro_batch"] == 16 // nproc
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["tokens"] for r in records if "loss" in r] == [16 * 128 * s for s in (1, 2, 3)]
@@ -176,13 +162,14 @@ def train_launched(nproc: int, run_dir: Path, overrides: list[str]) -> dict[int,
 
 
 @pytest.fixture(scope="module")
-def one_process_losses(data_overrides, tmp_path_factory) -> dict[int, float]:
-    return train_launched(1, tmp_path_factory.mktemp("ranks1") / "run", data_overrides)
+def one_process_losses(data_overrides, module_processes, tmp_path_factory) -> dict[int, float]:
+    return train_launched(module_processes, 1, tmp_path_factory.mktemp("ranks1") / "run", data_overrides)
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_torchrun_derives_the_micro_batch_without_batch_overrides(tmp_path, data_overrides, one_process_losses,
-                                                                   ranks):
+                                                                   processes, ranks):
     """`torchrun --nproc_per_node=N -m scalevec_train.train model=dense-tiny` with no batch override: each
     rank takes 16 / N sequences per step, and the losses are the single process's."""
-    assert train_launched(ranks, tmp_path / "run", data_overrides) == pytest.approx(one_process_losses, rel=1e-5)
+    losses = train_launched(processes, ranks, tmp_path / "run", data_overrides)
+    assert losses == pytest.approx(one_process_losses, rel=1e-5)

@@ -5,8 +5,6 @@ References: each split's token stream is recomputed here document by document wi
 the order of the files; the shard layout from the files' sizes, data.part_bytes and data.shard_tokens.
 """
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from scalevec_train.data.encode import Batch, encode_batches
 from scalevec_train.data.split import ValSplit
 from scalevec_train.errors import ScalevecError
 from tests.data.test_data import VOCAB, folder_bytes, split_texts, split_tokens, text_cfg, write_corpus
-from tests.helpers import REPO
+from tests.launch import torchrun
 
 PART, SHARD = 3000, 800  # a few documents per part, and parts longer than a shard
 
@@ -91,16 +89,14 @@ def test_workers_take_only_a_few_batches_ahead_and_keep_their_order(one_process)
     assert len(pulled) == 30
 
 
-def test_torchrun_processes_prepare_what_one_process_does(one_process, corpus, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "scalevec_train.prepare_data", *cli_overrides(corpus[0], tmp_path)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "its parts are written" in done.stdout and "prepared" in done.stdout
-    root = tmp_path / one_process.root.name
+def test_torchrun_processes_prepare_what_one_process_does(one_process, corpus, processes, tmp_path):
+    cache = tmp_path / "cache"
+    output = processes.run([*torchrun(2), "-m", "scalevec_train.prepare_data", *cli_overrides(corpus[0], cache)],
+                           tmp_path)
+    assert "its parts are written" in output and "prepared" in output
+    root = cache / one_process.root.name
     assert folder_bytes(root) == folder_bytes(one_process.root)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", root.name, "tokenizers"]  # no staging left
+    assert sorted(p.name for p in cache.iterdir()) == [".lock", root.name, "tokenizers"]  # no staging left
 
 
 def test_slurm_array_tasks_in_any_order_prepare_what_one_process_does(one_process, corpus, tmp_path, monkeypatch,
@@ -128,7 +124,7 @@ def test_process_environment():
         prepare_cli.processes({**slurm, "SLURM_ARRAY_TASK_ID": "9"})
 
 
-def test_a_script_that_prepares_at_import_fails_instead_of_hanging(corpus, tmp_path):
+def test_a_script_that_prepares_at_import_fails_instead_of_hanging(corpus, processes, tmp_path):
     """Workers start by importing the main script again (spawn): preparing there would wait for the
     lock the script holds."""
     script = tmp_path / "unguarded.py"
@@ -136,8 +132,6 @@ def test_a_script_that_prepares_at_import_fails_instead_of_hanging(corpus, tmp_p
                val_fraction=0.2, part_bytes=PART, num_workers=2)
     script.write_text("from scalevec_train.data import DataConfig, prepare_data\n"
                       f"prepare_data(DataConfig(**{cfg!r}))\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120,
-                          check=False)
-    assert done.returncode != 0
-    assert "was called while a worker process imported the main module" in done.stderr
+    started = processes.start([sys.executable, str(script)], tmp_path)
+    assert started.wait(timeout=120) != 0
+    assert "was called while a worker process imported the main module" in started.output()
