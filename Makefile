@@ -22,8 +22,10 @@ $(STAMP): pyproject.toml
 train: setup
 	$(PY) -m scalevec_train.train $(ARGS)
 
+# One pytest worker per core (pytest-xdist), each test file on one worker (its module fixtures and order kept).
+TEST_WORKERS ?= auto
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The GPU tests (tests/gpu) on a machine with CUDA; `make test` hides the GPUs and skips them.
 test-gpu: setup

@@ -2,7 +2,8 @@
 # Every GPU check and measurement of the project in one call, for a lent GPU machine (Python 3.12,
 # torch, triton, transformers, sentencepiece, matplotlib installed; no registry). On the machine with
 # the registry, first run
-#   ../shared/tools/gpu-wheels.sh            (fills .whl/ with hydra-core, omegaconf, antlr4)
+#   ../shared/tools/gpu-wheels.sh pytest-xdist==3.8.0 execnet==2.1.1
+# (fills .whl/ with hydra-core, omegaconf, antlr4, and pytest-xdist for the CPU suite's workers)
 # then on the GPU machine, from the repository root (with .whl carried):
 #   bash scripts/gpu_session.sh [OUT_DIR]
 # It installs the wheels into /tmp/site, then writes to OUT_DIR (default $OUT or ./gpu_out):
@@ -33,7 +34,8 @@ phase() {  # name limit_s command...: run with a time limit, keep the whole log 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
   | tee "$out/device.txt"
-phase cpu_suite.log 420 python3 -m pytest -q -x -p no:cacheprovider
+# the CPU suite on 8 of the host's cores, each test file on one worker (as `make test` does)
+phase cpu_suite.log 420 python3 -m pytest -q -x -p no:cacheprovider -n 8 --dist loadfile
 phase gpu_tests.log 300 env SCALEVEC_GPU_TESTS=1 python3 -m pytest -q -p no:cacheprovider tests/gpu
 phase bench_kernels.md 240 python3 scripts/bench_kernels.py
 {
