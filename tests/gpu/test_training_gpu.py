@@ -4,10 +4,8 @@ for dense and MoE models under baseline and unified, eager and compiled; a compi
 kernels against the eager PyTorch path; MoE grouped_mm against the per-expert loop in bf16; Muon on CUDA
 against torch.optim.Muon; and a resume on CUDA against the uninterrupted run."""
 
-import json
 import math
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ from scalevec_train.optim.muon import Muon
 from scalevec_train.parallel.wrap import wrap_block
 from scalevec_train.train import run
 from tests.helpers import make_config
+from tests.launch import curve, records
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -29,8 +28,6 @@ FAST = ["model.dim=128", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim
 MOE = ["model=moe-tiny", "model.dim=128", "model.moe.num_experts=8", "model.moe.expert_dim=128"]
 
 
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -58,8 +55,7 @@ def test_resume_on_cuda_equals_the_uninterrupted_run(data_overrides, tmp_path):
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(full / "checkpoints" / "step_000006", resumed / "checkpoints" / "step_000006")
     run(make_config(*common, f"run_dir={resumed}", "resume=auto"))
-    want = {r["step"]: r["loss"] for r in records(full) if "loss" in r}
-    got = {r["step"]: r["loss"] for r in records(resumed) if "loss" in r}
+    want, got = curve(full), curve(resumed)
     assert sorted(got) == list(range(7, 13))
     for step, loss in got.items():
         assert loss == pytest.approx(want[step], rel=2e-3), step

@@ -3,7 +3,6 @@ to an earlier end decays over its own span, and its run directory reads like a r
 References: the trunk's own metrics (a second code path: one uninterrupted run) and the closed form of the
 1-sqrt decay."""
 
-import json
 import math
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from scalevec_train.branch import shared_steps
 from scalevec_train.errors import ScalevecError
 from scalevec_train.train import run
 from tests.helpers import make_config
+from tests.launch import curve, records
 
 TINY = ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=176", "model.n_layers=2",
         "train.seq_len=64", "train.global_batch=8", "train.micro_batch=4", "train.eval_batches=2",
@@ -23,12 +23,6 @@ TINY = ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=
 STEPS = 20  # the trunk decays over its last 10 steps
 
 
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def by_step(run_dir: Path, key: str) -> dict[int, float]:
-    return {r["step"]: r[key] for r in records(run_dir) if key in r}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +45,7 @@ def test_a_branch_to_the_trunks_end_reproduces_the_trunk(trunk, tmp_path):
     assert yaml.safe_load((branch / "config.yaml").read_text())["branch_from"].endswith("step_000006")
     # steps 7-20, the WSD decay included, are the same computation
     for key in ("loss", "lr", "grad_norm", "val_loss"):
-        assert by_step(branch, key) == by_step(trunk_dir, key), key
+        assert curve(branch, key) == curve(trunk_dir, key), key
     # from the run directory: its newest checkpoint before the end, as the whole trunk shares this schedule
     again = run(make_config(*common, f"train.steps={STEPS}", f"branch_from={trunk_dir}",
                             f"run_dir={tmp_path / 'newest'}"))
@@ -64,11 +58,11 @@ def test_a_branch_with_an_earlier_end_decays_over_its_own_span(trunk, tmp_path):
     # its 1-sqrt decay runs over step indices 5-9 (the last half of 10) and first lowers the LR at index 6,
     # so the newest trunk checkpoint it shares every earlier LR with is step 6
     assert {"step": 6, "branch_from": f"{trunk_dir}/checkpoints/step_000006"} in records(branch)
-    lr, trunk_loss, loss = by_step(branch, "lr"), by_step(trunk_dir, "loss"), by_step(branch, "loss")
+    lr, trunk_loss, loss = curve(branch, "lr"), curve(trunk_dir, "loss"), curve(branch, "loss")
     assert sorted(lr)[-4:] == [7, 8, 9, 10]
     for step in (7, 8, 9, 10):  # logged step s took the LR of index s - 1
         assert lr[step] == pytest.approx(1e-2 * (1 - math.sqrt((step - 1 - 5) / 5)), rel=1e-12), step
-    assert lr[10] < 0.11 * 1e-2 < by_step(trunk_dir, "lr")[10]
+    assert lr[10] < 0.11 * 1e-2 < curve(trunk_dir, "lr")[10]
     # the trunk's weights until the first decayed update has been taken (index 6, logged as step 7)
     assert loss[7] == trunk_loss[7]
     assert all(loss[s] != trunk_loss[s] for s in (8, 9, 10))

@@ -1,37 +1,28 @@
 """The single-process trainer end to end: files written, exact resume, every strategy trains."""
 
-import json
 import shutil
-from pathlib import Path
 
 import pytest
 
 from scalevec_train.train import run
 from tests.helpers import make_config
+from tests.launch import curve, records
 
 FAST = ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=176", "model.n_layers=2",
         "train.seq_len=64", "train.global_batch=8", "train.micro_batch=4", "train.eval_batches=2",
         "schedule.warmup_steps=2"]
 
 
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in metrics(run_dir) if "loss" in r}
-
-
 def test_run_writes_metrics_config_and_checkpoint(tmp_path, data_overrides):
     out = run(make_config(*data_overrides, *FAST, "train.steps=6", "train.log_every=2", "train.eval_every=3",
                           f"run_dir={tmp_path / 'r'}"))
-    records = metrics(out)
-    logged = [r for r in records if "loss" in r]
+    logged_records = records(out)
+    logged = [r for r in logged_records if "loss" in r]
     assert [r["step"] for r in logged] == [2, 4, 6]
     for r in logged:
         assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"} <= r.keys()
         assert r["tokens"] == r["step"] * 8 * 64
-    assert [r["step"] for r in records if "val_loss" in r] == [0, 3, 6]
+    assert [r["step"] for r in logged_records if "val_loss" in r] == [0, 3, 6]
     for r in logged:  # site values and gradient norms, aggregated and per layer, on every logged step
         assert {"scale/attn_norm.sites.attn/mean", "scale/L1/ffn_norm.sites.ffn/max",
                 "scale/attn_norm.sites.attn/grad_norm", "scale/L1/attn_norm.sites.attn/grad_norm",
@@ -49,7 +40,7 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path, data_override
     (resumed_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(full / "checkpoints" / "step_000004", resumed_dir / "checkpoints" / "step_000004")
     run(make_config(*common, f"run_dir={resumed_dir}", "resume=auto"))
-    expected, got = losses(full), losses(resumed_dir)
+    expected, got = curve(full), curve(resumed_dir)
     assert sorted(got) == [5, 6, 7, 8]
     for step in got:
         assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=0), step
@@ -59,11 +50,11 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path, data_override
 def test_every_strategy_trains(tmp_path, data_overrides, scale):
     out = run(make_config(*data_overrides, *FAST, f"scale={scale}", "train.steps=30", "train.log_every=5",
                           "optim.lr=1e-2", f"run_dir={tmp_path / scale}"))
-    curve = losses(out)
-    assert curve[30] < curve[5] - 0.3
+    loss_curve = curve(out)
+    assert loss_curve[30] < loss_curve[5] - 0.3
     # Every learnable scale site moves: its logged statistics (of s and of an or/er magnitude, per layer
     # and over layers) change between the first and the last logged step.
-    logged = [r for r in metrics(out) if "loss" in r]
+    logged = [r for r in records(out) if "loss" in r]
     sites = {k.rsplit("/", 1)[0] for k in logged[-1] if k.startswith("scale/") and not k.endswith("/grad_norm")}
     assert bool(sites) == (scale != "none")
     for site in sites:
