@@ -66,13 +66,18 @@ def plot_scaling(series: Sequence[ScalingSeries], path: Path, metric: str = "val
             n = np.geomspace(s.sizes[0] / 1.5, s.sizes[-1] * 1.5, 200)
             ax.plot(n, s.fit(n), color=color, label=f"{s.label}: E={s.fit.E:.3f}, A={s.fit.A:.3g}, "
                                                     f"α={s.fit.alpha:.3f}")
+    _log_loss_axes(ax, "parameters N", "Scaling fit L(N) = E + A·N^(-α) per strategy", metric)
+    fig.savefig(path, dpi=120)
+
+
+def _log_loss_axes(ax, xlabel: str, title: str, metric: str) -> None:
+    """Terminal loss against a log-scaled size or compute, with a legend of the fits."""
     ax.set_xscale("log")
-    ax.set_xlabel("parameters N")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(f"terminal {'validation loss' if metric == 'val_loss' else 'loss'}")
-    ax.set_title("Scaling fit L(N) = E + A·N^(-α) per strategy")
+    ax.set_title(title)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize="small")
-    fig.savefig(path, dpi=120)
 
 
 def plot_efficiency(series: Sequence[Series], fits: dict[str, PowerLawFit], rows: Sequence[EfficiencyRow],
@@ -102,12 +107,7 @@ def plot_efficiency(series: Sequence[Series], fits: dict[str, PowerLawFit], rows
                                                                                                    strict=True)]).T
             mult_ax.errorbar([r.compute * offset for r in shown], value, yerr=errors, color=color, marker=marker,
                              linestyle="none", capsize=3, label=f"{s.label}, {kind}")
-    loss_ax.set_xscale("log")
-    loss_ax.set_xlabel("training compute C (FLOPs)")
-    loss_ax.set_ylabel(f"terminal {'validation loss' if metric == 'val_loss' else 'loss'}")
-    loss_ax.set_title("Fits L(C) = E + A·C^(-α) per strategy")
-    loss_ax.grid(alpha=0.3, which="both")
-    loss_ax.legend(fontsize="small")
+    _log_loss_axes(loss_ax, "training compute C (FLOPs)", "Fits L(C) = E + A·C^(-α) per strategy", metric)
     mult_ax.axhline(1.0, color="black", linewidth=0.8)
     mult_ax.set_xscale("log")
     mult_ax.set_xlabel("training compute C (FLOPs)")
