@@ -18,14 +18,10 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from scalevec_train.checkpoint.files import COMPLETE, checkpoint_root, complete_checkpoints
+from scalevec_train.checkpoint.files import COMPLETE, checkpoint_root, checkpoint_step, complete_checkpoints
 from scalevec_train.config import Config
 from scalevec_train.errors import ScalevecError
 from scalevec_train.optim.schedules import lr_multiplier
-
-
-def checkpoint_step(path: Path) -> int:
-    return int(path.name.split("_")[1])
 
 
 def trunk_dir(checkpoint: Path) -> Path:

@@ -184,7 +184,7 @@ def latest_step(run_dir: Path) -> int:
 
 
 def complete_steps(run_dir: Path) -> list[int]:
-    return [int(p.name.split("_")[1]) for p in checkpoint_files.complete_checkpoints(run_dir)]
+    return [checkpoint_files.checkpoint_step(p) for p in checkpoint_files.complete_checkpoints(run_dir)]
 
 
 def checkpoint_state(ckpt: Path, scratch: Path) -> dict:

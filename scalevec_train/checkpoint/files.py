@@ -42,13 +42,18 @@ def step_dir(run_dir: Path, step: int) -> Path:
     return checkpoint_root(run_dir) / f"step_{step:06d}"
 
 
+def checkpoint_step(checkpoint: Path) -> int:
+    """The step a checkpoint directory (step_dir) holds."""
+    return int(checkpoint.name.split("_")[1])
+
+
 def complete_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints, oldest first."""
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
     found = [p for p in root.glob("step_*") if p.is_dir() and (p / COMPLETE).is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+    return sorted(found, key=checkpoint_step)
 
 
 def find_resume(run_dir: Path, resume: str) -> Path | None:
