@@ -90,7 +90,7 @@ def torchtitan(args: argparse.Namespace) -> dict:
     paths = [str(TITAN), str(ROOT), str(ROOT / "kernels")]
     if importlib.util.find_spec("datasets") is None:
         paths.append(str(TITAN / "placeholders"))
-    env["PYTHONPATH"] = os.pathsep.join(paths + [env["PYTHONPATH"]] if env.get("PYTHONPATH") else paths)
+    env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [env.get("PYTHONPATH")])])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
            "-m", "torchtitan.train", *torchtitan_argv(args, tempfile.mkdtemp(prefix="torchtitan_"))]
     log = args.out / "torchtitan.log"

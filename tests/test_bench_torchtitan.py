@@ -3,7 +3,6 @@ it registers builds torchtitan's Llama 3 in the shape of scalevec's dense preset
 parse as torchtitan's, its data are next-token pairs, torchtitan's log lines give the rate it reports, and
 torchtitan imports with the stand-in for a missing Hugging Face datasets."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -15,26 +14,19 @@ from torchtitan.protocols.train_spec import get_train_spec
 
 from scalevec_train.config import compose_config
 from scalevec_train.describe import build_meta
-from tests.helpers import REPO
+from tests.helpers import REPO, load_script
 
 TITAN = REPO / "scripts" / "torchtitan"
 
 
-def load(name: str, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def bench():
-    return load("bench_torchtitan", REPO / "scripts" / "bench_torchtitan.py")
+    return load_script(REPO / "scripts" / "bench_torchtitan.py")
 
 
 @pytest.fixture(scope="module")
 def spec():
-    load("scalevec_llama", TITAN / "scalevec_llama.py")
+    load_script(TITAN / "scalevec_llama.py")
     return get_train_spec("scalevec_llama")
 
 

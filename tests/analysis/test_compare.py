@@ -34,8 +34,8 @@ from scalevec_analysis import (
     write_scaling,
 )
 from scalevec_train.errors import ScalevecError
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 TOKENS_PER_STEP = 50
 VAL_EVERY = 5
 

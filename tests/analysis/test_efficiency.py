@@ -15,7 +15,7 @@ from scalevec_analysis import compute_efficiency, efficiency_series, load_run_di
 from scalevec_analysis.efficiency import SUMMARY, find_reference
 from scalevec_analysis.scaling import PowerLawFit
 from scalevec_train.errors import ScalevecError
-from tests.analysis.test_compare import REPO
+from tests.helpers import REPO, load_script
 
 E, A, ALPHA = 1.8, 1000.0, 0.2
 # ladder points: (model, training FLOPs per token, terminal tokens)
@@ -72,11 +72,7 @@ def test_reference_compute_inverts_the_law():
 
 
 def test_compare_runs_efficiency_writes_plot_and_tables(tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("compare_runs", REPO / "scripts" / "compare_runs.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_script(REPO / "scripts" / "compare_runs.py")
     dirs = write_ladder(tmp_path / "runs", 1.25)
     out = tmp_path / "out"
     assert cli.main([*map(str, dirs), "--efficiency", "--reference", "scale=baseline", "--out", str(out),
