@@ -241,8 +241,12 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA device.")
 
+    import torch._functorch.config as functorch_config
     import triton
 
+    # The backward is timed by replaying one autograd graph (retain_graph=True), which a compiled backward
+    # refuses when it donates its saved buffers to the gradients.
+    functorch_config.donated_buffer = False
     copy_bw = copy_bandwidth()
     print(f"Device: {torch.cuda.get_device_name()}; date {datetime.date.today()}; torch {torch.__version__}, "
           f"triton {triton.__version__}; bf16; measured copy bandwidth {copy_bw / 1e9:.0f} GB/s.\n")
