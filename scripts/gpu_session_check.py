@@ -19,6 +19,7 @@ import contextlib
 import importlib.util
 import io
 import os
+import re
 import runpy
 import shlex
 import subprocess
@@ -94,7 +95,9 @@ def check_pytest(argv: list[str], env: dict, host_lacks: str) -> str:
     lines = done.stdout.strip().splitlines()
     if done.returncode:
         raise CheckFailed(f"collection fails (exit {done.returncode}): " + " | ".join(lines[-5:]))
-    return f"collects with {host_lacks} hidden: {lines[-1] if lines else ''}"
+    per_file = [int(m.group(1)) for line in lines if (m := re.fullmatch(r".+\.py: (\d+)", line))]  # under -qq
+    found = f"{sum(per_file)} tests in {len(per_file)} files" if per_file else (lines[-1] if lines else "")
+    return f"collects with {host_lacks} hidden: {found}"
 
 
 def check(line: str, host_lacks: str) -> str:
