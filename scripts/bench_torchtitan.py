@@ -105,11 +105,15 @@ def split_row(line: str) -> list[str]:
     return [c.strip() for c in line.strip().strip("|").split("|")]
 
 
+def scalevec_argv(args: argparse.Namespace) -> list[str]:
+    """The arguments of scripts/bench_train.py for the same shape, untied like Llama 3."""
+    return ["--presets", args.preset, "--scales", "baseline", "--seq-len", str(args.seq_len),
+            "--micro-batch", str(args.micro_batch), "--warmup", str(args.warmup), "--steps", str(args.steps),
+            "--", "model.tie_embeddings=false", f"distributed.activation_checkpointing={args.ac}"]
+
+
 def scalevec(args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, "scripts/bench_train.py", "--presets", args.preset, "--scales", "baseline",
-           "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--warmup", str(args.warmup),
-           "--steps", str(args.steps), "--", "model.tie_embeddings=false",
-           f"distributed.activation_checkpointing={args.ac}"]
+    cmd = [sys.executable, "scripts/bench_train.py", *scalevec_argv(args)]
     text = run("scalevec", cmd, args.out / "scalevec.log")
     header = next((line for line in text.splitlines() if line.startswith("| preset")), None)
     row = next((line for line in text.splitlines() if line.startswith(f"| {args.preset} ")), None)

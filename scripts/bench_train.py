@@ -9,15 +9,24 @@ and timed in two phases:
      the loss all-reduce. The extra synchronization makes phase 2 a little slower than phase 1.
 MFU = tokens/s per device * training FLOPs per token / the device's dense bf16 peak (the FLOPs formula,
 attention included, is documented in scalevec_train/accounting.py). Peak memory is the most GPU memory
-allocated at any point of the build, warm-up and both phases.
+allocated (torch.cuda.max_memory_allocated) from the first warm-up step to the end of phase 2: the
+counter is reset once the run is built (weights initialized, data in place), so the build itself is left
+out, and the optimizer state, created by the first step, is counted.
 
     python scripts/bench_train.py --presets dense-0.12b,dense-1b --scales baseline,unified
     python scripts/bench_train.py --presets dense-1b --micro-batch 4 -- distributed.activation_checkpointing=full
     torchrun --nproc_per_node=8 scripts/bench_train.py --presets dense-1b     # rank 0 prints
     python scripts/bench_train.py --presets dense-tiny --no-compile --seq-len 128 --steps 3 --warmup 1  # CPU smoke
 
-Arguments after `--` are Hydra overrides for every run. The data is the default stdlib corpus unless
-overridden; its tokenizer and shards are prepared on first use and cached in data_cache/.
+Arguments after `--` are Hydra overrides for every run. Each row is printed as soon as its pair is
+measured, so a run stopped at a time limit keeps the rows it finished.
+
+The data is the real input path of training: the default stdlib corpus through the trainer's loader
+(so "data ms" is what training pays), unless overridden. Its tokenizer and shards are prepared on first
+use and cached in data_cache/ for later runs: once per machine, about 7 s to train the 32k-piece
+SentencePiece tokenizer and 19 s to encode 9M tokens in one process on the 2-core CPU machine
+(2026-11-25; encoding uses every core, data.num_workers). That happens in the build, before the first
+timed step, and never inside a measurement.
 """
 
 import argparse
@@ -39,7 +48,7 @@ COLUMNS = ["preset", "scale", "ranks", "params", "tokens/step", "step ms", "toke
            "peak mem GiB", "fwd+bwd ms", "optimizer ms", "data ms"]
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", default="dense-0.12b,dense-1b", help="model presets, comma-separated")
     p.add_argument("--scales", default="baseline", help="scale strategies, comma-separated")
@@ -51,7 +60,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="torch.compile each block (distributed.compile)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides applied to every run (after --)")
-    return p.parse_args()
+    return p.parse_args(argv)
+
+
+def pairs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The (preset, scale) pairs to measure, in order."""
+    return [(p, s) for p in args.presets.split(",") for s in args.scales.split(",")]
+
+
+def run_overrides(preset: str, scale: str, args: argparse.Namespace, world: int, run_dir: str) -> list[str]:
+    """The Hydra overrides of one pair's run (no gradient accumulation: the global batch is one micro-batch
+    per rank)."""
+    return [f"model={preset}", f"scale={scale}", f"train.seq_len={args.seq_len}",
+            f"train.micro_batch={args.micro_batch}", f"train.global_batch={args.micro_batch * world}",
+            "train.steps=100000", f"distributed.compile={str(args.compile).lower()}",
+            "logger.progress_bar=false", f"run_dir={run_dir}", "resume=none", *args.overrides]
 
 
 def sync(device: torch.device) -> None:
@@ -79,11 +102,7 @@ def bench(preset: str, scale: str, args: argparse.Namespace) -> dict:
     # build() only looks for checkpoints there; nothing is written.
     run_dir = process_group.broadcast_object(tempfile.mkdtemp(prefix="scalevec_bench_") if process_group.is_main()
                                            else None)
-    overrides = [f"model={preset}", f"scale={scale}", f"train.seq_len={args.seq_len}",
-                 f"train.micro_batch={args.micro_batch}", f"train.global_batch={args.micro_batch * world}",
-                 "train.steps=100000", f"distributed.compile={str(args.compile).lower()}",
-                 "logger.progress_bar=false", f"run_dir={run_dir}", "resume=none", *args.overrides]
-    cfg = compose_config(overrides, world)
+    cfg = compose_config(run_overrides(preset, scale, args, world, run_dir), world)
     row = {"preset": preset, "scale": scale, "ranks": world}
     device = None
     try:
@@ -136,23 +155,25 @@ def bench(preset: str, scale: str, args: argparse.Namespace) -> dict:
     return row
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(str(r.get(c, "-")) for c in COLUMNS) + " |" for r in rows]
-    return "\n".join(lines)
+def table_row(row: dict) -> str:
+    return "| " + " | ".join(str(row.get(c, "-")) for c in COLUMNS) + " |"
 
 
 def main() -> None:
     args = parse_args()
     process_group.init()
     try:
-        rows = [bench(p, s, args) for p in args.presets.split(",") for s in args.scales.split(",")]
-        if process_group.is_main():
+        main_rank = process_group.is_main()
+        if main_rank:
             device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
             print(f"{device}, torch {torch.__version__}, {process_group.world_size()} rank(s), "
                   f"seq_len {args.seq_len}, micro-batch {args.micro_batch}, compile {args.compile}, "
                   f"overrides {args.overrides or 'none'}")
-            print(table(rows))
+            print("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS), flush=True)
+        for preset, scale in pairs(args):
+            row = bench(preset, scale, args)
+            if main_rank:
+                print(table_row(row), flush=True)
     except ScalevecError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

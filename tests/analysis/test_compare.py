@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from matplotlib.image import imread
 from omegaconf import OmegaConf
 
 from scalevec_analysis import (
@@ -35,6 +34,10 @@ from scalevec_analysis import (
 )
 from scalevec_train.errors import ScalevecError
 from tests.helpers import REPO
+
+# The plots need matplotlib (an optional package): the tests that write them skip without it.
+needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                                      reason="matplotlib is not installed (the analysis extra)")
 
 TOKENS_PER_STEP = 50
 VAL_EVERY = 5
@@ -248,7 +251,10 @@ def test_missing_val_loss_is_a_clear_error(tmp_path):
         metric_curve(run, "val_loss")
 
 
+@needs_matplotlib
 def test_write_comparison_files_and_png(run_dirs, tmp_path):
+    from matplotlib.image import imread
+
     out = tmp_path / "out"
     table = write_comparison([load_run_dir(d) for d in run_dirs], "scale=baseline", out, ema_beta=0.9,
                              logx=True, logy=True)
@@ -293,6 +299,12 @@ def test_parse_wandb_filter():
 def test_wandb_missing_is_a_clear_error():
     with pytest.raises(ScalevecError, match="wandb is not installed"):
         load_wandb(["e/p/abc"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed")
+def test_matplotlib_missing_is_a_clear_error(run_dirs, tmp_path):
+    with pytest.raises(ScalevecError, match="plots need matplotlib"):
+        write_comparison([load_run_dir(d) for d in run_dirs], "scale=baseline", tmp_path / "out")
 
 
 def test_fit_power_law_recovers_exact_parameters():
@@ -341,6 +353,7 @@ def test_scaling_errors(tmp_path):
     assert series[0].fit is None and series[1].fit is not None
 
 
+@needs_matplotlib
 def test_write_scaling_files(tmp_path):
     out = tmp_path / "out"
     table = write_scaling([load_run_dir(d) for d in scaling_dirs(tmp_path)], out)
@@ -357,6 +370,7 @@ def cli(*args):
                           capture_output=True, text=True, env=env, cwd=REPO)
 
 
+@needs_matplotlib
 def test_cli(run_dirs, tmp_path):
     out = tmp_path / "cli"
     done = cli(*run_dirs, "--reference", "scale=baseline", "--out", out, "--metric", "val_loss",

@@ -3,6 +3,7 @@ L_R(C) = E + A C^(-alpha) and the strategy's is L_R(k C), so the strategy reache
 less compute; seeds scatter around those losses symmetrically."""
 
 import csv
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -71,6 +72,8 @@ def test_reference_compute_inverts_the_law():
     assert reference_compute(fit, E) == math.inf == reference_compute(fit, E - 0.1)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib is not installed (the analysis extra)")
 def test_compare_runs_efficiency_writes_plot_and_tables(tmp_path):
     cli = load_script(REPO / "scripts" / "compare_runs.py")
     dirs = write_ladder(tmp_path / "runs", 1.25)

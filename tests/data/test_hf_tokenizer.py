@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from scalevec_train.data import DataConfig, prepare_data
 from scalevec_train.data.hf_tokenizer import HfTokenizer
@@ -17,6 +16,9 @@ from scalevec_train.interop.api import load
 from scalevec_train.interop.export import export
 from scalevec_train.train import run
 from tests.helpers import make_config
+
+pytest.importorskip("tokenizers", reason="Hugging Face tokenizers is not installed (the hf extra)")
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 
 EOS = "<|endoftext|>"
 SAMPLE = "def f(x):\n\tif x:\n        return x  +  12345  # größer 日本語 🙂\r\n <|endoftext|> </s> tail  \n"
