@@ -1,0 +1,108 @@
+"""The memory estimate (scalevec_train/memory.py, activations.py) against bytes measured on a real
+CPU step: the tensors autograd saves during a forward (saved-tensor hooks, unique storages), and the
+parameters, gradients and optimizer state after an optimizer step. Then the GPU recipes against an
+80 GB device at 8 ranks."""
+
+import pytest
+import torch
+
+from scalevec_train.config import compose_config
+from scalevec_train.memory import GB, estimate, fix
+from scalevec_train.model.transformer import Transformer
+from scalevec_train.optim.groups import build_optimizer
+from scalevec_train.parallel.wrap import wrap_block
+from scalevec_train.training.trainer import cross_entropy
+
+SHAPE = ["train.micro_batch=2", "train.global_batch=2", "train.seq_len=64"]
+
+
+def storage_bytes(tensors) -> int:
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def measure(cfg) -> dict[str, int]:
+    """Bytes of one real training step on the CPU: saved activations (all of them, and per block when
+    the blocks are not checkpointed), parameters, gradients, optimizer state."""
+    torch.manual_seed(0)
+    model = Transformer(cfg.model, cfg.scale)
+    model.init_weights(0)
+    for block in model.layers:
+        wrap_block(block, cfg.distributed.activation_checkpointing, False)
+    weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    saved, layer, per_layer = {}, [None], {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in weights and st.data_ptr() not in saved:
+            saved[st.data_ptr()] = st.nbytes()
+            if layer[0] is not None:
+                per_layer[layer[0]] = per_layer.get(layer[0], 0) + st.nbytes()
+        return t
+
+    for i, block in enumerate(model.layers):
+        block.register_forward_pre_hook(lambda *_, i=i: layer.__setitem__(0, i))
+    model.final_norm.register_forward_pre_hook(lambda *_: layer.__setitem__(0, None))
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.train.seq_len + 1))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    optimizer = build_optimizer(model, cfg.optim, cfg.scale)
+    optimizer.step()
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return {"activations": sum(saved.values()), "block": max(per_layer.values(), default=0),
+            "params": storage_bytes(model.parameters()), "grads": storage_bytes(p.grad for p in model.parameters()),
+            "optimizer": storage_bytes(state)}
+
+
+def close(estimated: float, measured: float, rel: float = 0.10) -> bool:
+    return abs(estimated - measured) <= rel * measured
+
+
+@pytest.mark.parametrize("model", ["dense-tiny", "moe-tiny"])
+@pytest.mark.parametrize("scale", ["baseline", "unified"])
+@pytest.mark.parametrize("optim", ["adamw", "muon"])
+def test_estimate_matches_a_real_cpu_step(model, scale, optim):
+    """Within 10% of the measured bytes for each checkpointing mode the hooks can see: `none` keeps
+    every block's tensors, `full` only the blocks' inputs (and recomputes one block in its backward:
+    the largest block measured without checkpointing)."""
+    base = [f"model={model}", f"scale={scale}", f"optim={optim}", *SHAPE]
+    measured = {}
+    for mode in ("none", "full"):
+        cfg = compose_config([*base, f"distributed.activation_checkpointing={mode}"])
+        got, est = measure(cfg), estimate(cfg, world=1, device="cpu")
+        measured[mode] = got
+        for key in ("params", "grads", "optimizer", "activations"):
+            assert close(getattr(est, key), got[key]), (mode, key, getattr(est, key), got[key])
+        if mode == "full":
+            assert close(est.recompute, measured["none"]["block"]), (est.recompute, measured["none"]["block"])
+        else:
+            assert est.recompute == 0
+
+
+def test_checkpointing_and_micro_batch_shrink_the_estimate():
+    """The orders an estimate must respect: full < selective < none for activations, activations
+    linear in the micro-batch, states divided by the ranks."""
+    overrides = ["model=dense-1b"]
+    by_mode = {mode: estimate(compose_config([*overrides, f"distributed.activation_checkpointing={mode}"],
+                                             world_size=8), world=8)
+               for mode in ("none", "selective", "full")}
+    assert by_mode["full"].activations < by_mode["selective"].activations < by_mode["none"].activations
+    half = estimate(compose_config([*overrides, "train.max_micro_batch_tokens=8192"], world_size=8), world=8)
+    assert half.micro_batch_tokens * 2 == by_mode["none"].micro_batch_tokens
+    assert close(half.activations * 2, by_mode["none"].activations, rel=1e-6)
+    one = estimate(compose_config(overrides, world_size=1), world=1)
+    assert one.params == pytest.approx(8 * by_mode["none"].params, rel=1e-3)
+
+
+GPU_RECIPES = ["dense-0.12b", "dense-0.5b", "dense-gemma-0.5b", "dense-1b", "dense-2b", "moe-0.5b", "moe-2b"]
+
+
+@pytest.mark.parametrize("model", GPU_RECIPES)
+@pytest.mark.parametrize("optim", ["adamw", "muon"])
+def test_gpu_recipes_fit_80gb_at_8_ranks(model, optim):
+    """Every GPU recipe, with its default micro-batch and checkpointing, under its heaviest strategy
+    (unified), fits an 80 GB GPU at 8 ranks."""
+    cfg = compose_config([f"model={model}", "scale=unified", f"optim={optim}"], world_size=8)
+    est = estimate(cfg, world=8)
+    assert est.total <= 80 * GB, (model, est.as_dict())
+    assert fix(cfg, 8, 80 * GB) is None
