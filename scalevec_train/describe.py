@@ -1,7 +1,15 @@
-"""`python -m scalevec_train.describe model=<preset> scale=<preset> [format=json]`: every scale site of a
-model under a strategy, what it costs in parameters and FLOPs. Builds the model on the meta device,
-so any preset describes instantly."""
+"""`python -m scalevec_train.describe model=<preset> scale=<preset> [format=json] [world_size=8]
+[device_gb=80]`: every scale site of a model under a strategy, what it costs in parameters and FLOPs,
+and the memory each rank needs. Builds the model on the meta device, so any preset describes instantly.
 
+Memory: per rank on `world_size` GPUs (the micro-batch derived for that many ranks) for the config's
+optimizer and distributed.activation_checkpointing: parameters, gradients, optimizer state,
+activations (kept by the forward, and one block's recompute under checkpointing), logits and loss,
+FSDP's gathered blocks, the optimizer step's transients, and the total against a device of `device_gb`
+GB (10^9 bytes), with the change that makes it fit when it does not and the world sizes it fits on
+(memory.py documents each term)."""
+
+import copy
 import json
 import sys
 
@@ -15,8 +23,9 @@ from scalevec_train.accounting import (
     total_params,
     train_flops_per_token,
 )
-from scalevec_train.config import compose_config
+from scalevec_train.config import Config, compose_config
 from scalevec_train.errors import ScalevecError
+from scalevec_train.memory import GB, estimate, fix
 from scalevec_train.model.strategies import ScaleConfig, scale_sites, site_display_name
 from scalevec_train.model.transformer import Transformer
 
@@ -74,19 +83,76 @@ def format_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+# The world sizes the memory report checks (the micro-batch is derived for each).
+WORLD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def for_world(cfg: Config, world: int, micro_batch_given: bool) -> Config:
+    """cfg as composed for `world` ranks: its micro-batch derived again unless given; ScalevecError when
+    the global batch does not split over them."""
+    cfg = copy.deepcopy(cfg)
+    if not micro_batch_given:
+        cfg.train.micro_batch = None
+        cfg.train.derive_micro_batch(world)
+    cfg.train.validate(world)
+    return cfg
+
+
+def memory(cfg: Config, world: int, device_gb: float, micro_batch_given: bool) -> dict:
+    """The per-rank memory of the config on `world` GPUs against `device_gb`, the fix when it does not
+    fit, and the world sizes (of WORLD_SIZES, where the global batch splits) it fits on."""
+    device = device_gb * GB
+    at_world = for_world(cfg, world, micro_batch_given)
+    est = estimate(at_world, world)
+    fits_on = []
+    for w in WORLD_SIZES:
+        try:
+            if estimate(for_world(cfg, w, micro_batch_given), w).total <= device:
+                fits_on.append(w)
+        except ScalevecError:
+            continue
+    return dict(est.as_dict(), device_bytes=device, fits=est.total <= device, fix=fix(at_world, world, device),
+                fits_world_sizes=fits_on)
+
+
+def format_memory(m: dict) -> str:
+    rows = ["params", "grads", "accumulated_grads", "optimizer", "activations", "recompute", "logits",
+            "fsdp_buffers", "optimizer_step", "overhead", "total"]
+    lines = [f"memory per rank on {m['world_size']} GPUs (sharded over {m['shard_size']}), micro-batch of "
+             f"{m['micro_batch_tokens']:,} tokens x {m['accumulation']}, activation checkpointing "
+             f"{m['activation_checkpointing']}:"]
+    lines += [f"  {k:<18} {m[k] / GB:8.2f} GB" for k in rows]
+    verdict = "fits" if m["fits"] else f"does not fit; fix: {m['fix']}"
+    lines.append(f"  {m['total'] / GB:.1f} of {m['device_bytes'] / GB:.0f} GB: {verdict}")
+    sizes = ", ".join(map(str, m["fits_world_sizes"])) or "none"
+    lines.append(f"  fits {m['device_bytes'] / GB:.0f} GB on world sizes: {sizes}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
-    fmt = "table"
+    options = {"format": "table", "world_size": "8", "device_gb": "80"}
     overrides = []
     for arg in argv:
-        if arg.startswith("format="):
-            fmt = arg.split("=", 1)[1]
+        key = arg.split("=", 1)[0]
+        if key in options:
+            options[key] = arg.split("=", 1)[1]
         else:
             overrides.append(arg)
+    fmt = options["format"]
     try:
         if fmt not in ("table", "json"):
             raise ScalevecError("format", f"unknown format {fmt!r}.", "use format=table or format=json.")
+        try:
+            world, device_gb = int(options["world_size"]), float(options["device_gb"])
+        except ValueError:
+            world = device_gb = 0
+        if world < 1 or device_gb <= 0:
+            raise ScalevecError("world_size/device_gb", f"world_size={options['world_size']}, device_gb="
+                                f"{options['device_gb']}.", "give a positive whole world_size and positive device_gb.")
         cfg = compose_config(overrides)
         d = describe(cfg)
+        given = any(o.lstrip("+").startswith("train.micro_batch=") for o in overrides)
+        d["memory"] = memory(cfg, world, device_gb, given)
     except (ScalevecError, HydraException) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -96,6 +162,8 @@ def main(argv: list[str]) -> int:
         print(json.dumps(d))
     else:
         print(format_table(d))
+        print()
+        print(format_memory(d["memory"]))
     return 0
 
 

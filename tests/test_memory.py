@@ -3,6 +3,8 @@ CPU step: the tensors autograd saves during a forward (saved-tensor hooks, uniqu
 parameters, gradients and optimizer state after an optimizer step. Then the GPU recipes against an
 80 GB device at 8 ranks."""
 
+import json
+
 import pytest
 import torch
 
@@ -106,3 +108,20 @@ def test_gpu_recipes_fit_80gb_at_8_ranks(model, optim):
     est = estimate(cfg, world=8)
     assert est.total <= 80 * GB, (model, est.as_dict())
     assert fix(cfg, 8, 80 * GB) is None
+
+
+def test_describe_reports_memory_with_a_verdict_and_a_fix(capsys):
+    """describe's JSON carries the breakdown and the verdict; a config that does not fit names the change
+    that makes it fit, and that change does."""
+    from scalevec_train.describe import main
+
+    assert main(["model=dense-2b", "world_size=1", "device_gb=80", "format=json"]) == 0
+    m = json.loads(capsys.readouterr().out)["memory"]
+    parts = ("params", "grads", "accumulated_grads", "optimizer", "activations", "logits", "overhead")
+    assert m["total"] >= sum(m[k] for k in parts) and m["world_size"] == 1
+    assert not m["fits"] and m["fix"] == "distributed.activation_checkpointing=selective"
+    assert 1 not in m["fits_world_sizes"] and 8 in m["fits_world_sizes"]
+    fixed = compose_config(["model=dense-2b", "distributed.activation_checkpointing=selective"])
+    assert estimate(fixed, world=1).total <= 80 * GB
+    assert main(["model=dense-tiny", "world_size=0"]) == 2
+    assert "world_size" in capsys.readouterr().err
