@@ -22,7 +22,7 @@ LAYERS = {
     "scalevec_train.training": 4,
     "scalevec_train.config": 5,
     "scalevec_train.interop": 6,
-    "scalevec_train.describe": 6,
+    "scalevec_train.describe": 7,
     "scalevec_train.memory": 6,
     "scalevec_train.branch": 6,
     "scalevec_train.build": 7,
