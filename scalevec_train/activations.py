@@ -65,13 +65,14 @@ class _Saved:
         """rms_norm_scales / head_rms_norm of tensor x = (name, bytes per element), `rows` norms of
         `width` / rows features per token; scaled: some output multiplies a scale vector."""
         name, size = x
-        self.keep(name, size * width)
+        # the kernels keep x; the reference keeps x.float() (x itself when it is fp32)
+        if self.p.fused or size == FP32:
+            self.keep(name, size * width)
+        else:
+            self.keep(f"{name}.f32", FP32 * width)
         self.keep(f"{name}.rstd", FP32 * rows)
-        if not self.p.fused:
-            if size != FP32:
-                self.keep(f"{name}.f32", FP32 * width)
-            if scaled:
-                self.keep(f"{name}.normed", FP32 * width)
+        if not self.p.fused and scaled:
+            self.keep(f"{name}.normed", FP32 * width)
 
     def matmul(self, x: tuple[str, int], width: int, owner: str) -> None:
         """A matmul keeps its input in the compute dtype: x itself, or its own cast copy."""
@@ -110,9 +111,9 @@ def _swiglu(s: _Saved, gate: tuple[str, int], up: tuple[str, int], width: int, f
             gate_scaled: bool, up_scaled: bool, per_expert_scales: bool) -> None:
     """silu(gate) * up, or swiglu_norm's u_g N(gate), u_u N(up) first (fused_norms)."""
     if fused_norms:
-        s.keep(gate[0], gate[1] * width)
-        s.keep(up[0], up[1] * width)
         if s.p.fused:
+            s.keep(gate[0], gate[1] * width)
+            s.keep(up[0], up[1] * width)
             s.keep(f"{gate[0]}.rstd", 2 * FP32)
             return
         for t, scaled in ((gate, gate_scaled), (up, up_scaled)):

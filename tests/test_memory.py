@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from scalevec_train.build import autocast_for
 from scalevec_train.config import compose_config
 from scalevec_train.memory import GB, estimate, fix
 from scalevec_train.model.transformer import Transformer
@@ -45,7 +46,8 @@ def measure(cfg) -> dict[str, int]:
         block.register_forward_pre_hook(lambda *_, i=i: layer.__setitem__(0, i))
     model.final_norm.register_forward_pre_hook(lambda *_: layer.__setitem__(0, None))
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.train.seq_len + 1))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    autocast = autocast_for(cfg.train.dtype, torch.device("cpu"))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
         loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
     loss.backward()
     optimizer = build_optimizer(model, cfg.optim, cfg.scale)
@@ -79,6 +81,16 @@ def test_estimate_matches_a_real_cpu_step(model, scale, optim):
             assert close(est.recompute, measured["none"]["block"]), (est.recompute, measured["none"]["block"])
         else:
             assert est.recompute == 0
+
+
+@pytest.mark.parametrize("model", ["dense-tiny", "moe-tiny"])
+@pytest.mark.parametrize("scale", ["baseline", "unified"])
+def test_estimate_matches_under_bf16_autocast(model, scale):
+    """train.dtype=bf16 on the CPU: the matmuls keep bf16 casts of their fp32 inputs and of the weights,
+    as on one GPU (whose norms are the fused kernels instead)."""
+    cfg = compose_config([f"model={model}", f"scale={scale}", *SHAPE, "train.dtype=bf16"])
+    got, est = measure(cfg), estimate(cfg, world=1, device="cpu")
+    assert close(est.activations, got["activations"]), (est.activations, got["activations"])
 
 
 def test_checkpointing_and_micro_batch_shrink_the_estimate():
