@@ -258,15 +258,18 @@ def block_kept_bytes(m: ModelConfig, scale: ScaleConfig, p: Precision, mode: str
         return inputs
     q_width, kv_width = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
     attn = q_width + 2 * kv_width + q_width + m.dim  # q, k, v, attention output, o
+    fp32 = m.n_heads  # attention's log-sum-exp
     if m.moe is None:
         ffn = 2 * m.ffn_dim + m.dim
     else:
-        # the router's fp32 logits; the experts' grouped matmuls are recomputed
-        ffn = 2 * m.moe.num_experts
+        # the router's fp32 logits and the shared expert's matmuls; the experts' grouped matmuls
+        # are recomputed
+        fp32 += m.moe.num_experts
+        ffn = 0
         if m.moe.num_shared_experts:
             width = m.moe.num_shared_experts * (m.moe.shared_expert_dim or m.ffn_dim)
             ffn += 2 * width + m.dim
-    return inputs + p.compute * (attn + ffn) + FP32 * m.n_heads
+    return inputs + p.compute * (attn + ffn) + FP32 * fp32
 
 
 def outer_bytes(m: ModelConfig, scale: ScaleConfig, p: Precision) -> float:

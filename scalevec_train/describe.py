@@ -118,7 +118,7 @@ def memory(cfg: Config, world: int, device_gb: float, micro_batch_given: bool) -
 def format_memory(m: dict) -> str:
     rows = ["params", "grads", "accumulated_grads", "optimizer", "activations", "recompute", "logits",
             "fsdp_buffers", "optimizer_step", "overhead", "total"]
-    lines = [f"memory per rank on {m['world_size']} GPUs (sharded over {m['shard_size']}), micro-batch of "
+    lines = [f"memory per rank on {m['world_size']} GPU(s) (sharded over {m['shard_size']}), micro-batch of "
              f"{m['micro_batch_tokens']:,} tokens x {m['accumulation']}, activation checkpointing "
              f"{m['activation_checkpointing']}:"]
     lines += [f"  {k:<18} {m[k] / GB:8.2f} GB" for k in rows]

@@ -112,11 +112,12 @@ GPU_RECIPES = ["dense-0.12b", "dense-0.5b", "dense-gemma-0.5b", "dense-1b", "den
 
 
 @pytest.mark.parametrize("model", GPU_RECIPES)
+@pytest.mark.parametrize("scale", ["baseline", "unified"])
 @pytest.mark.parametrize("optim", ["adamw", "muon"])
-def test_gpu_recipes_fit_80gb_at_8_ranks(model, optim):
-    """Every GPU recipe, with its default micro-batch and checkpointing, under its heaviest strategy
-    (unified), fits an 80 GB GPU at 8 ranks."""
-    cfg = compose_config([f"model={model}", "scale=unified", f"optim={optim}"], world_size=8)
+def test_gpu_recipes_fit_80gb_at_8_ranks(model, scale, optim):
+    """Every GPU recipe, with its default micro-batch and checkpointing, under the default strategy and
+    the heaviest one (unified), fits an 80 GB GPU at 8 ranks."""
+    cfg = compose_config([f"model={model}", f"scale={scale}", f"optim={optim}"], world_size=8)
     est = estimate(cfg, world=8)
     assert est.total <= 80 * GB, (model, est.as_dict())
     assert fix(cfg, 8, 80 * GB) is None
