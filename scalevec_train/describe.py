@@ -28,6 +28,7 @@ from scalevec_train.errors import ScalevecError
 from scalevec_train.memory import GB, estimate, fix
 from scalevec_train.model.strategies import ScaleConfig, scale_sites, site_display_name
 from scalevec_train.model.transformer import Transformer
+from scalevec_train.parallel.config import AC_MODES
 
 
 def build_meta(model_cfg, scale_cfg) -> Transformer:
@@ -111,8 +112,14 @@ def memory(cfg: Config, world: int, device_gb: float, micro_batch_given: bool) -
                 fits_on.append(w)
         except ScalevecError:
             continue
+    by_mode = {}
+    for mode in AC_MODES:
+        trial = copy.deepcopy(at_world)
+        trial.distributed.activation_checkpointing = mode
+        e = estimate(trial, world)
+        by_mode[mode] = {"activations": e.activations, "recompute": e.recompute, "total": e.total}
     return dict(est.as_dict(), device_bytes=device, fits=est.total <= device, fix=fix(at_world, world, device),
-                fits_world_sizes=fits_on)
+                fits_world_sizes=fits_on, by_checkpointing=by_mode)
 
 
 def format_memory(m: dict) -> str:
@@ -122,6 +129,9 @@ def format_memory(m: dict) -> str:
              f"{m['micro_batch_tokens']:,} tokens x {m['accumulation']}, activation checkpointing "
              f"{m['activation_checkpointing']}:"]
     lines += [f"  {k:<18} {m[k] / GB:8.2f} GB" for k in rows]
+    modes = ", ".join(f"{mode} {(e['activations'] + e['recompute']) / GB:.2f} GB (total {e['total'] / GB:.1f})"
+                      for mode, e in m["by_checkpointing"].items())
+    lines.append(f"  activations (+ recompute) by checkpointing mode: {modes}")
     verdict = "fits" if m["fits"] else f"does not fit; fix: {m['fix']}"
     lines.append(f"  {m['total'] / GB:.1f} of {m['device_bytes'] / GB:.0f} GB: {verdict}")
     sizes = ", ".join(map(str, m["fits_world_sizes"])) or "none"

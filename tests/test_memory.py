@@ -134,6 +134,9 @@ def test_describe_reports_memory_with_a_verdict_and_a_fix(capsys):
     assert m["total"] >= sum(m[k] for k in parts) and m["world_size"] == 1
     assert not m["fits"] and m["fix"] == "distributed.activation_checkpointing=selective"
     assert 1 not in m["fits_world_sizes"] and 8 in m["fits_world_sizes"]
+    modes = m["by_checkpointing"]
+    assert modes["none"]["total"] == m["total"] and modes["selective"]["total"] <= 80 * GB
+    assert modes["full"]["activations"] < modes["selective"]["activations"] < modes["none"]["activations"]
     fixed = compose_config(["model=dense-2b", "distributed.activation_checkpointing=selective"])
     assert estimate(fixed, world=1).total <= 80 * GB
     assert main(["model=dense-tiny", "world_size=0"]) == 2
