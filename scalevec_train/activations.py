@@ -107,25 +107,26 @@ def _linear(s: _Saved, name: str, x: tuple[str, int], d_in: int, d_out: int, m: 
     return y
 
 
-def _swiglu(s: _Saved, gate: tuple[str, int], up: tuple[str, int], width: int, fused_norms: bool,
-            gate_scaled: bool, up_scaled: bool, per_expert_scales: bool) -> None:
-    """silu(gate) * up, or swiglu_norm's u_g N(gate), u_u N(up) first (fused_norms)."""
-    if fused_norms:
-        if s.p.fused:
-            s.keep(gate[0], gate[1] * width)
-            s.keep(up[0], up[1] * width)
-            s.keep(f"{gate[0]}.rstd", 2 * FP32)
-            return
-        for t, scaled in ((gate, gate_scaled), (up, up_scaled)):
-            s.norm(t, width, scaled=scaled)
-            if scaled and per_expert_scales:  # each row's expert's scale row, gathered
-                s.keep(f"{t[0]}.rows", FP32 * width)
-            s.keep(f"{t[0]}.out", s.p.compute * width)
+def _swiglu(s: _Saved, gate: tuple[str, int], up: tuple[str, int], width: int, rows: int = 1,
+            norms: bool = False, scaled: bool = False, per_expert_scales: bool = False) -> None:
+    """silu(gate) * up on `rows` rows of width / rows per token, or swiglu_norm's u_g N(gate), u_u N(up)
+    first (norms; scaled: with scales, one row per expert under per_expert_scales)."""
+    if not norms:
+        s.keep(gate[0], gate[1] * width)
         s.keep(f"{gate[0]}.silu", s.p.compute * width)
+        s.keep(up[0], up[1] * width)
         return
-    s.keep(gate[0], gate[1] * width)
+    if s.p.fused:
+        s.keep(gate[0], gate[1] * width)
+        s.keep(up[0], up[1] * width)
+        s.keep(f"{gate[0]}.rstd", 2 * FP32 * rows)
+        return
+    for t in (gate, up):
+        s.norm(t, width, rows=rows, scaled=scaled)
+        if scaled and per_expert_scales:  # each row's expert's scale row, gathered
+            s.keep(f"{t[0]}.rows", FP32 * width)
+        s.keep(f"{t[0]}.out", s.p.compute * width)
     s.keep(f"{gate[0]}.silu", s.p.compute * width)
-    s.keep(up[0], up[1] * width)
 
 
 def _norm_outputs(s: _Saved, x: tuple[str, int], m: ModelConfig, scale: ScaleConfig, branches: list[str],
@@ -163,8 +164,7 @@ def _feed_forward(s: _Saved, b: dict, m: ModelConfig, scale: ScaleConfig, prefix
     else:
         gate = _linear(s, "gate", b.get("gate", shared), m.dim, m.ffn_dim, m, scale, prefix)
         up = _linear(s, "up", b.get("up", shared), m.dim, m.ffn_dim, m, scale, prefix)
-    out_scaled = _site(scale, "output")
-    _swiglu(s, gate, up, m.ffn_dim, fused, out_scaled, out_scaled, False)
+    _swiglu(s, gate, up, m.ffn_dim, norms=fused, scaled=_site(scale, "output"))
     _linear(s, "down", (f"{prefix}hidden", s.p.compute), m.ffn_dim, m.dim, m, scale, prefix)
 
 
@@ -182,7 +182,7 @@ def _expert_swiglu(s: _Saved, x_gate, x_up, m: ModelConfig, scale: ScaleConfig, 
     fused = normed["gate"] and normed["up"]
     gate, up = (f"{prefix}gate", c), (f"{prefix}up", c)
     if fused:
-        _swiglu(s, gate, up, width * rows, True, scaled, scaled, per_expert and scaled)
+        _swiglu(s, gate, up, width * rows, rows, norms=True, scaled=scaled, per_expert_scales=per_expert)
         return
     outs = {}
     for n, t in (("gate", gate), ("up", up)):
@@ -194,7 +194,7 @@ def _expert_swiglu(s: _Saved, x_gate, x_up, m: ModelConfig, scale: ScaleConfig, 
             outs[n] = (f"{t[0]}.out", c)
         else:
             outs[n] = t
-    _swiglu(s, outs["gate"], outs["up"], width * rows, False, False, False, False)
+    _swiglu(s, outs["gate"], outs["up"], width * rows)
 
 
 def _moe(s: _Saved, b: dict, m: ModelConfig, scale: ScaleConfig, prefix: str) -> None:

@@ -83,6 +83,18 @@ def test_estimate_matches_a_real_cpu_step(model, scale, optim):
             assert est.recompute == 0
 
 
+@pytest.mark.parametrize("overrides", [
+    ["model=dense-tiny-gemma", "scale=unified"],  # QK-norm and post-norms under DNP
+    ["model=dense-tiny", "scale=dp", "scale.targets=[q,k,v,o,gate,up,down]", "scale.reparam=er"],
+    ["model=moe-tiny", "scale=dp", "scale.targets=[q,k,v,o,gate,up,down]"],  # sites folded into experts
+    ["model=moe-tiny", "scale=unified", "scale.per_expert=true"],
+])
+def test_estimate_matches_other_strategies(overrides):
+    cfg = compose_config([*overrides, *SHAPE])
+    got, est = measure(cfg), estimate(cfg, world=1, device="cpu")
+    assert close(est.activations, got["activations"]), (est.activations, got["activations"])
+
+
 @pytest.mark.parametrize("model", ["dense-tiny", "moe-tiny"])
 @pytest.mark.parametrize("scale", ["baseline", "unified"])
 def test_estimate_matches_under_bf16_autocast(model, scale):
