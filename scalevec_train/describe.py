@@ -15,6 +15,7 @@ import sys
 
 import torch
 from hydra.errors import HydraException
+from omegaconf import DictConfig
 
 from scalevec_train.accounting import (
     active_params,
@@ -23,7 +24,7 @@ from scalevec_train.accounting import (
     total_params,
     train_flops_per_token,
 )
-from scalevec_train.config import Config, compose_config
+from scalevec_train.config import compose_raw, to_config
 from scalevec_train.errors import ScalevecError
 from scalevec_train.memory import GB, estimate, fix
 from scalevec_train.model.strategies import ScaleConfig, scale_sites, site_display_name
@@ -88,29 +89,21 @@ def format_table(d: dict) -> str:
 WORLD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
-def for_world(cfg: Config, world: int, micro_batch_given: bool) -> Config:
-    """cfg as composed for `world` ranks: its micro-batch derived again unless given; ScalevecError when
-    the global batch does not split over them."""
-    cfg = copy.deepcopy(cfg)
-    if not micro_batch_given:
-        cfg.train.micro_batch = None
-        cfg.train.derive_micro_batch(world)
-    cfg.train.validate(world)
-    return cfg
-
-
-def memory(cfg: Config, world: int, device_gb: float, micro_batch_given: bool) -> dict:
-    """The per-rank memory of the config on `world` GPUs against `device_gb`, the fix when it does not
-    fit, and the world sizes (of WORLD_SIZES, where the global batch splits) it fits on."""
+def memory(raw: DictConfig, world: int, device_gb: float) -> dict:
+    """The per-rank memory of the composed config on `world` GPUs against `device_gb`, the fix when it
+    does not fit, and the world sizes (of WORLD_SIZES, where the global batch splits) it fits on."""
     device = device_gb * GB
-    at_world = for_world(cfg, world, micro_batch_given)
+    try:
+        at_world = to_config(raw, world)
+    except ScalevecError as e:  # describe still reports the sites
+        return {"world_size": world, "error": str(e)}
     est = estimate(at_world, world)
     fits_on = []
     for w in WORLD_SIZES:
         try:
-            if estimate(for_world(cfg, w, micro_batch_given), w).total <= device:
+            if estimate(to_config(raw, w), w).total <= device:
                 fits_on.append(w)
-        except ScalevecError:
+        except ScalevecError:  # the global batch does not split over w ranks
             continue
     by_mode = {}
     for mode in AC_MODES:
@@ -123,6 +116,8 @@ def memory(cfg: Config, world: int, device_gb: float, micro_batch_given: bool) -
 
 
 def format_memory(m: dict) -> str:
+    if "error" in m:
+        return f"memory per rank on {m['world_size']} GPU(s): not estimated: {m['error']}"
     rows = ["params", "grads", "accumulated_grads", "optimizer", "activations", "recompute", "logits",
             "fsdp_buffers", "optimizer_step", "overhead", "total"]
     lines = [f"memory per rank on {m['world_size']} GPU(s) (sharded over {m['shard_size']}), micro-batch of "
@@ -159,10 +154,9 @@ def main(argv: list[str]) -> int:
         if world < 1 or device_gb <= 0:
             raise ScalevecError("world_size/device_gb", f"world_size={options['world_size']}, device_gb="
                                 f"{options['device_gb']}.", "give a positive whole world_size and positive device_gb.")
-        cfg = compose_config(overrides)
-        d = describe(cfg)
-        given = any(o.lstrip("+").startswith("train.micro_batch=") for o in overrides)
-        d["memory"] = memory(cfg, world, device_gb, given)
+        raw = compose_raw(overrides)
+        d = describe(to_config(raw))
+        d["memory"] = memory(raw, world, device_gb)
     except (ScalevecError, HydraException) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -153,3 +153,7 @@ def test_describe_reports_memory_with_a_verdict_and_a_fix(capsys):
     assert estimate(fixed, world=1).total <= 80 * GB
     assert main(["model=dense-tiny", "world_size=0"]) == 2
     assert "world_size" in capsys.readouterr().err
+    # a batch that does not split over the ranks: the sites are described, the memory says why not
+    assert main(["model=dense-tiny", "train.global_batch=12", "world_size=8", "format=json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["sites"] and "cannot be split evenly over 8 ranks" in d["memory"]["error"]
