@@ -261,6 +261,9 @@ def block_kept_bytes(m: ModelConfig, scale: ScaleConfig, p: Precision, mode: str
     fp32 = m.n_heads  # attention's log-sum-exp
     if m.moe is None:
         ffn = 2 * m.ffn_dim + m.dim
+        down = plan_map(scale, "down", m.qk_norm, m.post_norm)
+        if not first and down.out_norm is None and not (down.out_site and _site(scale, "output")):
+            inputs -= p.compute * m.dim  # delta is the previous block's down output, kept already
     else:
         # the router's fp32 logits and the shared expert's matmuls; the experts' grouped matmuls
         # are recomputed
