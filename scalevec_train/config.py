@@ -140,12 +140,17 @@ def to_config(raw: DictConfig, world_size: int = 1) -> Config:
     return cfg
 
 
+def compose_raw(overrides: list[str]) -> DictConfig:
+    """The config Hydra composes from configs/ with command-line style overrides, before typing (what
+    to_config turns into a Config for any world size)."""
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        return compose(config_name="config", overrides=list(overrides))
+
+
 def compose_config(overrides: list[str], world_size: int = 1) -> Config:
     """The config Hydra composes from configs/ with command-line style overrides, typed and validated:
     what the training command would run (for tools, scripts and tests that are not Hydra apps)."""
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-        raw = compose(config_name="config", overrides=list(overrides))
-    return to_config(raw, world_size)
+    return to_config(compose_raw(overrides), world_size)
 
 
 def to_yaml(cfg: Config) -> str:

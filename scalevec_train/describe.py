@@ -1,12 +1,21 @@
-"""`python -m scalevec_train.describe model=<preset> scale=<preset> [format=json]`: every scale site of a
-model under a strategy, what it costs in parameters and FLOPs. Builds the model on the meta device,
-so any preset describes instantly."""
+"""`python -m scalevec_train.describe model=<preset> scale=<preset> [format=json] [world_size=8]
+[device_gb=80]`: every scale site of a model under a strategy, what it costs in parameters and FLOPs,
+and the memory each rank needs. Builds the model on the meta device, so any preset describes instantly.
 
+Memory: per rank on `world_size` GPUs (the micro-batch derived for that many ranks) for the config's
+optimizer and distributed.activation_checkpointing: parameters, gradients, optimizer state,
+activations (kept by the forward, and one block's recompute under checkpointing), logits and loss,
+FSDP's gathered blocks, the optimizer step's transients, and the total against a device of `device_gb`
+GB (10^9 bytes), with the change that makes it fit when it does not and the world sizes it fits on
+(memory.py documents each term)."""
+
+import copy
 import json
 import sys
 
 import torch
 from hydra.errors import HydraException
+from omegaconf import DictConfig
 
 from scalevec_train.accounting import (
     active_params,
@@ -15,10 +24,12 @@ from scalevec_train.accounting import (
     total_params,
     train_flops_per_token,
 )
-from scalevec_train.config import compose_config
+from scalevec_train.config import compose_raw, to_config
 from scalevec_train.errors import ScalevecError
+from scalevec_train.memory import GB, estimate, fix
 from scalevec_train.model.strategies import ScaleConfig, scale_sites, site_display_name
 from scalevec_train.model.transformer import Transformer
+from scalevec_train.parallel.config import AC_MODES
 
 
 def build_meta(model_cfg, scale_cfg) -> Transformer:
@@ -74,19 +85,78 @@ def format_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+# The world sizes the memory report checks (the micro-batch is derived for each).
+WORLD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def memory(raw: DictConfig, world: int, device_gb: float) -> dict:
+    """The per-rank memory of the composed config on `world` GPUs against `device_gb`, the fix when it
+    does not fit, and the world sizes (of WORLD_SIZES, where the global batch splits) it fits on."""
+    device = device_gb * GB
+    try:
+        at_world = to_config(raw, world)
+    except ScalevecError as e:  # describe still reports the sites
+        return {"world_size": world, "error": str(e)}
+    est = estimate(at_world, world)
+    fits_on = []
+    for w in WORLD_SIZES:
+        try:
+            if estimate(to_config(raw, w), w).total <= device:
+                fits_on.append(w)
+        except ScalevecError:  # the global batch does not split over w ranks
+            continue
+    by_mode = {}
+    for mode in AC_MODES:
+        trial = copy.deepcopy(at_world)
+        trial.distributed.activation_checkpointing = mode
+        e = estimate(trial, world)
+        by_mode[mode] = {"activations": e.activations, "recompute": e.recompute, "total": e.total}
+    return dict(est.as_dict(), device_bytes=device, fits=est.total <= device, fix=fix(at_world, world, device),
+                fits_world_sizes=fits_on, by_checkpointing=by_mode)
+
+
+def format_memory(m: dict) -> str:
+    if "error" in m:
+        return f"memory per rank on {m['world_size']} GPU(s): not estimated: {m['error']}"
+    rows = ["params", "grads", "accumulated_grads", "optimizer", "activations", "recompute", "logits",
+            "fsdp_buffers", "optimizer_step", "overhead", "total"]
+    lines = [f"memory per rank on {m['world_size']} GPU(s) (sharded over {m['shard_size']}), micro-batch of "
+             f"{m['micro_batch_tokens']:,} tokens x {m['accumulation']}, activation checkpointing "
+             f"{m['activation_checkpointing']}:"]
+    lines += [f"  {k:<18} {m[k] / GB:8.2f} GB" for k in rows]
+    modes = ", ".join(f"{mode} {(e['activations'] + e['recompute']) / GB:.2f} GB (total {e['total'] / GB:.1f})"
+                      for mode, e in m["by_checkpointing"].items())
+    lines.append(f"  activations (+ recompute) by checkpointing mode: {modes}")
+    verdict = "fits" if m["fits"] else f"does not fit; fix: {m['fix']}"
+    lines.append(f"  {m['total'] / GB:.1f} of {m['device_bytes'] / GB:.0f} GB: {verdict}")
+    sizes = ", ".join(map(str, m["fits_world_sizes"])) or "none"
+    lines.append(f"  fits {m['device_bytes'] / GB:.0f} GB on world sizes: {sizes}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
-    fmt = "table"
+    options = {"format": "table", "world_size": "8", "device_gb": "80"}
     overrides = []
     for arg in argv:
-        if arg.startswith("format="):
-            fmt = arg.split("=", 1)[1]
+        key = arg.split("=", 1)[0]
+        if key in options:
+            options[key] = arg.split("=", 1)[1]
         else:
             overrides.append(arg)
+    fmt = options["format"]
     try:
         if fmt not in ("table", "json"):
             raise ScalevecError("format", f"unknown format {fmt!r}.", "use format=table or format=json.")
-        cfg = compose_config(overrides)
-        d = describe(cfg)
+        try:
+            world, device_gb = int(options["world_size"]), float(options["device_gb"])
+        except ValueError:
+            world = device_gb = 0
+        if world < 1 or device_gb <= 0:
+            raise ScalevecError("world_size/device_gb", f"world_size={options['world_size']}, device_gb="
+                                f"{options['device_gb']}.", "give a positive whole world_size and positive device_gb.")
+        raw = compose_raw(overrides)
+        d = describe(to_config(raw))
+        d["memory"] = memory(raw, world, device_gb)
     except (ScalevecError, HydraException) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -96,6 +166,8 @@ def main(argv: list[str]) -> int:
         print(json.dumps(d))
     else:
         print(format_table(d))
+        print()
+        print(format_memory(d["memory"]))
     return 0
 
 

@@ -1,0 +1,330 @@
+"""Activation memory of a training forward, counted from the model and strategy configs alone: the
+bytes autograd keeps for the backward pass, per token, per block and around the blocks.
+
+It follows the forward of model/transformer.py, model/layers.py and model/moe.py tensor by tensor:
+every op that keeps an input or output for its backward adds that tensor once (a tensor kept by
+several ops, e.g. the pre-norm output read by q, k and v, counts once). What is kept depends on the
+precision and the kernels:
+
+  Precision.cpu()   fp32 everywhere, PyTorch reference norms (they keep the fp32 normalized copy
+                    as well as the input and 1/rms).
+  Precision.gpu()   bf16 autocast (matmul inputs and outputs bf16), the Triton norm kernels (they
+                    keep only the input and 1/rms), the residual stream in bf16 under FSDP's bf16
+                    parameters and fp32 on one process (each matmul then keeps its own bf16 copy of
+                    its input).
+
+Besides the per-token tensors, a forward keeps copies of weights (weight_copy_bytes): the bf16
+casts autocast makes of fp32 weights on one process, and the MoE expert weights with their sites
+folded in. Smaller per-step tensors (the reparameterized scale vectors) are left out. Activation
+checkpointing (parallel/wrap.py) changes what a block keeps: `full` keeps its inputs, `selective`
+its inputs and the outputs of the matmuls and attention; both recompute the rest of one block at a
+time in the backward pass (`recompute`).
+"""
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from scalevec_train.model.config import ModelConfig
+from scalevec_train.model.moe import MoEFeedForward
+from scalevec_train.model.strategies import ScaleConfig, input_branches, plan_map, scale_sites
+
+INDEX = 8  # int64 indices (tokens, targets, expert order)
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Precision:
+    compute: int  # bytes of a matmul's inputs and outputs
+    stream: int  # bytes of the residual stream and of the norms' inputs and outputs
+    fused: bool  # the Triton norm kernels (keep input and 1/rms) instead of the PyTorch reference
+
+    @classmethod
+    def cpu(cls) -> "Precision":
+        return cls(compute=FP32, stream=FP32, fused=False)
+
+    @classmethod
+    def gpu(cls, sharded: bool, bf16: bool = True, fused: bool = True) -> "Precision":
+        compute = 2 if bf16 else FP32
+        return cls(compute=compute, stream=compute if sharded else FP32, fused=fused)
+
+
+class _Saved:
+    """Tensors kept for the backward, by name (a name counts once), in bytes per token."""
+
+    def __init__(self, p: Precision):
+        self.p, self.bytes = p, {}
+
+    def keep(self, name: str, nbytes: float) -> None:
+        self.bytes.setdefault(name, nbytes)
+
+    def total(self) -> float:
+        return sum(self.bytes.values())
+
+    def norm(self, x: tuple[str, int], width: int, rows: int = 1, scaled: bool = True) -> None:
+        """rms_norm_scales / head_rms_norm of tensor x = (name, bytes per element), `rows` norms of
+        `width` / rows features per token; scaled: some output multiplies a scale vector."""
+        name, size = x
+        # the kernels keep x; the reference keeps x.float() (x itself when it is fp32)
+        if self.p.fused or size == FP32:
+            self.keep(name, size * width)
+        else:
+            self.keep(f"{name}.f32", FP32 * width)
+        self.keep(f"{name}.rstd", FP32 * rows)
+        if not self.p.fused and scaled:
+            self.keep(f"{name}.normed", FP32 * width)
+
+    def matmul(self, x: tuple[str, int], width: int, owner: str) -> None:
+        """A matmul keeps its input in the compute dtype: x itself, or its own cast copy."""
+        name, size = x
+        if size == self.p.compute:
+            self.keep(name, size * width)
+        else:
+            self.keep(f"{name}.cast.{owner}", self.p.compute * width)
+
+
+def _site(scale: ScaleConfig, role: str) -> bool:
+    """Whether a site of this role multiplies (a fixed site is s = 1 and skipped)."""
+    return scale.site_param(role) != "fixed"
+
+
+def _linear(s: _Saved, name: str, x: tuple[str, int], d_in: int, d_out: int, m: ModelConfig,
+            scale: ScaleConfig, prefix: str) -> tuple[str, int]:
+    """Linear.forward (model/layers.py): input site, the map, output norm or site."""
+    plan = plan_map(scale, name, m.qk_norm, m.post_norm)
+    if plan.in_site and _site(scale, "input"):
+        s.keep(x[0], x[1] * d_in)
+        x = (f"{prefix}{name}.in", x[1])
+    s.matmul(x, d_in, f"{prefix}{name}")
+    y = (f"{prefix}{name}.y", s.p.compute)
+    scaled = plan.out_site and _site(scale, "output")
+    if plan.out_norm is not None:
+        s.norm(y, d_out, rows=d_out // m.head_dim if plan.out_norm == "head" else 1, scaled=scaled)
+        return (f"{prefix}{name}.out", s.p.compute)
+    if scaled:
+        s.keep(y[0], y[1] * d_out)
+        return (f"{prefix}{name}.out", s.p.compute)
+    return y
+
+
+def _swiglu(s: _Saved, gate: tuple[str, int], up: tuple[str, int], width: int, rows: int = 1,
+            norms: bool = False, scaled: bool = False, per_expert_scales: bool = False) -> None:
+    """silu(gate) * up on `rows` rows of width / rows per token, or swiglu_norm's u_g N(gate), u_u N(up)
+    first (norms; scaled: with scales, one row per expert under per_expert_scales)."""
+    if not norms:
+        s.keep(gate[0], gate[1] * width)
+        s.keep(f"{gate[0]}.silu", s.p.compute * width)
+        s.keep(up[0], up[1] * width)
+        return
+    if s.p.fused:
+        s.keep(gate[0], gate[1] * width)
+        s.keep(up[0], up[1] * width)
+        s.keep(f"{gate[0]}.rstd", 2 * FP32 * rows)
+        return
+    for t in (gate, up):
+        s.norm(t, width, rows=rows, scaled=scaled)
+        if scaled and per_expert_scales:  # each row's expert's scale row, gathered
+            s.keep(f"{t[0]}.rows", FP32 * width)
+        s.keep(f"{t[0]}.out", s.p.compute * width)
+    s.keep(f"{gate[0]}.silu", s.p.compute * width)
+
+
+def _norm_outputs(s: _Saved, x: tuple[str, int], m: ModelConfig, scale: ScaleConfig, branches: list[str],
+                  prefix: str) -> dict[str, tuple[str, int]]:
+    """A pre-norm of the residual stream and its scaled copy per branch (fixed: N(x) itself)."""
+    scaled = {b: b != "norm" and _site(scale, "input") for b in branches}
+    s.norm(x, m.dim, scaled=any(scaled.values()))
+    return {b: (f"{prefix}{b}" if scaled[b] else f"{x[0]}.normed", s.p.stream) for b in branches}
+
+
+def _attention(s: _Saved, a: dict, m: ModelConfig, scale: ScaleConfig, prefix: str) -> None:
+    q_width, kv_width = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    shared = a.get("attn")
+    _linear(s, "q", a.get("q", shared), m.dim, q_width, m, scale, prefix)
+    _linear(s, "k", a.get("k", shared), m.dim, kv_width, m, scale, prefix)
+    v = _linear(s, "v", a.get("v", shared), m.dim, kv_width, m, scale, prefix)
+    c = s.p.compute
+    # flash attention keeps rope(q), rope(k), v, its output and the log-sum-exp per head (fp32);
+    # RoPE itself keeps nothing (its cos/sin are buffers)
+    s.keep(f"{prefix}q.rope", c * q_width)
+    s.keep(f"{prefix}k.rope", c * kv_width)
+    s.keep(v[0], c * kv_width)
+    s.keep(f"{prefix}attn.lse", FP32 * m.n_heads)
+    _linear(s, "o", (f"{prefix}attn.out", c), q_width, m.dim, m, scale, prefix)
+
+
+def _feed_forward(s: _Saved, b: dict, m: ModelConfig, scale: ScaleConfig, prefix: str) -> None:
+    shared = b.get("ffn")
+    plans = {n: plan_map(scale, n, m.qk_norm, m.post_norm) for n in ("gate", "up")}
+    fused = plans["gate"].out_norm == plans["up"].out_norm == "full"
+    if fused:  # swiglu_norm reads the maps' raw outputs
+        for n in ("gate", "up"):
+            s.matmul(b.get(n, shared), m.dim, f"{prefix}{n}")
+        gate, up = (f"{prefix}gate.y", s.p.compute), (f"{prefix}up.y", s.p.compute)
+    else:
+        gate = _linear(s, "gate", b.get("gate", shared), m.dim, m.ffn_dim, m, scale, prefix)
+        up = _linear(s, "up", b.get("up", shared), m.dim, m.ffn_dim, m, scale, prefix)
+    _swiglu(s, gate, up, m.ffn_dim, norms=fused, scaled=_site(scale, "output"))
+    _linear(s, "down", (f"{prefix}hidden", s.p.compute), m.ffn_dim, m.dim, m, scale, prefix)
+
+
+def _expert_swiglu(s: _Saved, x_gate, x_up, m: ModelConfig, scale: ScaleConfig, width: int, rows: int,
+                   per_expert: bool, prefix: str) -> None:
+    """An expert (stack)'s SwiGLU on `rows` rows per token (top_k for the routed experts): input,
+    gate/up (their sites folded into the weights, their norms on the outputs), hidden, down input.
+    per_expert: the output sites have one row per expert."""
+    c = s.p.compute
+    plans = {n: plan_map(scale, n, m.qk_norm, m.post_norm) for n in ("gate", "up")}
+    s.keep(x_gate[0], x_gate[1] * m.dim * rows)
+    s.keep(x_up[0], x_up[1] * m.dim * rows)
+    normed = {n: plans[n].out_norm is not None for n in ("gate", "up")}
+    scaled = _site(scale, "output")
+    fused = normed["gate"] and normed["up"]
+    gate, up = (f"{prefix}gate", c), (f"{prefix}up", c)
+    if fused:
+        _swiglu(s, gate, up, width * rows, rows, norms=True, scaled=scaled, per_expert_scales=per_expert)
+        return
+    outs = {}
+    for n, t in (("gate", gate), ("up", up)):
+        if normed[n]:
+            s.norm(t, width * rows, rows=rows, scaled=scaled and not per_expert)
+            if scaled and per_expert:
+                s.keep(f"{t[0]}.rows", FP32 * width * rows)
+                s.keep(f"{t[0]}.normed", c * width * rows)
+            outs[n] = (f"{t[0]}.out", c)
+        else:
+            outs[n] = t
+    _swiglu(s, outs["gate"], outs["up"], width * rows)
+
+
+def _moe(s: _Saved, b: dict, m: ModelConfig, scale: ScaleConfig, prefix: str) -> None:
+    """MoEFeedForward.forward (model/moe.py): router (fp32), routed experts on top_k rows per token,
+    the shared expert, the fp32 sum and the `down` output norm or site."""
+    moe, c = m.moe, s.p.compute
+    shared = b.get("ffn", b.get("norm"))
+    x_router = b.get("router", shared)
+    s.keep(x_router[0] if x_router[1] == FP32 else f"{x_router[0]}.f32", FP32 * m.dim)
+    e, k = moe.num_experts, moe.top_k
+    s.keep(f"{prefix}router.logits", FP32 * e)  # z-loss logsumexp
+    s.keep(f"{prefix}router.lse", FP32)
+    s.keep(f"{prefix}router.scores", FP32 * e)  # softmax / sigmoid output
+    s.keep(f"{prefix}router.chosen", INDEX * k)
+    s.keep(f"{prefix}router.weights", FP32 * k)
+    if moe.renormalize:
+        s.keep(f"{prefix}router.weight_sum", FP32)
+    x_gate, x_up = b.get("gate", shared), b.get("up", shared)
+    for index in ("token_of", "order", "inverse"):  # the sort by expert, its gathers and their inverse
+        s.keep(f"{prefix}experts.{index}", INDEX * k)
+    xs_gate = (f"{prefix}experts.x_gate", c)
+    xs_up = xs_gate if x_up is x_gate else (f"{prefix}experts.x_up", c)
+    # the routed experts' sites on hidden units have one row per expert: rows are gathered per token
+    _expert_swiglu(s, xs_gate, xs_up, m, scale, moe.expert_dim, k, True, f"{prefix}experts.")
+    s.keep(f"{prefix}experts.hidden", c * moe.expert_dim * k)  # times the routing weight
+    s.keep(f"{prefix}experts.weights", c * k)
+    s.keep(f"{prefix}experts.down_in", c * moe.expert_dim * k)
+    if moe.num_shared_experts:
+        width = moe.num_shared_experts * (moe.shared_expert_dim or m.ffn_dim)
+        cast = [t if t[1] == c else (f"{t[0]}.cast.{prefix}shared", c) for t in (x_gate, x_up)]
+        _expert_swiglu(s, cast[0], cast[1], m, scale, width, 1, False, f"{prefix}shared.")
+        s.keep(f"{prefix}shared.down_in", c * width)
+    plan = plan_map(scale, "down", m.qk_norm, m.post_norm)
+    y = (f"{prefix}moe.y", FP32)  # the fp32 sum over the k experts
+    if plan.out_norm is not None:
+        s.norm(y, m.dim, scaled=_site(scale, "output"))
+    elif plan.out_site and _site(scale, "output"):
+        s.keep(y[0], FP32 * m.dim)
+
+
+def block_bytes(m: ModelConfig, scale: ScaleConfig, p: Precision) -> float:
+    """Bytes per token one block keeps without checkpointing. Its first norm keeps one stream tensor:
+    the embedding's output in the first block, the sum x + delta it writes in the others."""
+    s = _Saved(p)
+    x = ("x", p.stream)
+    a = _norm_outputs(s, x, m, scale, input_branches(scale, "attn"), "attn_norm.")
+    _attention(s, a, m, scale, "")
+    b = _norm_outputs(s, ("h", p.stream), m, scale, input_branches(scale, "ffn", m.moe is not None), "ffn_norm.")
+    if m.moe is None:
+        _feed_forward(s, b, m, scale, "")
+    else:
+        _moe(s, b, m, scale, "")
+    return s.total()
+
+
+def block_kept_bytes(m: ModelConfig, scale: ScaleConfig, p: Precision, mode: str, first: bool) -> float:
+    """Bytes per token a checkpointed block keeps through the forward: its inputs (x, and the
+    previous block's update delta), and under `selective` the outputs of its matmuls and attention."""
+    inputs = p.stream * m.dim + (0 if first else p.compute * m.dim)
+    if mode == "full":
+        return inputs
+    q_width, kv_width = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    attn = q_width + 2 * kv_width + q_width + m.dim  # q, k, v, attention output, o
+    fp32 = m.n_heads  # attention's log-sum-exp
+    if m.moe is None:
+        ffn = 2 * m.ffn_dim + m.dim
+        down = plan_map(scale, "down", m.qk_norm, m.post_norm)
+        if not first and down.out_norm is None and not (down.out_site and _site(scale, "output")):
+            inputs -= p.compute * m.dim  # delta is the previous block's down output, kept already
+    else:
+        # the router's fp32 logits and the shared expert's matmuls; the experts' grouped matmuls
+        # are recomputed
+        fp32 += m.moe.num_experts
+        ffn = 0
+        if m.moe.num_shared_experts:
+            width = m.moe.num_shared_experts * (m.moe.shared_expert_dim or m.ffn_dim)
+            ffn += 2 * width + m.dim
+    return inputs + p.compute * (attn + ffn) + FP32 * fp32
+
+
+def outer_bytes(m: ModelConfig, scale: ScaleConfig, p: Precision) -> float:
+    """Bytes per token kept around the blocks: token ids, the final norm, the head's input, and the
+    loss's fp32 log-softmax and targets (trainer.cross_entropy upcasts the logits)."""
+    s = _Saved(p)
+    s.keep("tokens", INDEX)
+    out = _norm_outputs(s, ("x_final", p.stream), m, scale, ["final"], "final_norm.")
+    s.matmul(out["final"], m.dim, "head")
+    s.keep("log_softmax", FP32 * m.vocab_size)
+    s.keep("targets", INDEX)
+    return s.total()
+
+
+def logits_peak_bytes(m: ModelConfig, p: Precision) -> float:
+    """Bytes per token alive at the loss on top of what is kept: the logits in the compute dtype and
+    their fp32 upcast (the same tensor in fp32), then in the backward the fp32 gradient of the
+    log-softmax and of the logits."""
+    upcast = FP32 if p.compute != FP32 else 0
+    return m.vocab_size * max(p.compute + upcast, 2 * FP32)
+
+
+def weight_copy_bytes(model: nn.Module, p: Precision) -> float:
+    """Bytes of weight copies one forward of `model` (the Transformer or one block, on the meta device)
+    keeps: a matrix
+    with k >= 1 folded sites keeps k - 1 fp32 products and its compute-dtype copy; without sites, the
+    compute-dtype cast when the weights are stored in another dtype (fp32 weights under bf16 autocast
+    on one process; FSDP's bf16 weights need none). The router runs in fp32: a copy of bf16 weights."""
+    folded = {}
+    for layer in model.modules():
+        if isinstance(layer, MoEFeedForward):
+            for expert in filter(None, (layer.experts, layer.shared)):
+                w = {n: getattr(expert, n) for n in ("w_gate", "w_up", "w_down")}
+                w = {n: t if isinstance(t, nn.Parameter) else t.weight for n, t in w.items()}
+                sites = {"w_gate": ("gate_in", "gate_out"), "w_up": ("up_in", "up_out"), "w_down": ("down_in",)}
+                for n, names in sites.items():
+                    found = [getattr(expert, a) for a in names]
+                    folded[id(w[n])] = sum(1 for x in found
+                                           if x is not None and not x.behind_norm and x.param != "fixed")
+            folded[id(layer.router.weight)] = -1
+    sites = {id(t) for _, site in scale_sites(model) for t in site.parameters()}
+    # an untied embedding is only looked up, never cast
+    lookup = model.tok_emb.weight if getattr(model, "head", None) is not None else None
+    total = 0.0
+    for t in model.parameters():
+        if id(t) in sites or t is lookup:
+            continue
+        k = folded.get(id(t), 0)
+        if k == -1:
+            total += t.numel() * FP32 if p.stream != FP32 else 0
+        elif k > 0:
+            total += t.numel() * (FP32 * (k - 1) + p.compute)
+        elif p.stream != p.compute:
+            total += t.numel() * p.compute
+    return total

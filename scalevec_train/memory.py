@@ -1,0 +1,185 @@
+"""Per-rank memory of a training run, before the run: what a config needs on each of `world` ranks,
+against the device's memory, with the change that makes it fit when it does not.
+
+Counted from the config on the meta device (no weights are allocated):
+  params, grads      fp32 master weights and their gradients: sharded over the FSDP group (the scale
+                     sites whole on every rank); the whole model on one process.
+  accumulated_grads  under FSDP with gradient accumulation, every rank holds the whole model's fp32
+                     gradients between micro-steps (the reduce-scatter waits for the last one).
+  optimizer          AdamW: exp_avg + exp_avg_sq (fp32) and a step count per tensor; Muon: a fp32
+                     momentum per hidden matrix, AdamW's state for the rest.
+  activations        what autograd keeps through one micro-batch's forward (activations.py), for the
+                     activation-checkpointing mode; `recompute`: one block's tensors again during its
+                     backward when blocks are checkpointed.
+  logits             the logits and their fp32 upcast for the loss, then their gradients.
+  fsdp_buffers       unsharded compute-dtype parameters of the root and of two blocks (the current
+                     one and the prefetched one), and one block's unsharded gradients being reduced.
+  optimizer_step     Muon's transient copies: the update, the exchange of whole matrices with their
+                     owner ranks and Newton-Schulz's workspace on the largest matrix (the activations
+                     are gone by then).
+The peak is the larger of the backward's (states + activations + recompute + logits + FSDP buffers)
+and the optimizer step's (states + optimizer_step), plus OVERHEAD.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from scalevec_train.activations import (
+    Precision,
+    block_bytes,
+    block_kept_bytes,
+    logits_peak_bytes,
+    outer_bytes,
+    weight_copy_bytes,
+)
+from scalevec_train.config import Config
+from scalevec_train.model.strategies import scale_sites
+from scalevec_train.model.transformer import Transformer
+from scalevec_train.optim.groups import param_groups
+
+GB = 10**9
+# CUDA context, NCCL buffers and the caching allocator's fragmentation: an allowance, not a count.
+OVERHEAD = 3 * GB
+# distributed.replicate=0 makes one replica group per node; describe assumes nodes of this many GPUs.
+RANKS_PER_NODE = 8
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank."""
+
+    world_size: int
+    shard_size: int  # ranks one parameter is sharded over (1: not sharded)
+    device: str  # cuda | cpu
+    activation_checkpointing: str
+    micro_batch_tokens: int
+    accumulation: int  # micro-batches per optimizer step
+    params: int
+    grads: int
+    accumulated_grads: int
+    optimizer: int
+    activations: int
+    recompute: int
+    logits: int
+    fsdp_buffers: int
+    optimizer_step: int
+    overhead: int
+
+    @property
+    def states(self) -> int:
+        return self.params + self.grads + self.accumulated_grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        backward = self.activations + self.recompute + self.logits + self.fsdp_buffers
+        return self.states + max(backward, self.optimizer_step) + self.overhead
+
+    def as_dict(self) -> dict:
+        return dict(dataclasses.asdict(self), total=self.total)
+
+
+def shard_size(cfg: Config, world: int) -> int:
+    """Ranks a parameter is sharded over: the whole world, or a node's ranks under HSDP."""
+    replicate = cfg.distributed.replicate
+    if replicate == 0:
+        replicate = world // min(world, RANKS_PER_NODE)
+    return max(1, world // max(1, replicate))
+
+
+def precision(cfg: Config, device: str, world: int) -> Precision:
+    if device == "cpu":
+        # train.dtype=bf16 autocasts the matmuls; the stream and the reference norms stay fp32
+        return Precision(compute=2, stream=FP32, fused=False) if cfg.train.dtype == "bf16" else Precision.cpu()
+    bf16 = cfg.train.dtype in ("auto", "bf16")
+    return Precision.gpu(sharded=world > 1, bf16=bf16, fused=cfg.model.kernels != "torch")
+
+
+def activation_bytes(cfg: Config, p: Precision) -> tuple[float, float]:
+    """(kept through the forward, recomputed during one block's backward) per token."""
+    m, scale, mode = cfg.model, cfg.scale, cfg.distributed.activation_checkpointing
+    block = block_bytes(m, scale, p)
+    outer = outer_bytes(m, scale, p)
+    if mode == "none":
+        return m.n_layers * block + outer, 0.0
+    kept = sum(block_kept_bytes(m, scale, p, mode, first=i == 0) for i in range(m.n_layers))
+    return kept + outer, block
+
+
+def estimate(cfg: Config, world: int, device: str = "cuda") -> MemoryEstimate:
+    """The per-rank memory of training `cfg` on `world` ranks (cfg composed for that world size, so
+    that its derived micro-batch is the one each rank runs)."""
+    with torch.device("meta"):
+        model = Transformer(cfg.model, cfg.scale)
+    sites = {id(p) for _, site in scale_sites(model) for p in site.parameters()}
+    shard = shard_size(cfg, world) if world > 1 else 1
+    p = precision(cfg, device, world)
+
+    def local(params) -> float:
+        """Elements this rank holds of `params`: sites whole, the rest sharded."""
+        return sum(t.numel() if id(t) in sites else t.numel() / shard for t in params)
+
+    params = list(model.parameters())
+    held = local(params)
+    optimizer, muon = 0.0, []
+    for group in param_groups(model, cfg.optim, cfg.scale):
+        if group.get("use_muon", False):
+            optimizer += FP32 * local(group["params"])
+            muon += group["params"]
+        else:
+            optimizer += 2 * FP32 * local(group["params"]) + FP32 * len(group["params"])
+    accumulation = cfg.train.global_batch // (cfg.train.micro_batch * world)
+    sharded = sum(t.numel() for t in params if id(t) not in sites)
+    tokens = cfg.train.micro_batch * cfg.train.seq_len
+    kept, recompute = activation_bytes(cfg, p)
+    # weight copies: a checkpointed block makes its own again when it is recomputed
+    copies, block_copies = weight_copy_bytes(model, p), weight_copy_bytes(model.layers[0], p)
+    if cfg.distributed.activation_checkpointing == "none":
+        kept_copies, recompute_copies = copies, 0.0
+    else:
+        kept_copies, recompute_copies = copies - cfg.model.n_layers * block_copies, block_copies
+
+    fsdp = 0.0
+    if world > 1:
+        root = sum(t.numel() for n, t in model.named_parameters() if not n.startswith("layers.") and id(t) not in sites)
+        block = max(sum(t.numel() for t in b.parameters() if id(t) not in sites) for b in model.layers)
+        fsdp = p.compute * (root + 2 * block) + (p.compute + FP32) * block
+    step = 0.0
+    if muon:
+        largest = max(t.numel() for t in muon)
+        ns_bytes = torch.empty((), dtype=getattr(torch, cfg.optim.ns_dtype)).element_size()
+        # the update and the matrices exchanged with their owners (sent, gathered, reply, returned)
+        exchange = (FP32 + FP32 + FP32 + 2 * ns_bytes) * sum(t.numel() for t in muon) / shard if world > 1 else 0
+        step = exchange + FP32 * largest + 4 * ns_bytes * largest  # Newton-Schulz: x, gram, poly, new x
+    return MemoryEstimate(
+        world_size=world, shard_size=shard, device=device,
+        activation_checkpointing=cfg.distributed.activation_checkpointing,
+        micro_batch_tokens=tokens, accumulation=accumulation,
+        params=round(FP32 * held), grads=round(FP32 * held),
+        accumulated_grads=FP32 * sharded if world > 1 and accumulation > 1 else 0,
+        optimizer=round(optimizer), activations=round(tokens * kept + kept_copies),
+        recompute=round(tokens * recompute + recompute_copies),
+        logits=round(tokens * logits_peak_bytes(cfg.model, p)), fsdp_buffers=round(fsdp),
+        optimizer_step=round(step), overhead=OVERHEAD if device == "cuda" else 0)
+
+
+def fix(cfg: Config, world: int, device_bytes: float, device: str = "cuda") -> str | None:
+    """The smallest change that makes `cfg` fit on `world` ranks (None when it fits): activation
+    checkpointing, then a smaller micro-batch, then more ranks."""
+    if estimate(cfg, world, device).total <= device_bytes:
+        return None
+    modes = ("selective", "full")
+    current = cfg.distributed.activation_checkpointing
+    for mode in modes[modes.index(current) + 1 if current in modes else 0:]:
+        ac = dataclasses.replace(cfg.distributed, activation_checkpointing=mode)
+        trial = dataclasses.replace(cfg, distributed=ac)
+        if estimate(trial, world, device).total <= device_bytes:
+            return f"distributed.activation_checkpointing={mode}"
+    per_rank = cfg.train.global_batch // world
+    for micro in sorted((d for d in range(1, cfg.train.micro_batch) if per_rank % d == 0), reverse=True):
+        trial = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch=micro))
+        if estimate(trial, world, device).total <= device_bytes:
+            return f"train.max_micro_batch_tokens={micro * cfg.train.seq_len} (micro-batch {micro})"
+    return "more ranks (parameters, gradients and optimizer state shard over them)"
