@@ -54,3 +54,43 @@ def test_no_reads_between_logs_on_two_ranks(data_overrides, processes, tmp_path)
         for rank in (0, 1):
             counts = json.loads(Path(str(out).format(rank=rank)).read_text())
             assert counts["steps"] == 4 and counts["reads"] == 0, (model, optim, rank, counts)
+
+
+def test_a_skipped_step_between_logs_is_judged_and_logged_at_the_next_log(data_overrides, tmp_path, monkeypatch):
+    """A NaN loss at step 3 with logs every 4 steps: the step is skipped on the device, and at step 4 the
+    guard reads steps 1-4 back, writes step 3's record and counts it. Against a run that reads back every
+    step (log_every=1): the same records for step 3 and the same losses and parameters."""
+    from scalevec_train.checkpoint import files as checkpoint_files
+    from scalevec_train.train import run
+    from tests.launch import records
+    from tests.training.test_reliability import assert_identical, trained_state
+
+    monkeypatch.setenv("SCALEVEC_FAULT_NAN_STEPS", "3")
+    common = [*data_overrides, *MODELS["moe"], *SHAPE, "train.steps=8", "optim=adamw"]
+    lazy = run(make_config(*common, "train.log_every=4", f"run_dir={tmp_path / 'lazy'}"))
+    eager = run(make_config(*common, "train.log_every=1", f"run_dir={tmp_path / 'eager'}"))
+    by_step = {r["step"]: r for r in records(lazy)}
+    assert sorted(by_step) == [0, 3, 4, 8]
+    assert by_step[3] == {"step": 3, "tokens": 3 * 128, "lr": by_step[3]["lr"], "skipped_steps": 1, "bad_step": True,
+                          "bad_loss": "nan", "bad_grad_norm": "nan"}
+    assert by_step[4]["skipped_steps"] == by_step[8]["skipped_steps"] == 1
+    expected = {r["step"]: r for r in records(eager)}
+    assert expected[3]["bad_step"] is True and expected[3]["lr"] == by_step[3]["lr"]
+    for step in (4, 8):
+        assert by_step[step]["loss"] == expected[step]["loss"]
+    assert_identical(trained_state(checkpoint_files.step_dir(lazy, 8), tmp_path),
+                     trained_state(checkpoint_files.step_dir(eager, 8), tmp_path))
+
+
+def test_divergence_between_logs_stops_at_the_next_log_with_the_guard_error(data_overrides, tmp_path, monkeypatch):
+    from scalevec_train.errors import DivergedError
+    from scalevec_train.train import run
+    from tests.launch import records
+
+    monkeypatch.setenv("SCALEVEC_FAULT_NAN_STEPS", "2,3")
+    with pytest.raises(DivergedError) as caught:
+        run(make_config(*data_overrides, *MODELS["dense"], *SHAPE, "train.steps=8", "train.log_every=4",
+                        "train.max_bad_steps=2", f"run_dir={tmp_path / 'r'}"))
+    assert str(caught.value).startswith("training (steps 2-3): 2 steps in a row had a non-finite loss")
+    assert "The checkpoint of step 4 holds the parameters and optimizer state of step 4" in str(caught.value)
+    assert records(tmp_path / "r")[-1]["stopped"] == "diverged" and records(tmp_path / "r")[-1]["step"] == 4

@@ -16,7 +16,8 @@ class StabilityGuard(Callback):
     the run with a DivergedError after `max_bad_steps` non-finite steps in a row. The trainer skips
     non-finite steps on the device; this guard reads their losses and gradient norms when a step reads
     back, and judges the steps since the last such step one by one, in order (a step's record is
-    written then). Its state (StepGuard's) is checkpointed as `guard`."""
+    written then). So a run stops at the first step that reads back (a log step) at or after the streak;
+    steps between that were finite were taken. Its state (StepGuard's) is checkpointed as `guard`."""
 
     checkpoint_key = "guard"
 
@@ -24,6 +25,7 @@ class StabilityGuard(Callback):
         self.guard = StepGuard(max_bad_steps, spike_factor)
         self.unread: list[tuple[int, float, torch.Tensor]] = []  # (step, lr, [loss, grad_norm])
         self.last_good = 0  # the last step taken
+        self.diverged_at: tuple[int, int] | None = None  # the first streak of max_bad_steps: (first, last)
 
     def state_dict(self) -> dict:
         if self.unread:
@@ -44,6 +46,8 @@ class StabilityGuard(Callback):
         values = torch.stack([v for _, _, v in unread]).tolist()
         for (step, lr, _), (loss, grad_norm) in zip(unread, values, strict=True):
             self._judge(trainer, step, lr, loss, grad_norm)
+        if self.diverged_at is not None:
+            self._stop(trainer)
 
     def _judge(self, trainer: Trainer, step: int, lr: float, loss: float, grad_norm: float) -> None:
         verdict = self.guard.observe(loss, grad_norm)
@@ -62,16 +66,19 @@ class StabilityGuard(Callback):
                 trainer.record(key, value, step)
             if is_main():
                 print(f"warning: {self._message(step, verdict, loss, grad_norm)}", file=sys.stderr)
-        if self.guard.diverged and trainer.stop_reason is None:
-            streak = self.guard.streak
-            trainer.request_stop("diverged", DivergedError(
-                f"training (steps {step - streak + 1}-{step})",
-                f"{streak} steps in a row had a non-finite loss or gradient norm (train.max_bad_steps="
-                f"{self.guard.max_bad_steps}). The checkpoint of step {trainer.step} holds the parameters and "
-                f"optimizer state of step {self.last_good}, the last good one, and the data position after "
-                f"step {trainer.step}.",
-                "lower optim.lr, lengthen schedule.warmup_steps or set train.grad_clip, then continue with "
-                "resume=auto; or look at the data of those steps."))
+        if self.guard.diverged and self.diverged_at is None:
+            self.diverged_at = (step - self.guard.streak + 1, step)
+
+    def _stop(self, trainer: Trainer) -> None:
+        """Stop at this step: the steps since the last read-back are judged, so the last good one is known."""
+        first, last = self.diverged_at
+        trainer.request_stop("diverged", DivergedError(
+            f"training (steps {first}-{last})",
+            f"{last - first + 1} steps in a row had a non-finite loss or gradient norm (train.max_bad_steps="
+            f"{self.guard.max_bad_steps}). The checkpoint of step {trainer.step} holds the parameters and optimizer "
+            f"state of step {self.last_good}, the last good one, and the data position after step {trainer.step}.",
+            "lower optim.lr, lengthen schedule.warmup_steps or set train.grad_clip, then continue with "
+            "resume=auto; or look at the data of those steps."))
 
     def on_log(self, trainer: Trainer) -> None:
         trainer.record("skipped_steps", self.guard.skipped)
