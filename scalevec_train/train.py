@@ -32,26 +32,6 @@ def write_run_files(cfg: Config, run_dir: Path, tokenizer_path: Path) -> None:
     tokenizer.install(tokenizer_path, run_dir)  # as tokenizer.model, or tokenizer.json
 
 
-def drop_partial_line(path: Path) -> None:
-    """Cut off an unfinished last line of a file of JSON lines. A process killed while appending a record
-    leaves one (a long record takes several writes); the resumed run logs that step again."""
-    if not path.is_file():
-        return
-    with path.open("rb+") as f:
-        end = pos = f.seek(0, os.SEEK_END)
-        keep = 0
-        while pos > 0:
-            start = max(0, pos - (1 << 16))
-            f.seek(start)
-            cut = f.read(pos - start).rfind(b"\n")
-            if cut >= 0:
-                keep = start + cut + 1
-                break
-            pos = start
-        if keep < end:
-            f.truncate(keep)
-
-
 def run(cfg: Config) -> Path:
     """Train to cfg.train.steps, or until an early stop: SIGTERM returns with a complete checkpoint,
     train.max_bad_steps non-finite steps in a row raise DivergedError (from the stability guard, once
@@ -62,7 +42,6 @@ def run(cfg: Config) -> Path:
     wandb_init = None
     if main:
         write_run_files(cfg, run_dir, built.data.tokenizer_path)
-        drop_partial_line(run_dir / "metrics.jsonl")
         if built.branched_from is not None:
             copy_trunk_metrics(built.branched_from, run_dir)
         print(f"run_dir: {run_dir}  params: {total_params(trainer.model):,}  "
