@@ -24,7 +24,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _takes_flag(optimizer: torch.optim.Optimizer) -> bool:
     # A step pre-hook (the `er` sites' log decay) changes parameters outside the fused kernel.
-    return bool(optimizer.defaults.get("fused")) and not optimizer._optimizer_step_pre_hooks
+    fused = all(g.get("fused") for g in optimizer.param_groups)
+    return fused and not optimizer._optimizer_step_pre_hooks
 
 
 @torch.no_grad()

@@ -41,7 +41,7 @@ class StepResult:
     loss: torch.Tensor  # mean over the step's micro-batches and the ranks
     grad_norm: torch.Tensor  # global, before clipping
     taken: torch.Tensor  # bool; False: not finite, so nothing changed
-    seconds: float  # host time of the step (the device's, on steps that read back)
+    seconds: float  # wall time of the step; the steps since the last read-back add up to the device's
 
 
 class Callback:
@@ -170,6 +170,9 @@ class Trainer:
         step_where(self.optimizer, self.model, taken)
         self.model.discard_step_state()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda" and (self.is_log_step(self.step + 1) or self._read_back_requested):
+            # the host reads back after this step anyway: the wait for the device belongs to its time
+            torch.cuda.synchronize(self.device)
         return StepResult(mean_loss, grad_norm, taken, time.perf_counter() - start)
 
     def fit(self, logger: MetricsLogger) -> str | None:
