@@ -10,7 +10,7 @@ Two ways, chosen by the optimizer:
     torch.amp.GradScaler, skips the kernel's update and undoes its step-counter increment;
   - every other optimizer (the for-loop AdamW torch runs on CPU, Muon) steps as usual, and every tensor
     the step may change is then chosen, element for element, between its value before and after
-    (torch.where). This keeps one copy of what the step changes for the length of the step.
+    (torch.where). This keeps a copy of parameters and optimizer state.
 """
 
 import torch
@@ -28,32 +28,45 @@ def _takes_flag(optimizer: torch.optim.Optimizer) -> bool:
     return fused and not optimizer._optimizer_step_pre_hooks
 
 
-@torch.no_grad()
-def step_where(optimizer: torch.optim.Optimizer, model: nn.Module, taken: torch.Tensor) -> None:
-    """optimizer.step() where the 0-dim bool tensor `taken` is true; nothing changes where it is false.
-    Every rank must pass the same verdict (the step may hold collectives)."""
-    buffers = [(b, b.clone()) for b in model.buffers()]
-    if _takes_flag(optimizer):
-        optimizer.found_inf = (~taken).float()
-        try:
+class ConditionalStep:
+    """Steps `optimizer` where a flag says; the copies of what a step may change are kept between steps
+    (allocated once: a fresh copy every step costs more than the copying)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module):
+        self.optimizer, self.model = optimizer, model
+        self.copies: dict[int, torch.Tensor] = {}
+
+    def _keep(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(t's local tensor, its copy as it is now); copies are found by the tensor t, which lives on
+        from step to step (a DTensor's local view is a new object every time)."""
+        local = _local(t)
+        copy = self.copies.get(id(t))
+        if copy is None or copy.shape != local.shape:
+            copy = self.copies[id(t)] = torch.empty_like(local)
+        return local, copy.copy_(local)
+
+    @torch.no_grad()
+    def __call__(self, taken: torch.Tensor) -> None:
+        """optimizer.step() where the 0-dim bool tensor `taken` is true; nothing changes where it is
+        false. Every rank must pass the same verdict (the step may hold collectives)."""
+        optimizer = self.optimizer
+        kept = [self._keep(b) for b in self.model.buffers()]
+        if _takes_flag(optimizer):
+            optimizer.found_inf = (~taken).float()
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf
+        else:
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            kept += [self._keep(p) for p in params]
+            had = {p: {k for k, v in optimizer.state[p].items() if isinstance(v, torch.Tensor)} for p in params}
+            kept += [self._keep(optimizer.state[p][k]) for p in params for k in had[p]]
             optimizer.step()
-        finally:
-            del optimizer.found_inf
-    else:
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        before = {p: (_local(p).clone(), {k: _local(v).clone() for k, v in optimizer.state[p].items()
-                                          if isinstance(v, torch.Tensor)}) for p in params}
-        optimizer.step()
-        for p, (value, state) in before.items():
-            _select(taken, _local(p), value)
-            for key, now in optimizer.state[p].items():
-                if isinstance(now, torch.Tensor):
-                    # state created by this step: its value before is the optimizer's initial zeros
-                    old = state.get(key)
-                    _select(taken, _local(now), old if old is not None else torch.zeros_like(_local(now)))
-    for b, old in buffers:
-        _select(taken, b, old)
-
-
-def _select(taken: torch.Tensor, now: torch.Tensor, before: torch.Tensor) -> None:
-    now.copy_(torch.where(taken.to(now.device), now, before))
+            for p in params:
+                for key, now in optimizer.state[p].items():
+                    if isinstance(now, torch.Tensor) and key not in had[p]:
+                        # created by this step: its value before is the optimizer's initial zeros
+                        kept.append((_local(now), torch.zeros_like(_local(now))))
+        for now, before in kept:
+            torch.where(taken.to(now.device), now, before, out=now)

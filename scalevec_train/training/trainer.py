@@ -27,7 +27,7 @@ from scalevec_train.model.protocol import TrainableModel
 from scalevec_train.parallel.fsdp import clip_grad_norm, reduce_replicated_grads, replicated_params, set_gradient_sync
 from scalevec_train.parallel.process_group import all_reduce_mean
 from scalevec_train.training.logger import MetricsLogger
-from scalevec_train.training.skip import step_where
+from scalevec_train.training.skip import ConditionalStep
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -101,6 +101,7 @@ class Trainer:
         self.callbacks, self.step, self.loss_fn = callbacks, start_step, loss_fn
         self.logger: MetricsLogger | None = None  # set by fit()
         self.replicated = replicated_params(model)
+        self.optimizer_step = ConditionalStep(optimizer, model)
         self.stop_reason: str | None = None
         self._stop_error: Exception | None = None
         self._log_requested = self._read_back_requested = False
@@ -167,7 +168,7 @@ class Trainer:
         grad_norm = clip_grad_norm(self.model, self.grad_clip if self.grad_clip > 0 else float("inf"))
         mean_loss = all_reduce_mean(total / self.accum)
         taken = torch.isfinite(mean_loss) & torch.isfinite(grad_norm)
-        step_where(self.optimizer, self.model, taken)
+        self.optimizer_step(taken)
         self.model.discard_step_state()
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda" and (self.is_log_step(self.step + 1) or self._read_back_requested):

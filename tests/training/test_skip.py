@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from scalevec_train.model import Transformer
 from scalevec_train.optim.groups import build_optimizer
-from scalevec_train.training.skip import step_where
+from scalevec_train.training.skip import ConditionalStep
 from tests.helpers import make_config
 
 SHAPE = ["model=moe-tiny", "model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2",
@@ -26,7 +26,7 @@ def setup(optim: str):
         groups = [{k: g[k] for k in ("params", "lr", "weight_decay", "betas", "eps")} for g in optimizer.param_groups]
         optimizer = torch.optim.AdamW(groups, fused=True)
     model.register_optimizer_hooks(optimizer)
-    return model, optimizer
+    return model, optimizer, ConditionalStep(optimizer, model)
 
 
 def backward(model, seed: int, poison: bool = False) -> None:
@@ -51,11 +51,11 @@ def assert_identical(a: dict, b: dict) -> None:
 
 @pytest.mark.parametrize("optim", ["adamw", "fused", "muon"])
 def test_taken_steps_are_the_optimizers_own_and_skipped_ones_change_nothing(optim):
-    model, optimizer = setup(optim)
-    ref_model, ref_optimizer = setup(optim)
+    model, optimizer, step_where = setup(optim)
+    ref_model, ref_optimizer, _ = setup(optim)
     for seed in (1, 2):  # taken: the same as optimizer.step()
         backward(model, seed)
-        step_where(optimizer, model, torch.tensor(True))
+        step_where(torch.tensor(True))
         model.discard_step_state()
         optimizer.zero_grad()
         backward(ref_model, seed)
@@ -65,26 +65,26 @@ def test_taken_steps_are_the_optimizers_own_and_skipped_ones_change_nothing(opti
         assert_identical(snapshot(model, optimizer), snapshot(ref_model, ref_optimizer))
     before = snapshot(model, optimizer)
     backward(model, 3, poison=True)  # skipped: nothing changes
-    step_where(optimizer, model, torch.tensor(False))
+    step_where(torch.tensor(False))
     model.discard_step_state()
     optimizer.zero_grad()
     assert_identical(snapshot(model, optimizer), before)
     backward(model, 4)  # and the next step is that of a run without the skipped one
-    step_where(optimizer, model, torch.tensor(True))
+    step_where(torch.tensor(True))
     backward(ref_model, 4)
     ref_optimizer.step()
     assert_identical(snapshot(model, optimizer), snapshot(ref_model, ref_optimizer))
 
 
 def test_a_skipped_first_step_leaves_the_state_as_new():
-    model, optimizer = setup("adamw")
-    ref_model, ref_optimizer = setup("adamw")
+    model, optimizer, step_where = setup("adamw")
+    ref_model, ref_optimizer, _ = setup("adamw")
     backward(model, 1, poison=True)
-    step_where(optimizer, model, torch.tensor(False))
+    step_where(torch.tensor(False))
     model.discard_step_state()
     optimizer.zero_grad()
     backward(model, 2)
-    step_where(optimizer, model, torch.tensor(True))
+    step_where(torch.tensor(True))
     backward(ref_model, 2)
     ref_optimizer.step()
     assert_identical(snapshot(model, optimizer), snapshot(ref_model, ref_optimizer))
