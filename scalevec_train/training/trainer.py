@@ -128,7 +128,9 @@ class Trainer:
     def record(self, name: str, value: float | torch.Tensor, step: int | None = None) -> None:
         """Put metric `name` in the record of `step` (default: the current one), written at the end of
         this step. `value` may be a 0-dim device tensor: all of a write's tensors are read in one
-        transfer. A step with recorded metrics writes a record even if it does not log."""
+        transfer. A step with recorded metrics writes a record even if it does not log; a callback that
+        records on such a step asks for its read-back first (request_read_back in on_step_start), so
+        that the records of earlier steps the guard judges then are written before it, in step order."""
         self._records.setdefault(self.step if step is None else step, {})[name] = value
 
     def request_log(self) -> None:

@@ -56,28 +56,31 @@ def test_no_reads_between_logs_on_two_ranks(data_overrides, processes, tmp_path)
             assert counts["steps"] == 4 and counts["reads"] == 0, (model, optim, rank, counts)
 
 
-def test_a_skipped_step_between_logs_is_judged_and_logged_at_the_next_log(data_overrides, tmp_path, monkeypatch):
-    """A NaN loss at step 3 with logs every 4 steps: the step is skipped on the device, and at step 4 the
-    guard reads steps 1-4 back, writes step 3's record and counts it. Against a run that reads back every
-    step (log_every=1): the same records for step 3 and the same losses and parameters."""
+def test_a_skipped_step_between_logs_is_judged_and_logged_at_the_next_read_back(data_overrides, tmp_path,
+                                                                                 monkeypatch):
+    """A NaN loss at step 5 with logs every 4 steps and an evaluation at step 6: the step is skipped on
+    the device, and at step 6 (an evaluation reads back) the guard reads steps 5-6, writes step 5's
+    record and counts it; records stay in step order. Against a run that reads back every step
+    (log_every=1): the same record for step 5, the same losses and parameters."""
     from scalevec_train.checkpoint import files as checkpoint_files
     from scalevec_train.train import run
     from tests.launch import records
     from tests.training.test_reliability import assert_identical, trained_state
 
-    monkeypatch.setenv("SCALEVEC_FAULT_NAN_STEPS", "3")
-    common = [*data_overrides, *MODELS["moe"], *SHAPE, "train.steps=8", "optim=adamw"]
+    monkeypatch.setenv("SCALEVEC_FAULT_NAN_STEPS", "5")
+    common = [*data_overrides, *MODELS["moe"], *SHAPE, "train.steps=8", "train.eval_every=6", "optim=adamw"]
     lazy = run(make_config(*common, "train.log_every=4", f"run_dir={tmp_path / 'lazy'}"))
     eager = run(make_config(*common, "train.log_every=1", f"run_dir={tmp_path / 'eager'}"))
+    assert [r["step"] for r in records(lazy)] == [0, 4, 5, 6, 8]
     by_step = {r["step"]: r for r in records(lazy)}
-    assert sorted(by_step) == [0, 3, 4, 8]
-    assert by_step[3] == {"step": 3, "tokens": 3 * 128, "lr": by_step[3]["lr"], "skipped_steps": 1, "bad_step": True,
+    assert by_step[5] == {"step": 5, "tokens": 5 * 128, "lr": by_step[5]["lr"], "skipped_steps": 1, "bad_step": True,
                           "bad_loss": "nan", "bad_grad_norm": "nan"}
-    assert by_step[4]["skipped_steps"] == by_step[8]["skipped_steps"] == 1
+    assert by_step[4]["skipped_steps"] == 0 and by_step[8]["skipped_steps"] == 1
     expected = {r["step"]: r for r in records(eager)}
-    assert expected[3]["bad_step"] is True and expected[3]["lr"] == by_step[3]["lr"]
+    assert expected[5]["bad_step"] is True and expected[5]["lr"] == by_step[5]["lr"]
     for step in (4, 8):
         assert by_step[step]["loss"] == expected[step]["loss"]
+    assert by_step[6]["val_loss"] == expected[6]["val_loss"]
     assert_identical(trained_state(checkpoint_files.step_dir(lazy, 8), tmp_path),
                      trained_state(checkpoint_files.step_dir(eager, 8), tmp_path))
 

@@ -30,6 +30,13 @@ class Evaluator(Callback):
         if trainer.step == 0:
             trainer.record("val_loss", self.evaluate(trainer))
 
+    def _evaluates(self, trainer: Trainer, step: int) -> bool:
+        return step == trainer.steps or bool(self.every and step % self.every == 0)
+
+    def on_step_start(self, trainer: Trainer) -> None:
+        if self._evaluates(trainer, trainer.step + 1):
+            trainer.request_read_back()  # it writes a record: what the guard has to write comes first
+
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
-        if trainer.step == trainer.steps or (self.every and trainer.step % self.every == 0):
+        if self._evaluates(trainer, trainer.step):
             trainer.record("val_loss", self.evaluate(trainer))
