@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from scalevec_train.errors import ScalevecError
+from scalevec_train.training.logger import flatten, read_records
 
 
 @dataclass
@@ -41,14 +42,7 @@ def _freeze(value: Any) -> Any:
 
 def flatten_config(config: dict, prefix: str = "") -> dict[str, Any]:
     """Nested config -> {"model.dim": 512, ...}; keys that are already dotted stay as they are."""
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(flatten_config(value, name + "."))
-        else:
-            flat[name] = _freeze(value)
-    return flat
+    return {k: _freeze(v) for k, v in flatten(config, prefix).items()}
 
 
 @functools.cache
@@ -93,21 +87,7 @@ def merge_records(rows: Iterable[dict]) -> list[dict[str, float]]:
 
 def read_metrics(path: Path) -> list[dict[str, float]]:
     """metrics.jsonl -> merged records (see `merge_records`). A partial last line is skipped."""
-    lines = [(i + 1, line) for i, line in enumerate(path.read_text().splitlines()) if line.strip()]
-    rows = []
-    for n, (lineno, line) in enumerate(lines):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            if n == len(lines) - 1:
-                break  # a run killed while writing leaves a partial last line
-            raise ScalevecError(f"{path}:{lineno}", f"not valid JSON ({e.msg}).",
-                                "repair or delete that line.") from None
-        if not isinstance(row, dict) or not isinstance(row.get("step"), (int, float)):
-            raise ScalevecError(f"{path}:{lineno}", "a metrics record without a numeric `step`.",
-                                "every line must be a JSON object with a `step`.")
-        rows.append(row)
-    return merge_records(rows)
+    return merge_records(read_records(path))
 
 
 def _params_from_records(records: list[dict[str, float]]) -> float | None:

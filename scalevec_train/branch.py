@@ -22,6 +22,7 @@ from scalevec_train.checkpoint.files import COMPLETE, checkpoint_root, checkpoin
 from scalevec_train.config import Config
 from scalevec_train.errors import ScalevecError
 from scalevec_train.optim.schedules import lr_multiplier
+from scalevec_train.training.logger import read_records
 
 
 def trunk_dir(checkpoint: Path) -> Path:
@@ -104,15 +105,6 @@ def copy_trunk_metrics(checkpoint: Path, run_dir: Path) -> None:
     """Start run_dir/metrics.jsonl with the trunk's records up to the checkpoint's step and a record
     naming the checkpoint."""
     step = checkpoint_step(checkpoint)
-    source = trunk_dir(checkpoint) / "metrics.jsonl"
-    lines = source.read_text().splitlines() if source.is_file() else []
-    kept = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a trunk killed while writing leaves a partial last line
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
-            kept.append(line)
-    kept.append(json.dumps({"step": step, "branch_from": str(checkpoint)}))
-    (run_dir / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
+    kept = [r for r in read_records(trunk_dir(checkpoint) / "metrics.jsonl") if r["step"] <= step]
+    kept.append({"step": step, "branch_from": str(checkpoint)})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))

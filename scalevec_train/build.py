@@ -38,8 +38,8 @@ from scalevec_train.training.callbacks import (
     SpeedMonitor,
     StabilityGuard,
 )
-from scalevec_train.training.guards import FAULT_INF_GRAD_ENV, FAULT_NAN_ENV, fault_steps
-from scalevec_train.training.trainer import Trainer
+from scalevec_train.training.guards import FaultInjection
+from scalevec_train.training.trainer import Trainer, checkpointed, cross_entropy
 
 
 @dataclass
@@ -50,7 +50,6 @@ class Run:
     data: PreparedData
     run_dir: Path
     checkpointer: Checkpointer
-    guard: StabilityGuard
     branched_from: Path | None  # the trunk's checkpoint when this run starts a branch (branch_from)
 
 
@@ -77,7 +76,7 @@ def build(cfg: Config) -> Run:
         check_backend(cfg.model.kernels, device.type)
     except KernelError as e:
         raise ScalevecError("model.kernels", e.problem, e.fix) from None
-    nan_steps, inf_grad_steps = fault_steps(FAULT_NAN_ENV, rank()), fault_steps(FAULT_INF_GRAD_ENV, rank())
+    faults = FaultInjection.from_env(cross_entropy, rank())
     # Every rank uses rank 0's run_dir and checkpoint choice.
     run_dir = Path(broadcast_object(cfg.run_dir))
     check_run_dir(run_dir)
@@ -114,35 +113,34 @@ def build(cfg: Config) -> Run:
     optimizer = build_optimizer(model, cfg.optim, cfg.scale)
     model.register_optimizer_hooks(optimizer)
 
-    guard = StabilityGuard(cfg.train.max_bad_steps, cfg.train.spike_factor)
-    manager = CheckpointManager(
-        run_dir, tensors={"model": ModelState(model), "optim": OptimizerState(model, optimizer)},
-        records={"loader": train_loader, "guard": guard.guard},
-        info={"model_config": cfg.model.architecture(), "optimizer": cfg.optim.name},
-        keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save)
-    if resume_from is not None:
-        manager.load(resume_from, train_state)
-    start_step = train_state["step"] if train_state else 0
-
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
-    checkpointer = Checkpointer(manager, cfg.checkpoint.every)
     callbacks = [
-        guard,
+        *([faults] if faults else []),
+        StabilityGuard(cfg.train.max_bad_steps, cfg.train.spike_factor),
         SigtermStop(),
         SpeedMonitor(tokens_per_step, train_flops_per_token(model, cfg.train.seq_len), peak_flops(device), world),
         ScaleMonitor(),
         ModelMetrics(),
         EpochMonitor(),
         Evaluator(val_data, cfg.train.eval_every),
-        checkpointer,
     ]
+    manager = CheckpointManager(
+        run_dir, tensors={"model": ModelState(model), "optim": OptimizerState(model, optimizer)},
+        records={"loader": train_loader, **checkpointed(callbacks)},
+        info={"model_config": cfg.model.architecture(), "optimizer": cfg.optim.name},
+        keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save)
+    if resume_from is not None:
+        manager.load(resume_from, train_state)
+    start_step = train_state["step"] if train_state else 0
+    checkpointer = Checkpointer(manager, cfg.checkpoint.every)
+    callbacks.append(checkpointer)
     trainer = Trainer(
         model, optimizer, train_loader, partial(lr_multiplier, cfg.schedule, total_steps=cfg.train.steps),
         steps=cfg.train.steps, accum=cfg.train.global_batch // (cfg.train.micro_batch * world),
         grad_clip=cfg.train.grad_clip, device=device, autocast=autocast_for(cfg.train.dtype, device),
         log_every=cfg.train.log_every, tokens_per_step=tokens_per_step, callbacks=callbacks,
-        start_step=start_step, nan_steps=nan_steps, inf_grad_steps=inf_grad_steps)
-    return Run(trainer, data, run_dir, checkpointer, guard, branched_from)
+        start_step=start_step, loss_fn=faults or cross_entropy)
+    return Run(trainer, data, run_dir, checkpointer, branched_from)
 
 
 def check_run_dir(run_dir: Path) -> None:

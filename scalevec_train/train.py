@@ -18,7 +18,7 @@ from scalevec_train.build import build
 from scalevec_train.config import CONFIG_DIR, Config, to_config, to_yaml
 from scalevec_train.data import tokenizer
 from scalevec_train.describe import describe
-from scalevec_train.errors import DivergedError, ScalevecError
+from scalevec_train.errors import ScalevecError
 from scalevec_train.optim.groups import describe_groups
 from scalevec_train.parallel import process_group
 from scalevec_train.training.logger import MetricsLogger, wandb_init_args
@@ -32,36 +32,16 @@ def write_run_files(cfg: Config, run_dir: Path, tokenizer_path: Path) -> None:
     tokenizer.install(tokenizer_path, run_dir)  # as tokenizer.model, or tokenizer.json
 
 
-def drop_partial_line(path: Path) -> None:
-    """Cut off an unfinished last line of a file of JSON lines. A process killed while appending a record
-    leaves one (a long record takes several writes); the resumed run logs that step again."""
-    if not path.is_file():
-        return
-    with path.open("rb+") as f:
-        end = pos = f.seek(0, os.SEEK_END)
-        keep = 0
-        while pos > 0:
-            start = max(0, pos - (1 << 16))
-            f.seek(start)
-            cut = f.read(pos - start).rfind(b"\n")
-            if cut >= 0:
-                keep = start + cut + 1
-                break
-            pos = start
-        if keep < end:
-            f.truncate(keep)
-
-
 def run(cfg: Config) -> Path:
     """Train to cfg.train.steps, or until an early stop: SIGTERM returns with a complete checkpoint,
-    train.max_bad_steps non-finite steps in a row raise DivergedError. Returns the run directory."""
+    train.max_bad_steps non-finite steps in a row raise DivergedError (from the stability guard, once
+    the checkpoint is complete). Returns the run directory."""
     built = build(cfg)
     trainer, run_dir = built.trainer, built.run_dir
     main = process_group.is_main()
     wandb_init = None
     if main:
         write_run_files(cfg, run_dir, built.data.tokenizer_path)
-        drop_partial_line(run_dir / "metrics.jsonl")
         if built.branched_from is not None:
             copy_trunk_metrics(built.branched_from, run_dir)
         print(f"run_dir: {run_dir}  params: {total_params(trainer.model):,}  "
@@ -74,17 +54,6 @@ def run(cfg: Config) -> Path:
     finally:
         logger.close()
     path = built.checkpointer.last_path
-    if stopped == "diverged":
-        guard = built.guard.guard
-        good = trainer.step - guard.streak
-        raise DivergedError(
-            f"training (steps {good + 1}-{trainer.step})",
-            f"{guard.streak} steps in a row had a non-finite loss or gradient norm "
-            f"(train.max_bad_steps={guard.max_bad_steps}). Checkpoint {path} holds the parameters and "
-            f"optimizer state of step {good}, the last good one, and the data position after step "
-            f"{trainer.step}.",
-            "lower optim.lr, lengthen schedule.warmup_steps or set train.grad_clip, then continue with "
-            "resume=auto; or look at the data of those steps.")
     if stopped and main:
         print(f"stopped by {stopped} after step {trainer.step}: checkpoint {path} is complete. Continue "
               "with resume=auto.", file=sys.stderr)

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from scalevec_train.checkpoint import files as checkpoint_files
 from scalevec_train.training.guards import FAULT_INF_GRAD_ENV, FAULT_NAN_ENV
+from scalevec_train.training.logger import read_records
 from tests.helpers import REPO
 
 # Generous: a 4-rank launch on 2 busy cores takes minutes; only a hang gets near this.
@@ -159,19 +160,9 @@ def environments() -> dict[int, list[bytes]]:
 
 # What a run directory holds.
 
-def records(run_dir: Path, strict: bool = True) -> list[dict]:
-    """The metrics records in file order. strict=False skips a line being written right now."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            if strict:
-                raise
-    return out
+def records(run_dir: Path) -> list[dict]:
+    """The metrics records in file order; a line being written right now (a partial last line) is skipped."""
+    return read_records(run_dir / "metrics.jsonl")
 
 
 def curve(run_dir: Path, key: str = "loss") -> dict[int, float]:
@@ -180,7 +171,7 @@ def curve(run_dir: Path, key: str = "loss") -> dict[int, float]:
 
 
 def latest_step(run_dir: Path) -> int:
-    return max((r["step"] for r in records(run_dir, strict=False)), default=-1)
+    return max((r["step"] for r in records(run_dir)), default=-1)
 
 
 def complete_steps(run_dir: Path) -> list[int]:

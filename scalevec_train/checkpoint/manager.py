@@ -2,8 +2,9 @@
 
 A CheckpointManager saves and loads a dict of stateful objects (anything with state_dict() and
 load_state_dict()): those that hold tensors (model, optimizer) through DCP, each rank writing its own
-shards; those that hold plain data (the data loader's position, the numerical guard's counters) into
-train_state.json, readable before any tensor is (files.py has the layout and the checks).
+shards; those that hold plain data (the data loader's position, the Stateful callbacks such as the
+numerical guard) into train_state.json, readable before any tensor is (files.py has the layout and the
+checks).
 
 A save is written into a temporary directory (.tmp_step_000050_<id>). Once every rank has finished
 writing, rank 0 adds train_state.json and COMPLETE and renames the directory to step_000050 (one atomic
@@ -57,6 +58,7 @@ from scalevec_train.checkpoint.files import (
     step_dir,
 )
 from scalevec_train.errors import ScalevecError
+from scalevec_train.model.protocol import TrainableModel
 from scalevec_train.parallel.process_group import barrier, broadcast_object, is_main, rank, world_size
 
 # One process without a process group is our normal single-device mode, not a mistake to warn about.
@@ -67,7 +69,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 class ModelState(Stateful):
     """A model's parameters and buffers as DCP sees them (sharded under FSDP)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: TrainableModel):
         self.model = model
 
     def state_dict(self) -> dict:
@@ -80,7 +82,7 @@ class ModelState(Stateful):
 class OptimizerState(Stateful):
     """An optimizer's state, keyed by parameter names (so that it reshards with the model)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, model: TrainableModel, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict:

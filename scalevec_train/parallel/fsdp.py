@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from scalevec_train.errors import ScalevecError
+from scalevec_train.model.protocol import TrainableModel
 from scalevec_train.model.strategies import scale_sites
 from scalevec_train.parallel.config import DistributedConfig
 from scalevec_train.parallel.process_group import full_value, world_size
@@ -58,8 +59,8 @@ def uses_bf16(dtype: str, device: torch.device) -> bool:
     return dtype == "bf16" or (dtype == "auto" and device.type == "cuda")
 
 
-def parallelize(model: nn.Module, cfg: DistributedConfig, device: torch.device, seed: int,
-                dtype: str) -> nn.Module:
+def parallelize(model: TrainableModel, cfg: DistributedConfig, device: torch.device, seed: int,
+                dtype: str) -> TrainableModel:
     """Wrap the blocks of a meta-device Transformer (activation checkpointing, compile), shard it when
     there are several processes, and materialize and initialize it on `device`."""
     for block in model.layers:
@@ -113,7 +114,7 @@ def reduce_replicated_grads(params: list[nn.Parameter]) -> None:
 
 
 @torch.no_grad()
-def init_sharded(model: nn.Module, seed: int) -> None:
+def init_sharded(model: TrainableModel, seed: int) -> None:
     """Fill every sharded parameter with its slice of Transformer.initial_value, then the buffers."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -128,9 +129,10 @@ def init_sharded(model: nn.Module, seed: int) -> None:
     model.init_buffers()
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip the global gradient norm of every parameter, sharded (DTensor) and replicated alike, to
-    max_norm; returns the norm before clipping (as torch.nn.utils.clip_grad_norm_ does)."""
+    max_norm; returns the norm before clipping (as torch.nn.utils.clip_grad_norm_ does), a 0-dim tensor
+    on the device: the host need not wait for it."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.experimental import implicit_replication
 
@@ -138,7 +140,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     parts = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
     parts = [part for part in parts if part]
     if len(parts) == 1:  # one kind: torch's own clipping, bit for bit
-        return full_value(torch.nn.utils.clip_grad_norm_(parts[0], max_norm)).item()
+        return full_value(torch.nn.utils.clip_grad_norm_(parts[0], max_norm))
     sharded, whole = parts
     norms = [full_value(torch.nn.utils.get_total_norm([p.grad for p in sharded])),
              torch.nn.utils.get_total_norm([p.grad for p in whole])]
@@ -146,4 +148,4 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     with implicit_replication():  # the plain norm scales the DTensor gradients too
         torch.nn.utils.clip_grads_with_norm_(sharded, max_norm, norm)
     torch.nn.utils.clip_grads_with_norm_(whole, max_norm, norm)
-    return norm.item()
+    return norm

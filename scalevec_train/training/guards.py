@@ -1,13 +1,17 @@
 """What keeps a run alive through bad numbers and pre-emption (docs/reliability.md): the bookkeeping of
-the non-finite-step guard and the loss-spike log, the SIGTERM stop request, and the fault-injection hook
-the tests use to exercise them."""
+the non-finite-step guard and the loss-spike log, the SIGTERM stop request, and the fault injection
+(a wrapper around the training loss) the tests use to exercise them."""
 
 import math
 import os
 import signal
 import threading
+from collections.abc import Callable
+
+import torch
 
 from scalevec_train.errors import ScalevecError
+from scalevec_train.training.trainer import Callback, Trainer
 
 # Fault injection for testing the numerical guards (docs/reliability.md), unset in real runs: steps
 # whose loss is made NaN (SCALEVEC_FAULT_NAN_STEPS=3,4), and steps whose loss stays finite while its
@@ -31,6 +35,34 @@ def fault_steps(env: str, rank: int) -> frozenset[int]:
                             "@rank).", "unset it (it only injects faults for tests), or write e.g. 3,4 or 3@1."
                             ) from None
     return frozenset(steps)
+
+
+class FaultInjection(Callback):
+    """The training loss `loss_fn` with the faults of the environment's fault-injection variables for
+    this rank: made NaN on nan_steps; finite, with an infinite gradient, on inf_grad_steps. A callback
+    too: it follows the step in progress."""
+
+    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], nan_steps: frozenset[int],
+                 inf_grad_steps: frozenset[int]):
+        self.loss_fn, self.nan_steps, self.inf_grad_steps = loss_fn, nan_steps, inf_grad_steps
+        self.step = 0
+
+    @classmethod
+    def from_env(cls, loss_fn, rank: int) -> "FaultInjection | None":
+        """The wrapper the environment asks for, or None (real runs)."""
+        nan_steps, inf_grad_steps = fault_steps(FAULT_NAN_ENV, rank), fault_steps(FAULT_INF_GRAD_ENV, rank)
+        return cls(loss_fn, nan_steps, inf_grad_steps) if nan_steps or inf_grad_steps else None
+
+    def on_step_start(self, trainer: Trainer) -> None:
+        self.step = trainer.step + 1
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(logits, targets)
+        if self.step in self.nan_steps:
+            loss = loss * float("nan")
+        if self.step in self.inf_grad_steps:
+            loss.register_hook(lambda grad: grad * float("inf"))
+        return loss
 
 
 class StepGuard:

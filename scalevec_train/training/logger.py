@@ -1,4 +1,5 @@
-"""Where metrics go: run_dir/metrics.jsonl always, a progress bar on the console, wandb optionally.
+"""Where metrics go: run_dir/metrics.jsonl always, a progress bar on the console, wandb optionally; and
+the one reader of metrics.jsonl (read_records) and of a nested config as flat keys (flatten).
 
 Only rank 0 logs. wandb is imported only when logger=wandb; without an API key it runs offline.
 """
@@ -55,7 +56,7 @@ def wandb_init_args(cfg: LoggerConfig, config: dict, run_dir: Path) -> dict:
     """wandb.init arguments derived from the resolved config: a group shared by every seed of the same
     setting (readable prefix + hash of everything but the seed and bookkeeping), tags naming model,
     strategy, optimizer, schedule and seed, and the whole config."""
-    flat = _flatten(config)
+    flat = flatten(config)
     kept = {k: v for k, v in flat.items() if not any(k == n or k.startswith(n + ".") for n in _NOT_GROUPING)}
     digest = hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:8]
     names = [str(flat.get(f"{k}.name", "")) for k in ("model", "scale", "optim", "schedule")]
@@ -67,18 +68,63 @@ def wandb_init_args(cfg: LoggerConfig, config: dict, run_dir: Path) -> dict:
             "tags": tags, "name": run_dir.name, "id": run_id, "resume": "allow", "config": config}
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """Nested config -> {"model.dim": 512, ...}; keys that are already dotted stay as they are."""
     out = {}
     for key, value in tree.items():
         if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
+            out.update(flatten(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
     return out
 
 
+def read_records(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl in file order ([] when there is no file). A partial last line (a run
+    killed while appending) is skipped; any other line that is not a JSON object with a numeric `step`
+    is an error."""
+    if not path.is_file():
+        return []
+    lines = [(i + 1, line) for i, line in enumerate(path.read_text().splitlines()) if line.strip()]
+    rows = []
+    for n, (lineno, line) in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if n == len(lines) - 1:
+                break
+            raise ScalevecError(f"{path}:{lineno}", f"not valid JSON ({e.msg}).",
+                                "repair or delete that line.") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), (int, float)):
+            raise ScalevecError(f"{path}:{lineno}", "a metrics record without a numeric `step`.",
+                                "every line must be a JSON object with a `step`.")
+        rows.append(row)
+    return rows
+
+
+def drop_partial_line(path: Path) -> None:
+    """Cut off an unfinished last line of a file of JSON lines. A process killed while appending a record
+    leaves one (a long record takes several writes); the resumed run logs that step again."""
+    if not path.is_file():
+        return
+    with path.open("rb+") as f:
+        end = pos = f.seek(0, os.SEEK_END)
+        keep = 0
+        while pos > 0:
+            start = max(0, pos - (1 << 16))
+            f.seek(start)
+            cut = f.read(pos - start).rfind(b"\n")
+            if cut >= 0:
+                keep = start + cut + 1
+                break
+            pos = start
+        if keep < end:
+            f.truncate(keep)
+
+
 class MetricsLogger:
-    """Appends one JSON object per logged step to metrics.jsonl and mirrors it to the console/wandb."""
+    """Appends one JSON object per logged step to metrics.jsonl (after cutting off a partial last line a
+    killed run left) and mirrors it to the console/wandb."""
 
     def __init__(self, cfg: LoggerConfig, run_dir: Path, total_steps: int, start_step: int,
                  wandb_init: dict | None = None, enabled: bool = True):
@@ -88,6 +134,7 @@ class MetricsLogger:
         if not enabled:
             return
         self.path = run_dir / "metrics.jsonl"
+        drop_partial_line(self.path)
         self.file = self.path.open("a")
         if cfg.progress_bar:
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,

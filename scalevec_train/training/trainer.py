@@ -8,10 +8,12 @@ taken changes nothing (its gradients are dropped, the model forgets its step sta
 count as used and the step counter (and with it the learning-rate schedule) advances. Every rank
 reaches the same verdict: the loss is averaged over the ranks and the gradient norm is global.
 
-The model is a module mapping tokens to logits that also offers auxiliary_loss() (a tensor to add to
-the loss, or None) and discard_step_state(), as model.Transformer does.
+The host never waits for the device within a step: the loss, the gradient norm and the verdict stay on
+the device (skip.py applies the step where the verdict says so), and the host reads them only on the
+steps that read back: log steps, and steps a callback asked to read back (a checkpoint).
 """
 
+import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -19,12 +21,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
 
+from scalevec_train.model.protocol import TrainableModel
 from scalevec_train.parallel.fsdp import clip_grad_norm, reduce_replicated_grads, replicated_params, set_gradient_sync
 from scalevec_train.parallel.process_group import all_reduce_mean
-from scalevec_train.training.guards import StepGuard
 from scalevec_train.training.logger import MetricsLogger
+from scalevec_train.training.skip import ConditionalStep
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -33,32 +36,37 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class StepResult:
-    loss: float  # mean over the step's micro-batches and the ranks
-    grad_norm: float  # global, before clipping
-    taken: bool  # False: not finite, so nothing changed
-    seconds: float  # wall time of the step
+    """One step's outcome, on the device (0-dim tensors: read them only on steps that read back)."""
+
+    loss: torch.Tensor  # mean over the step's micro-batches and the ranks
+    grad_norm: torch.Tensor  # global, before clipping
+    taken: torch.Tensor  # bool; False: not finite, so nothing changed
+    seconds: float  # wall time of the step; the steps since the last read-back add up to the device's
 
 
 class Callback:
     """Observes the loop. Every hook does nothing unless a subclass overrides it; hooks run in the
-    order of the trainer's callback list."""
+    order of the trainer's callback list. A callback puts metrics in the logs with trainer.record(); one
+    that holds state to resume is Stateful (state_dict, load_state_dict) and names its entry of the
+    checkpoint's train_state.json in `checkpoint_key`."""
+
+    checkpoint_key: str | None = None
 
     def on_fit_start(self, trainer: "Trainer") -> None:
         """Before the first step (also of a resumed run)."""
 
     def on_step_start(self, trainer: "Trainer") -> None:
-        """Before a step's first forward."""
+        """Before a step's first forward; may call trainer.request_read_back() for the coming step."""
 
     def on_backward_end(self, trainer: "Trainer") -> None:
         """The step's gradients are complete (synced over ranks, not yet clipped)."""
 
-    def on_step_end(self, trainer: "Trainer", result: StepResult) -> dict:
-        """After the step; returns metrics this step must log (or {}). May call trainer.request_log()
-        or trainer.request_stop()."""
-        return {}
+    def on_step_end(self, trainer: "Trainer", result: StepResult) -> None:
+        """After the step. May call trainer.request_log() or trainer.request_stop(); reads `result` on
+        the host only when trainer.reads_back."""
 
-    def on_log(self, trainer: "Trainer", record: dict) -> None:
-        """A logged step's record (step, loss, lr, grad_norm, tokens): add metrics to it."""
+    def on_log(self, trainer: "Trainer") -> None:
+        """A logged step: record() what its record should show."""
 
     def on_step_done(self, trainer: "Trainer") -> None:
         """After the step's record is written."""
@@ -70,41 +78,71 @@ class Callback:
         """Always, last: release what on_fit_start took."""
 
 
+def checkpointed(callbacks: list[Callback]) -> dict[str, Stateful]:
+    """The callbacks whose state a checkpoint keeps, by their train_state.json key."""
+    return {cb.checkpoint_key: cb for cb in callbacks if cb.checkpoint_key is not None}
+
+
 class Trainer:
     """Trains `model` from step `start_step` to `steps` (or an earlier requested stop).
 
     lr_at(step) is the schedule's multiplier of each group's `base_lr`; `autocast` returns the precision
-    context of a forward. Fault injection for tests: nan_steps are steps whose loss is made NaN,
-    inf_grad_steps steps whose loss stays finite while the gradient it starts the backward with is infinite."""
+    context of a forward; loss_fn(logits, targets) is the training loss (fault injection wraps it:
+    guards.FaultInjection)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loader, lr_at: Callable[[int], float],
-                 steps: int, accum: int, grad_clip: float, device: torch.device,
+    def __init__(self, model: TrainableModel, optimizer: torch.optim.Optimizer, loader,
+                 lr_at: Callable[[int], float], steps: int, accum: int, grad_clip: float, device: torch.device,
                  autocast: Callable[[], AbstractContextManager], log_every: int, tokens_per_step: int,
-                 callbacks: list[Callback], start_step: int = 0, nan_steps: frozenset[int] = frozenset(),
-                 inf_grad_steps: frozenset[int] = frozenset()):
+                 callbacks: list[Callback], start_step: int = 0,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy):
         self.model, self.optimizer, self.loader, self.lr_at = model, optimizer, loader, lr_at
         self.steps, self.accum, self.grad_clip, self.device = steps, accum, grad_clip, device
         self.autocast, self.log_every, self.tokens_per_step = autocast, log_every, tokens_per_step
-        self.callbacks, self.step, self.nan_steps = callbacks, start_step, nan_steps
-        self.inf_grad_steps = inf_grad_steps
+        self.callbacks, self.step, self.loss_fn = callbacks, start_step, loss_fn
         self.logger: MetricsLogger | None = None  # set by fit()
         self.replicated = replicated_params(model)
+        self.optimizer_step = ConditionalStep(optimizer, model)
         self.stop_reason: str | None = None
-        self._log_requested = False
+        self._stop_error: Exception | None = None
+        self._log_requested = self._read_back_requested = False
+        self._records: dict[int, dict] = {}  # step -> metrics recorded for it, not yet written
 
     def is_log_step(self, step: int) -> bool:
         """Whether step number `step` (1-based: the step in progress is self.step + 1) logs regularly."""
         return step % self.log_every == 0 or step == self.steps
 
     @property
+    def reads_back(self) -> bool:
+        """Whether the step just taken (self.step) may read device values on the host: a log step, or
+        a step a callback asked for (request_read_back)."""
+        return self.is_log_step(self.step) or self._read_back_requested
+
+    @property
     def tokens(self) -> int:
         return self.step * self.tokens_per_step
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def record(self, name: str, value: float | torch.Tensor, step: int | None = None) -> None:
+        """Put metric `name` in the record of `step` (default: the current one), written at the end of
+        this step. `value` may be a 0-dim device tensor: all of a write's tensors are read in one
+        transfer. A step with recorded metrics writes a record even if it does not log; a callback that
+        records on such a step asks for its read-back first (request_read_back in on_step_start), so
+        that the records of earlier steps the guard judges then are written before it, in step order."""
+        self._records.setdefault(self.step if step is None else step, {})[name] = value
 
     def request_log(self) -> None:
         self._log_requested = True
 
-    def request_stop(self, reason: str) -> None:
-        self.stop_reason = self.stop_reason or reason
+    def request_read_back(self) -> None:
+        self._read_back_requested = True
+
+    def request_stop(self, reason: str, error: Exception | None = None) -> None:
+        """Stop after the current step (with a checkpoint); fit() then raises `error` if given."""
+        if self.stop_reason is None:
+            self.stop_reason, self._stop_error = reason, error
 
     def _hooks(self, name: str, *args) -> None:
         for cb in self.callbacks:
@@ -121,60 +159,69 @@ class Trainer:
             inputs, targets = (t.to(self.device, non_blocking=True) for t in self.loader.next_batch())
             set_gradient_sync(self.model, micro == self.accum - 1)
             with self.autocast():
-                loss = cross_entropy(self.model(inputs), targets)
-            if self.step + 1 in self.nan_steps:
-                loss = loss * float("nan")
+                loss = self.loss_fn(self.model(inputs), targets)
             total += loss.detach()
             aux = self.model.auxiliary_loss()
             if aux is not None:  # trains the router; not part of the logged loss
                 loss = loss + aux
-            if self.step + 1 in self.inf_grad_steps:
-                loss.register_hook(lambda grad: grad * float("inf"))
             (loss / self.accum).backward()
         reduce_replicated_grads(self.replicated)
         self._hooks("on_backward_end")
         grad_norm = clip_grad_norm(self.model, self.grad_clip if self.grad_clip > 0 else float("inf"))
-        mean_loss = all_reduce_mean(total / self.accum).item()
-        taken = StepGuard.finite(mean_loss, grad_norm)
-        if taken:
-            self.optimizer.step()
-        else:
-            self.model.discard_step_state()
+        mean_loss = all_reduce_mean(total / self.accum)
+        taken = torch.isfinite(mean_loss) & torch.isfinite(grad_norm)
+        self.optimizer_step(taken)
+        self.model.discard_step_state()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda" and (self.is_log_step(self.step + 1) or self._read_back_requested):
+            # the host reads back after this step anyway: the wait for the device belongs to its time
+            torch.cuda.synchronize(self.device)
         return StepResult(mean_loss, grad_norm, taken, time.perf_counter() - start)
 
     def fit(self, logger: MetricsLogger) -> str | None:
         """Train to `steps`, writing records to `logger`; returns the reason of an early stop (None when
-        the run is complete)."""
+        the run is complete), or raises the error a callback stopped the run with."""
         self.logger = logger
         try:
             self._hooks("on_fit_start")
+            self._write()
             while self.step < self.steps and self.stop_reason is None:
                 self._one_step()
             self._hooks("on_fit_end")
         finally:
             self._hooks("on_close")
+        if self._stop_error is not None:
+            raise self._stop_error
         return self.stop_reason
 
     def _one_step(self) -> None:
-        self._log_requested = False
+        self._log_requested = self._read_back_requested = False
         self._hooks("on_step_start")
         result = self.train_step()
         self.step += 1
-        extra: dict = {}
-        for cb in self.callbacks:
-            extra.update(cb.on_step_end(self, result))
+        self._hooks("on_step_end", result)
         self.logger.advance()
-        record: dict = {}
         if self.is_log_step(self.step) or self._log_requested or self.stop_reason:
-            record = {"step": self.step, "lr": self.optimizer.param_groups[0]["lr"], "tokens": self.tokens}
-            if result.taken:  # NaN and Infinity are not JSON
-                record.update(loss=result.loss, grad_norm=result.grad_norm)
-            self._hooks("on_log", record)
-        if extra:
-            record.update({"step": self.step, "tokens": self.tokens, **extra})
+            loss, grad_norm = torch.stack([result.loss, result.grad_norm]).tolist()
+            self.record("lr", self.lr)
+            if math.isfinite(loss) and math.isfinite(grad_norm):  # NaN and Infinity are not JSON
+                self.record("loss", loss)
+                self.record("grad_norm", grad_norm)
+            self._hooks("on_log")
         if self.stop_reason:
-            record["stopped"] = self.stop_reason
-        if record:
-            self.logger.log(record)
+            self.record("stopped", self.stop_reason)
+        self._write()
         self._hooks("on_step_done")
+
+    def _write(self) -> None:
+        """Write the recorded metrics, one record per step in step order, reading their device values
+        in one transfer."""
+        if not self._records:
+            return
+        records = [(step, self._records[step]) for step in sorted(self._records)]
+        self._records = {}
+        tensors = [v for _, r in records for v in r.values() if isinstance(v, torch.Tensor)]
+        values = iter(torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist() if tensors else [])
+        for step, recorded in records:
+            metrics = {k: next(values) if isinstance(v, torch.Tensor) else v for k, v in recorded.items()}
+            self.logger.log({"step": step, "tokens": step * self.tokens_per_step, **metrics})

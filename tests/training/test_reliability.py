@@ -121,7 +121,7 @@ def test_sigkill_of_every_process_then_resume_auto_gives_the_uninterrupted_run(m
     assert started.wait() == -signal.SIGKILL
     last, logged = complete_steps(run_dir)[-1], latest_step(run_dir)
     # As if the kill had hit while a record was being appended (it may have: then that line goes too).
-    kept = len(records(run_dir, strict=False))
+    kept = len(records(run_dir))
     with (run_dir / "metrics.jsonl").open("a") as f:
         f.write('{"step": 99, "lo')
 

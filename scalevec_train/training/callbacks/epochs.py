@@ -25,5 +25,5 @@ class EpochMonitor(Callback):
                   "repeated data is worth less and less. Use more data (data.source=python_env, a larger "
                   "data.path, data.max_corpus_bytes=0) or fewer steps.", file=sys.stderr)
 
-    def on_log(self, trainer: Trainer, record: dict) -> None:
-        record["epochs"] = trainer.loader.position / trainer.loader.num_windows
+    def on_log(self, trainer: Trainer) -> None:
+        trainer.record("epochs", trainer.loader.position / trainer.loader.num_windows)

@@ -15,7 +15,8 @@ class Evaluator(Callback):
         self.batches, self.every = batches, every
 
     @torch.no_grad()
-    def evaluate(self, trainer: Trainer) -> float:
+    def evaluate(self, trainer: Trainer) -> torch.Tensor:
+        """The validation loss, on the device."""
         model = trainer.model
         model.eval()
         total = torch.zeros((), device=trainer.device)
@@ -23,13 +24,19 @@ class Evaluator(Callback):
             with trainer.autocast():
                 total += cross_entropy(model(inputs.to(trainer.device)), targets.to(trainer.device))
         model.train()
-        return all_reduce_mean(total / len(self.batches)).item()
+        return all_reduce_mean(total / len(self.batches))
 
     def on_fit_start(self, trainer: Trainer) -> None:
         if trainer.step == 0:
-            trainer.logger.log({"step": 0, "tokens": 0, "val_loss": self.evaluate(trainer)})
+            trainer.record("val_loss", self.evaluate(trainer))
 
-    def on_step_end(self, trainer: Trainer, result: StepResult) -> dict:
-        if trainer.step == trainer.steps or (self.every and trainer.step % self.every == 0):
-            return {"val_loss": self.evaluate(trainer)}
-        return {}
+    def _evaluates(self, trainer: Trainer, step: int) -> bool:
+        return step == trainer.steps or bool(self.every and step % self.every == 0)
+
+    def on_step_start(self, trainer: Trainer) -> None:
+        if self._evaluates(trainer, trainer.step + 1):
+            trainer.request_read_back()  # it writes a record: what the guard has to write comes first
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        if self._evaluates(trainer, trainer.step):
+            trainer.record("val_loss", self.evaluate(trainer))

@@ -13,16 +13,16 @@ class SpeedMonitor(Callback):
         self.peak, self.world = peak_flops, world
         self.steps, self.seconds = 0, 0.0
 
-    def on_step_end(self, trainer: Trainer, result: StepResult) -> dict:
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         self.steps += 1
         self.seconds += result.seconds
-        return {}
 
-    def on_log(self, trainer: Trainer, record: dict) -> None:
+    def on_log(self, trainer: Trainer) -> None:
         tokens_per_s = self.steps * self.tokens_per_step / self.seconds
-        record.update(tokens_per_s=tokens_per_s, tokens_per_s_per_device=tokens_per_s / self.world)
+        trainer.record("tokens_per_s", tokens_per_s)
+        trainer.record("tokens_per_s_per_device", tokens_per_s / self.world)
         if self.peak:
-            record["mfu"] = tokens_per_s * self.flops_per_token / (self.peak * self.world)
+            trainer.record("mfu", tokens_per_s * self.flops_per_token / (self.peak * self.world))
         self.steps, self.seconds = 0, 0.0
 
 
@@ -30,6 +30,7 @@ class ModelMetrics(Callback):
     """The model's compute_metrics() (MoE load balance) in every logged record, from rank 0 (the only
     one that writes records)."""
 
-    def on_log(self, trainer: Trainer, record: dict) -> None:
+    def on_log(self, trainer: Trainer) -> None:
         if is_main():
-            record.update(trainer.model.compute_metrics())
+            for name, value in trainer.model.compute_metrics().items():
+                trainer.record(name, value)

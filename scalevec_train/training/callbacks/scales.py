@@ -21,9 +21,9 @@ class ScaleMonitor(Callback):
         if trainer.is_log_step(trainer.step + 1):
             self.grads = site_grad_norms(trainer.model)
 
-    def on_log(self, trainer: Trainer, record: dict) -> None:
-        record.update(site_stats(trainer.model))
-        record.update(self.grads)
+    def on_log(self, trainer: Trainer) -> None:
+        for name, value in {**site_stats(trainer.model), **self.grads}.items():
+            trainer.record(name, value)
         self.grads = {}
 
 

@@ -1,0 +1,99 @@
+"""A training step that does not log reads nothing back from the device (issue 28): counted with a
+TorchDispatchMode (tests/host_reads.py) over the steps between logs, for dense and MoE, AdamW and Muon,
+on 1 process and on 2 gloo ranks. Reads of the optimizer's host-side step counters (torch's for-loop
+AdamW on CPU, Muon's AdamW groups) are counted apart and not held against the framework."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from scalevec_train.data import prepare_data
+from tests.helpers import REPO, make_config
+from tests.host_reads import ReadCounter, count_reads
+
+SHAPE = ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2", "model.ffn_dim=64",
+         "train.seq_len=32", "train.global_batch=4", "train.micro_batch=2", "train.eval_batches=1",
+         "train.eval_every=0", "train.steps=6", "train.log_every=3", "schedule.warmup_steps=2"]
+MODELS = {"dense": ["model=dense-tiny"], "moe": ["model=moe-tiny", "model.moe.expert_dim=32"]}
+CASES = [(model, optim) for model in MODELS for optim in ("adamw", "muon")]
+
+
+def overrides(data_overrides, model: str, optim: str, run_dir) -> list[str]:
+    return [*data_overrides, *MODELS[model], *SHAPE, f"optim={optim}", "scale=unified", f"run_dir={run_dir}"]
+
+
+def test_the_counter_sees_item_and_tolist():
+    counter = ReadCounter(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+    counter.start()
+    try:
+        torch.ones(()).item()
+        bool(torch.ones(()) > 0)
+    finally:
+        counter.stop()
+    assert counter.reads == 2
+
+
+@pytest.mark.parametrize("model,optim", CASES)
+def test_no_reads_between_logs_on_one_process(data_overrides, tmp_path, model, optim):
+    out = tmp_path / "reads.json"
+    count_reads(overrides(data_overrides, model, optim, tmp_path / "run"), out)
+    counts = json.loads(out.read_text())
+    assert counts["steps"] == 4 and counts["reads"] == 0, counts
+
+
+def test_no_reads_between_logs_on_two_ranks(data_overrides, processes, tmp_path):
+    prepare_data(make_config(*data_overrides).data)  # once, not by 2 ranks at a time
+    for model, optim in CASES:
+        out = tmp_path / f"{model}-{optim}-{{rank}}.json"
+        processes.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                       str(REPO / "tests" / "host_reads.py"), str(out),
+                       *overrides(data_overrides, model, optim, tmp_path / f"{model}-{optim}")], tmp_path)
+        for rank in (0, 1):
+            counts = json.loads(Path(str(out).format(rank=rank)).read_text())
+            assert counts["steps"] == 4 and counts["reads"] == 0, (model, optim, rank, counts)
+
+
+def test_a_skipped_step_between_logs_is_judged_and_logged_at_the_next_read_back(data_overrides, tmp_path,
+                                                                                 monkeypatch):
+    """A NaN loss at step 5 with logs every 4 steps and an evaluation at step 6: the step is skipped on
+    the device, and at step 6 (an evaluation reads back) the guard reads steps 5-6, writes step 5's
+    record and counts it; records stay in step order. Against a run that reads back every step
+    (log_every=1): the same record for step 5, the same losses and parameters."""
+    from scalevec_train.checkpoint import files as checkpoint_files
+    from scalevec_train.train import run
+    from tests.launch import records
+    from tests.training.test_reliability import assert_identical, trained_state
+
+    monkeypatch.setenv("SCALEVEC_FAULT_NAN_STEPS", "5")
+    common = [*data_overrides, *MODELS["moe"], *SHAPE, "train.steps=8", "train.eval_every=6", "optim=adamw"]
+    lazy = run(make_config(*common, "train.log_every=4", f"run_dir={tmp_path / 'lazy'}"))
+    eager = run(make_config(*common, "train.log_every=1", f"run_dir={tmp_path / 'eager'}"))
+    assert [r["step"] for r in records(lazy)] == [0, 4, 5, 6, 8]
+    by_step = {r["step"]: r for r in records(lazy)}
+    assert by_step[5] == {"step": 5, "tokens": 5 * 128, "lr": by_step[5]["lr"], "skipped_steps": 1, "bad_step": True,
+                          "bad_loss": "nan", "bad_grad_norm": "nan"}
+    assert by_step[4]["skipped_steps"] == 0 and by_step[8]["skipped_steps"] == 1
+    expected = {r["step"]: r for r in records(eager)}
+    assert expected[5]["bad_step"] is True and expected[5]["lr"] == by_step[5]["lr"]
+    for step in (4, 8):
+        assert by_step[step]["loss"] == expected[step]["loss"]
+    assert by_step[6]["val_loss"] == expected[6]["val_loss"]
+    assert_identical(trained_state(checkpoint_files.step_dir(lazy, 8), tmp_path),
+                     trained_state(checkpoint_files.step_dir(eager, 8), tmp_path))
+
+
+def test_divergence_between_logs_stops_at_the_next_log_with_the_guard_error(data_overrides, tmp_path, monkeypatch):
+    from scalevec_train.errors import DivergedError
+    from scalevec_train.train import run
+    from tests.launch import records
+
+    monkeypatch.setenv("SCALEVEC_FAULT_NAN_STEPS", "2,3")
+    with pytest.raises(DivergedError) as caught:
+        run(make_config(*data_overrides, *MODELS["dense"], *SHAPE, "train.steps=8", "train.log_every=4",
+                        "train.max_bad_steps=2", f"run_dir={tmp_path / 'r'}"))
+    assert str(caught.value).startswith("training (steps 2-3): 2 steps in a row had a non-finite loss")
+    assert "The checkpoint of step 4 holds the parameters and optimizer state of step 4" in str(caught.value)
+    assert records(tmp_path / "r")[-1]["stopped"] == "diverged" and records(tmp_path / "r")[-1]["step"] == 4
