@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scalevec_kernels import KernelError, head_rms_norm, rms_norm_scales
+from scalevec_kernels import KernelError, head_rms_norm, rms_norm, rms_norm_scales
 from scalevec_kernels.backend import INTERPRETED
 from tests.kernels.helpers import EPS, assert_scale_grad_close, grads, run_interpreted, scale, scale_params
 
@@ -92,6 +92,37 @@ if INTERPRETED:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         for a, b in zip(got_grads[len(acts):], want_grads[len(acts):], strict=True):
             assert_scale_grad_close(a, b, m)
+
+    @pytest.mark.parametrize("n,m,k,groups", [(200, 37, 4, 1), (300, 9, 2, 1), (64, 24, 1, 3)])
+    def test_interp_chunked_backward_matches_reference(monkeypatch, n, m, k, groups):
+        """Rows walked in chunks of 64 features (several per row, the last one partial) by tiles of two
+        rows over several programs: the path that rows wider than the GPU's chunk take. groups=3 is the
+        per-head norm with a full-width scale (one partial per head)."""
+        monkeypatch.setattr(rms_norm, "_BWD_CHUNK", 32 if groups > 1 else 64)
+        monkeypatch.setattr(rms_norm, "_BWD_TILE", 128)
+        assert rms_norm.backward_grid(n, m, groups, torch.device("cpu"))[1] < n  # the chunked path runs
+        gen = torch.Generator().manual_seed(n + k)
+        x = torch.randn(m, n, generator=gen).requires_grad_()
+        r = torch.randn(m, n, generator=gen).requires_grad_()
+        if groups == 1:
+            scales = [(1 + 0.5 * torch.randn(n, generator=gen)).requires_grad_() for _ in range(k)]
+            if k > 1:
+                scales[1] = None  # an unscaled slot among scaled ones
+            leaves = [x, r] + [s for s in scales if s is not None]
+
+            def run(backend):
+                return rms_norm_scales(x, scales, EPS, residual=r, backend=backend)
+        else:
+            full = (1 + 0.5 * torch.randn(groups, n, generator=gen)).requires_grad_()
+            leaves = [x, full]
+
+            def run(backend):
+                return (head_rms_norm(x.unflatten(0, (m // groups, groups)), full, EPS, backend=backend),)
+
+        got, want = run("triton"), run("torch")
+        upstream = [torch.randn(o.shape, generator=gen) for o in got]
+        for a, b in zip(grads(got, leaves, upstream), grads(want, leaves, upstream), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
     def test_interp_unscaled_slots_and_four_outputs():
         gen = torch.Generator().manual_seed(3)
