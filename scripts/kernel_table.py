@@ -17,7 +17,12 @@ preset's variant spills or needs more shared memory than a block may have.
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
+import hashlib
+import json
+import os
+import pickle
 import sys
 from pathlib import Path
 
@@ -29,6 +34,8 @@ from scalevec_train.errors import ScalevecError
 from scalevec_train.model.transformer import Transformer
 
 REPO = Path(__file__).resolve().parents[1]
+# Captured launches and compiled usage, by what they depend on (a fresh clone starts empty).
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "scalevec" / "kernel_aot"
 PRESETS = sorted(p.stem for p in (REPO / "configs" / "model").glob("*.yaml"))
 # The strategies whose kernel launches differ (K outputs and scaled slots, residual, per-head and output
 # norms, per-expert scales); or/er/iwd/wd_all launch what baseline or unified launch.
@@ -49,55 +56,73 @@ TOKENS = 16
 LIMIT_WIDTHS = (8192, 16384)
 
 
-def _shape(cfg) -> tuple:
+def _shape(model_cfg) -> tuple:
     """What decides a preset's launches: every model option but its name and those CHEAP overrides."""
     skip = {"name", "n_layers", "vocab_size", "max_seq_len", "rope_theta", "kernels"}
-    return tuple((k, repr(v)) for k, v in sorted(vars(cfg.model).items()) if k not in skip)
+    return tuple((k, repr(v)) for k, v in sorted(vars(model_cfg).items()) if k not in skip)
 
 
-def _build(preset: str, overrides: list[str]) -> Transformer | None:
-    """The preset's model under a strategy; None for a combination the framework refuses (e.g. dp on a
-    preset with QK-norm)."""
+def _capture_model(model_cfg, scale_cfg) -> list[aot.Variant]:
+    """The variants one model makes, forward and backward in fp32 and under bf16 autocast; [] for a
+    combination the framework refuses (e.g. dp on a preset with QK-norm). The weights stay uninitialized:
+    the kernels write nothing under capture, so no value matters."""
     try:
-        cfg = compose_config([f"model={preset}", *overrides, *CHEAP], 1)
-        return Transformer(cfg.model, cfg.scale)
+        model = Transformer(model_cfg, scale_cfg)
     except ScalevecError:
-        return None
-
-
-def _run_model(model: Transformer) -> None:
-    model.init_weights(0)
-    tokens = torch.randint(0, model.cfg.vocab_size, (1, TOKENS), generator=torch.Generator().manual_seed(0))
-    for autocast in (contextlib.nullcontext, lambda: torch.autocast("cpu", dtype=torch.bfloat16)):
-        with autocast():
-            logits = model(tokens)
-            aux = model.auxiliary_loss()
-        loss = logits.float().sum() + (0 if aux is None else aux)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
+        return []
+    tokens = torch.zeros(1, TOKENS, dtype=torch.long)
+    with aot.capture() as launches:
+        for autocast in (contextlib.nullcontext, lambda: torch.autocast("cpu", dtype=torch.bfloat16)):
+            with autocast():
+                logits = model(tokens)
+                aux = model.auxiliary_loss()
+            (logits.float().sum() + (0 if aux is None else aux)).backward()
+    return launches.variants
 
 
 def preset_launches(presets=PRESETS) -> dict[aot.Variant, list[str]]:
-    """Every distinct variant the presets launch, with the presets (and strategies) that launch it."""
+    """Every distinct variant the presets launch, with the presets that launch it."""
+    # Composed once each: a preset's model and a strategy's scales are independent parts of the config.
+    models = {p: compose_config([f"model={p}", *CHEAP], 1).model for p in presets}
+    scales = {name: compose_config(["model=moe-tiny", *overrides, *CHEAP], 1).scale
+              for name, overrides in STRATEGIES.items()}
     users: dict[aot.Variant, list[str]] = {}
     done: dict[tuple, list[aot.Variant]] = {}
-    for preset in presets:
-        for strategy, overrides in STRATEGIES.items():
-            cfg = compose_config([f"model={preset}", *CHEAP], 1)
-            if strategy == "unified-per-expert" and cfg.model.moe is None:
+    for preset, model_cfg in models.items():
+        for name, scale_cfg in scales.items():
+            if scale_cfg.per_expert and model_cfg.moe is None:
                 continue
-            key = (_shape(cfg), strategy)
+            key = (_shape(model_cfg), name)
             if key not in done:
-                model = _build(preset, overrides)
-                done[key] = []
-                if model is not None:
-                    with aot.capture() as launches:
-                        _run_model(model)
-                    done[key] = launches.variants
+                done[key] = _capture_model(model_cfg, scale_cfg)
             for variant in done[key]:
                 users.setdefault(variant, [])
                 if preset not in users[variant]:
                     users[variant].append(preset)
+    return users
+
+
+def _sources_hash() -> str:
+    """Changes with anything that can change the presets' launches: the kernels' launch code, the model,
+    the configs, this script, torch and triton."""
+    import triton
+
+    h = hashlib.sha256(f"{torch.__version__}-{triton.__version__}".encode())
+    for pattern in ("kernels/scalevec_kernels/*.py", "scalevec_train/model/*.py", "scalevec_train/*.py",
+                    "configs/**/*.yaml", "scripts/kernel_table.py"):
+        for path in sorted(REPO.glob(pattern)):
+            h.update(path.relative_to(REPO).as_posix().encode() + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cached_preset_launches(cache: Path = CACHE) -> dict[aot.Variant, list[str]]:
+    """preset_launches() of all presets, read from `cache` when nothing it depends on changed."""
+    path = cache / f"launches-{_sources_hash()}.pkl"
+    if path.exists():
+        return pickle.loads(path.read_bytes())
+    users = preset_launches()
+    cache.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(pickle.dumps(users))
     return users
 
 
@@ -115,45 +140,68 @@ def limit_launches() -> list[aot.Variant]:
     return launches.variants
 
 
-def describe(variant: aot.Variant) -> tuple[str, str, str]:
-    """(kernel, tile, what it computes) of a variant, for the table."""
+def describe(variant: aot.Variant) -> tuple[str, str, str, str]:
+    """(kernel, tile, flags, dtypes) of a variant, for the table."""
     module, name = variant.kernel.split(".")
     c = dict(variant.constexprs)
-    direction = "bwd" if "bwd" in name else "fwd"
     tile = f"{c['BLOCK_M']}x{c['BLOCK_N']}" + (" chunked" if c.get("CHUNKED") else "")
-    x = variant.dtype("X" if module == "rms_norm" else "G")
     if module == "rms_norm":
-        flags = [f"K={c['K']}", f"scaled={c['SCALED']}"]
-        flags += ["residual"] * bool(c.get("HAS_RES") or c.get("HAS_DH"))
-        scale = variant.dtype("S0") if c["SCALED"] else None
+        flags = [f"K={c['K']}", f"scaled={c['SCALED']:b}"] + ["residual"] * bool(c.get("HAS_RES") or c.get("HAS_DH"))
+        flags += ["per-head scale"] * ("G" not in c)
+        x, scale = variant.dtype("X"), variant.dtype("S0") if c["SCALED"] & 1 else None
     else:
-        flags = [f"scaled={c['SCALED']}", f"per_expert={c['PER_EXPERT']}"]
-        scale = variant.dtype("SG") if c["SCALED"] & 1 else variant.dtype("SU") if c["SCALED"] else None
-    what = f"{x}" + (f", {scale} scales" if scale else "") + ", " + ", ".join(flags)
-    return f"{module} {direction}", tile, what
+        flags = [f"scaled={c['SCALED']:b}", f"per_expert={c['PER_EXPERT']:b}"]
+        x, scale = variant.dtype("G"), variant.dtype("SG") if c["SCALED"] & 1 else None
+    dtypes = x + ("/" + scale if scale else "")
+    return f"{module} {'bwd' if 'bwd' in name else 'fwd'}", tile, " ".join(flags), dtypes
 
 
-def compile_all(variants, ccs) -> dict[tuple[aot.Variant, int], aot.Usage]:
-    return {(v, cc): aot.compile_variant(v, cc) for v in variants for cc in ccs}
-
-
-def table(rows, usage, ccs) -> list[str]:
-    head = ["kernel", "tile", "warps", "variant"] + [f"{col} sm_{cc}" for cc in ccs
-                                                     for col in ("regs", "spill B", "smem KB", "occupancy")]
-    lines = ["| " + " | ".join(head + ["launched by"]) + " |", "|" + "---|" * (len(head) + 1)]
-    for variant, users in rows:
-        kernel, tile, what = describe(variant)
-        cells = [kernel, tile, str(variant.num_warps), what]
+def compile_all(variants, ccs, cache: Path = CACHE) -> dict[tuple[aot.Variant, int], aot.Usage]:
+    """Each variant's usage per architecture; compiled results are kept in `cache` by the variant's
+    cache key (which changes with the kernel's source), on top of Triton's own compile cache."""
+    path = cache / "usage.json"
+    known = json.loads(path.read_text()) if path.exists() else {}
+    out = {}
+    for v in variants:
         for cc in ccs:
-            u = usage[variant, cc]
-            cells += [str(u.registers), str(u.spill_bytes), f"{u.shared_bytes / 1024:.1f}",
-                      f"{u.occupancy(variant.num_warps):.0%}"]
-        lines.append("| " + " | ".join(cells + [users]) + " |")
+            key = v.cache_key(cc)
+            if key not in known:
+                known[key] = dataclasses.asdict(aot.compile_variant(v, cc))
+            out[v, cc] = aot.Usage(**known[key])
+    cache.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(known))
+    return out
+
+
+def table(users: dict[aot.Variant, list[str]], usage, ccs) -> list[str]:
+    """One row per kernel, tile, warps and flags; its variants (input/scale dtypes, argument
+    specializations) summed up by their worst case: most registers, spills and shared memory, least
+    occupancy."""
+    groups: dict[tuple, list[aot.Variant]] = {}
+    for v in users:
+        kernel, tile, flags, _ = describe(v)
+        groups.setdefault((kernel, tile, v.num_warps, flags), []).append(v)
+    head = ["kernel", "tile", "warps", "flags", "variants", "x/scale dtypes"]
+    head += [f"{col} sm_{cc}" for cc in ccs for col in ("regs", "spill B", "smem KB", "occupancy")]
+    lines = ["| " + " | ".join(head + ["launched by"]) + " |", "|" + "---|" * (len(head) + 1)]
+    for (kernel, tile, warps, flags), vs in sorted(groups.items()):
+        dtypes = sorted({describe(v)[3] for v in vs})
+        cells = [kernel, tile, str(warps), flags, str(len(vs)), ", ".join(dtypes)]
+        for cc in ccs:
+            us = [usage[v, cc] for v in vs]
+            cells += [str(max(u.registers for u in us)), str(max(u.spill_bytes for u in us)),
+                      f"{max(u.shared_bytes for u in us) / 1024:g}",
+                      f"{min(u.occupancy(warps) for u in us):.0%}"]
+        presets = sorted({p for v in vs for p in users[v]})
+        lines.append("| " + " | ".join(cells + [_summary(presets)]) + " |")
     return lines
 
 
 def _summary(presets: list[str]) -> str:
-    return ", ".join(presets) if len(presets) <= 4 else f"{len(presets)} presets ({presets[0]}, ...)"
+    if len(presets) <= 3:
+        return ", ".join(presets) or "library limit"
+    big = [p for p in presets if "." in p]  # the named sizes (dense-1b, moe-2b, ...)
+    return f"{len(presets)} presets" + (f" ({', '.join(big)}, ...)" if big else "")
 
 
 def main(argv=None) -> int:
@@ -163,15 +211,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import triton
 
-    users = preset_launches(args.presets)
-    limits = [v for v in limit_launches() if v not in users]
-    usage = compile_all(list(users) + limits, args.cc)
-    order = sorted(users, key=lambda v: (describe(v), v.num_warps))
-    rows = [(v, _summary(users[v])) for v in order] + [(v, "library limit") for v in limits]
+    users = cached_preset_launches() if args.presets == PRESETS else preset_launches(args.presets)
+    limits = {v: [] for v in limit_launches() if v not in users}
+    usage = compile_all(list(users) + list(limits), args.cc)
     print(f"Triton {triton.__version__}, compiled for {', '.join(f'sm_{cc}' for cc in args.cc)}, "
           f"{datetime.date.today()}: {len(users)} variants launched by {len(args.presets)} presets, "
-          f"{len(limits)} more at the library's limits.\n")
-    print("\n".join(table(rows, usage, args.cc)))
+          f"{len(limits)} more at the library's limits (launched by none).\n")
+    print("\n".join(table(users | limits, usage, args.cc)))
     bad = [(describe(v), p) for v in users for cc in args.cc for p in usage[v, cc].problems()]
     for what, problem in bad:
         print(f"FAIL {' '.join(what)}: {problem}", file=sys.stderr)

@@ -18,6 +18,7 @@ Registers and the per-thread local frame (bytes a thread spills to local memory)
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import importlib
 import os
 import re
@@ -49,14 +50,23 @@ class Variant:
     attrs: str
     num_warps: int
     num_stages: int
-    fn: object = dataclasses.field(compare=False, repr=False)
+    # triton.compile's arguments: signature, constexprs and attrs by argument index, options
     packed: tuple = dataclasses.field(compare=False, repr=False)
 
-    def constexpr(self, name: str):
-        return dict(self.constexprs)[name]
+    @property
+    def fn(self):
+        """The kernel's JITFunction (looked up by name, so that a variant pickles)."""
+        module, name = self.kernel.split(".")
+        fn = getattr(importlib.import_module(f"{__package__}.{module}"), name)
+        return fn.fn if isinstance(fn, _Recorder) else fn
 
     def dtype(self, arg: str) -> str:
         return dict(self.signature)[arg].lstrip("*")
+
+    def cache_key(self, cc: int) -> str:
+        """Changes with the kernel's source (triton's own hash of it), the variant and the target."""
+        return hashlib.sha256(f"{self.fn.cache_key}-{self!r}-{sorted(self.packed[3].items())}-{cc}".encode()
+                              ).hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +118,7 @@ class Launches:
             signature=tuple(signature.items()),
             constexprs=tuple((names[path[0]], value) for path, value in sorted(constexprs.items())),
             attrs=repr(sorted(attrs.items())), num_warps=options.num_warps, num_stages=options.num_stages,
-            fn=fn, packed=(signature, constexprs, attrs, options.__dict__))
+            packed=(signature, constexprs, attrs, options.__dict__))
         self._seen.setdefault(variant)
 
 
