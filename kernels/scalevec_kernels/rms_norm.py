@@ -2,7 +2,9 @@
 
 A block's pre-norm feeds several branches (q/k/v, gate/up), each with its own scale vector. Writing
 every branch's scaled copy from one read of x makes the norm cost (1 + K) row transfers instead of
-2K, and the backward reads x once for all K scale gradients.
+2K, and the backward reads x once for all K scale gradients (rows wider than the backward's widest
+tile, 4096 features, are walked in chunks twice: once for the row reduction, once for dx, the second
+read mostly from cache, so that no tile outgrows its registers).
 
 This file holds the Triton kernels, the `scalevec::rms_norm_fwd/bwd` ops with their fake
 implementations and autograd wiring, and the plain PyTorch reference. The ops take a `groups`
@@ -16,7 +18,7 @@ from torch import Tensor
 from .backend import INTERPRETED, backward_tile, resident_programs, tile, tl, triton, use_triton
 from .errors import KernelError
 
-# One pointer argument per output/scale slot in the kernels, and whole rows held in registers.
+# One pointer argument per output/scale slot in the kernels; the forward holds whole rows in registers.
 MAX_SCALES = 4
 MAX_FEATURES = 16384
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -5,6 +5,7 @@ width, each with its own output scale, before the SwiGLU product. Unfused, that 
 scaled copies, then silu and the product reading them back: about nine row transfers. Fused, the
 forward reads G and U once and writes the output (three), keeping two fp32 inverse RMS per row; the
 backward reads G, U and the output gradient, recomputes the normalized rows, and writes dG and dU (five).
+Rows wider than the backward's widest tile (4096 features) are walked in chunks, as in rms_norm.py.
 
 A scale is shared by every row ([F]), or is per expert ([E, F]) for the rows of a MoE layer grouped by
 expert: `expert_offsets` [E] holds the cumulative row counts, and row r uses the scale row of the
@@ -21,7 +22,7 @@ from torch import Tensor
 from .backend import INTERPRETED, backward_tile, resident_programs, tile, tl, triton, use_triton
 from .errors import KernelError
 
-# Whole rows of G and U held in registers.
+# The forward holds whole rows of G and U in registers.
 MAX_FEATURES = 16384
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
