@@ -151,6 +151,9 @@ def capture(sm_count: int = 132) -> Iterator[Launches]:
     `sm_count` SMs (132: an H100 SXM), and record each kernel launch instead of running it."""
     if backend.triton is None:
         raise KernelError("capture needs the triton package.", "Install triton.")
+    if backend.INTERPRETED:
+        raise KernelError("capture needs the compiled kernels, not triton's interpreter.",
+                          "Unset TRITON_INTERPRET before importing scalevec_kernels.")
     launches = Launches()
     saved = []
 
