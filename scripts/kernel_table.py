@@ -167,9 +167,9 @@ def compile_all(variants, ccs, cache: Path = CACHE) -> dict[tuple[aot.Variant, i
             key = v.cache_key(cc)
             if key not in known:
                 known[key] = dataclasses.asdict(aot.compile_variant(v, cc))
+                cache.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(known))  # each result kept at once: compiling all takes minutes
             out[v, cc] = aot.Usage(**known[key])
-    cache.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(known))
     return out
 
 

@@ -50,7 +50,7 @@ class Variant:
     attrs: str
     num_warps: int
     num_stages: int
-    # triton.compile's arguments: signature, constexprs and attrs by argument index, options
+    # triton.compile's arguments: signature, constexprs and attrs by argument index
     packed: tuple = dataclasses.field(compare=False, repr=False)
 
     @property
@@ -65,8 +65,7 @@ class Variant:
 
     def cache_key(self, cc: int) -> str:
         """Changes with the kernel's source (triton's own hash of it), the variant and the target."""
-        return hashlib.sha256(f"{self.fn.cache_key}-{self!r}-{sorted(self.packed[3].items())}-{cc}".encode()
-                              ).hexdigest()
+        return hashlib.sha256(f"{self.fn.cache_key}-{self!r}-{cc}".encode()).hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +117,7 @@ class Launches:
             signature=tuple(signature.items()),
             constexprs=tuple((names[path[0]], value) for path, value in sorted(constexprs.items())),
             attrs=repr(sorted(attrs.items())), num_warps=options.num_warps, num_stages=options.num_stages,
-            packed=(signature, constexprs, attrs, options.__dict__))
+            packed=(signature, constexprs, attrs))
         self._seen.setdefault(variant)
 
 
@@ -188,11 +187,16 @@ def compile_variant(variant: Variant, cc: int) -> Usage:
     Triton's compile cache (TRITON_CACHE_DIR) makes a repeated compile a cache read."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton.compiler import ASTSource, make_backend
 
-    signature, constexprs, attrs, options = variant.packed
-    kernel = triton.compile(ASTSource(variant.fn, signature, constexprs, attrs),
-                            target=GPUTarget("cuda", cc, 32), options=options)
+    signature, constexprs, attrs = variant.packed
+    target = GPUTarget("cuda", cc, 32)
+    # The options as the target's own backend derives them from the launch's (another architecture's
+    # defaults would select instructions this one lacks).
+    options = make_backend(target).parse_options({"num_warps": variant.num_warps,
+                                                  "num_stages": variant.num_stages})
+    kernel = triton.compile(ASTSource(variant.fn, signature, constexprs, attrs), target=target,
+                            options=options.__dict__)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
