@@ -50,6 +50,7 @@ class Variant:
     attrs: str
     num_warps: int
     num_stages: int
+    maxnreg: int | None
     # triton.compile's arguments: signature, constexprs and attrs by argument index
     packed: tuple = dataclasses.field(compare=False, repr=False)
 
@@ -117,6 +118,7 @@ class Launches:
             signature=tuple(signature.items()),
             constexprs=tuple((names[path[0]], value) for path, value in sorted(constexprs.items())),
             attrs=repr(sorted(attrs.items())), num_warps=options.num_warps, num_stages=options.num_stages,
+            maxnreg=options.maxnreg,
             packed=(signature, constexprs, attrs))
         self._seen.setdefault(variant)
 
@@ -193,8 +195,8 @@ def compile_variant(variant: Variant, cc: int) -> Usage:
     target = GPUTarget("cuda", cc, 32)
     # The options as the target's own backend derives them from the launch's (another architecture's
     # defaults would select instructions this one lacks).
-    options = make_backend(target).parse_options({"num_warps": variant.num_warps,
-                                                  "num_stages": variant.num_stages})
+    options = make_backend(target).parse_options({"num_warps": variant.num_warps, "num_stages": variant.num_stages,
+                                                  "maxnreg": variant.maxnreg})
     kernel = triton.compile(ASTSource(variant.fn, signature, constexprs, attrs), target=target,
                             options=options.__dict__)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

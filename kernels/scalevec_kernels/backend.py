@@ -81,9 +81,11 @@ def backward_tile(n: int, budget: int, chunk: int) -> tuple[int, int, int]:
 
 
 MAX_WARPS, BACKWARD_PER_THREAD = 16, 8
-# The warps per SM a backward's persistent grid fills: at <= 128 registers a thread (what the tiles are
-# sized for and tests/kernels/test_compile_ahead.py checks), 16 warps fit in an SM's 65536 registers.
-WARPS_PER_SM = 16
+# The warps per SM a backward's persistent grid fills: at <= 128 registers a thread, 16 warps fit in an
+# SM's 65536 registers. Every launch passes the cap to ptxas (maxnreg): without one, ptxas spilled a
+# register now and then with registers to spare; tests/kernels/test_compile_ahead.py checks that no
+# variant the presets launch spills under it.
+WARPS_PER_SM, MAX_REGISTERS = 16, 128
 
 
 def resident_programs(device: torch.device, num_warps: int) -> int:

@@ -15,7 +15,7 @@ in head_rms_norm.py indexes a full-width [H, D] scale.
 import torch
 from torch import Tensor
 
-from .backend import INTERPRETED, backward_tile, resident_programs, tile, tl, triton, use_triton
+from .backend import INTERPRETED, MAX_REGISTERS, backward_tile, resident_programs, tile, tl, triton, use_triton
 from .errors import KernelError
 
 # One pointer argument per output/scale slot in the kernels; the forward holds whole rows in registers.
@@ -283,7 +283,7 @@ def _fwd_op(x, residual, scales, scaled, groups, eps):
     _fwd_kernel[(triton.cdiv(m, block_m),)](
         x, res, h if residual is not None else x, rstd, *_slots(ys, ys[0]),
         *_slots(_by_slot(scales, scaled), x), m, n, groups, eps, K=len(scaled), SCALED=_mask(scaled),
-        HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, maxnreg=MAX_REGISTERS)
     return ys, h, rstd
 
 
@@ -315,7 +315,7 @@ def _bwd_op(grad_ys, grad_h, x, rstd, scales, scaled, groups):
         x.contiguous(), rstd.contiguous(), dh, dx, *_slots([g.contiguous() for g in grad_ys], x),
         *_slots(_by_slot(scales, scaled), x), partials, tokens, n, groups, programs, K=len(scaled),
         SCALED=_mask(scaled), HAS_DH=grad_h is not None, BLOCK_M=block_m, BLOCK_N=block_n, CHUNKED=chunked,
-        num_warps=warps)
+        num_warps=warps, maxnreg=MAX_REGISTERS)
     # Summing the per-program partials in a fixed order keeps the scale gradients deterministic.
     slots = [k for k, on in enumerate(scaled) if on]
     ds = [partials[:, k].sum(0).reshape(s.shape).to(s.dtype) for k, s in zip(slots, scales, strict=True)]

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .backend import INTERPRETED, backward_tile, resident_programs, tile, tl, triton, use_triton
+from .backend import INTERPRETED, MAX_REGISTERS, backward_tile, resident_programs, tile, tl, triton, use_triton
 from .errors import KernelError
 
 # The forward holds whole rows of G and U in registers.
@@ -312,7 +312,7 @@ def _fwd_op(gate, up, gate_scale, up_scale, expert_offsets, eps):
     _fwd_kernel[(triton.cdiv(m, block_m),)](
         gate, up.contiguous(), out, rstd, *_pointers(gate_scale, up_scale, expert_offsets, gate), m, n, experts,
         eps, SCALED=scaled, PER_EXPERT=per_expert, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_E=min(128, triton.next_power_of_2(experts)), num_warps=warps)
+        BLOCK_E=min(128, triton.next_power_of_2(experts)), num_warps=warps, maxnreg=MAX_REGISTERS)
     return out, rstd
 
 
@@ -345,7 +345,7 @@ def _bwd_op(grad, gate, up, rstd, gate_scale, up_scale, expert_offsets):
     _bwd_kernel[(programs * experts,)](
         grad.contiguous(), gate, up.contiguous(), rstd, *_pointers(gate_scale, up_scale, expert_offsets, gate),
         dg, du, partials, m, n, experts, programs, SCALED=scaled, PER_EXPERT=per_expert, BLOCK_M=block_m,
-        BLOCK_N=block_n, CHUNKED=chunked, num_warps=warps)
+        BLOCK_N=block_n, CHUNKED=chunked, num_warps=warps, maxnreg=MAX_REGISTERS)
     # Summing the per-program partials in a fixed order keeps the scale gradients deterministic; a shared
     # scale also sums over the experts.
     ds = []
