@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from scalevec_kernels import rms_norm_scales, rms_norm_scales_reference, swiglu_norm, swiglu_norm_reference
-from scalevec_kernels.rms_norm import backward_chunks
-from scalevec_kernels.swiglu_norm import backward_chunks as swiglu_backward_chunks
+from scalevec_kernels.rms_norm import backward_grid
+from scalevec_kernels.swiglu_norm import backward_grid as swiglu_backward_grid
 
 EPS = 1e-6
 DTYPE = torch.bfloat16
@@ -118,7 +118,7 @@ def time_impl(make, m: int, n: int, k: int) -> tuple[float, float]:
 def byte_model(m: int, n: int, k: int) -> tuple[int, int]:
     """(forward bytes, backward bytes) of the fused kernels."""
     b = torch.finfo(DTYPE).bits // 8
-    partials = 2 * backward_chunks(n, m, 1, torch.device("cuda")) * k * n * 4
+    partials = 2 * backward_grid(n, m, 1, torch.device("cuda"))[3] * k * n * 4
     return m * ((1 + k) * n * b + 4), m * ((k + 2) * n * b + 4) + partials
 
 
@@ -155,7 +155,7 @@ def swiglu_byte_model(m: int, f: int, experts: int) -> tuple[int, int]:
     """(forward bytes, backward bytes) of the fused SwiGLU kernels."""
     b = torch.finfo(DTYPE).bits // 8
     groups = max(1, experts)
-    partials = 2 * 2 * swiglu_backward_chunks(f, m, groups, torch.device("cuda")) * groups * f * 4
+    partials = 2 * 2 * swiglu_backward_grid(f, m, groups, torch.device("cuda"))[3] * groups * f * 4
     return m * (3 * f * b + 8), m * (5 * f * b + 8) + partials
 
 

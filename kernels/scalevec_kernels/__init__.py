@@ -39,6 +39,10 @@ residuals or offsets. Scale reparameterizations (`or`: s = beta * alpha / rms(al
 computed by the caller with ordinary torch ops, once per step; autograd carries the kernels' ds on to
 beta and alpha.
 
+scalevec_kernels.aot (imported on its own) captures the launches a workload makes and compiles them
+ahead of time for a GPU architecture without a GPU, reporting registers, spills, shared memory and
+occupancy (scripts/kernel_table.py; tests/kernels/test_compile_ahead.py).
+
 The Triton paths go through the ops `torch.ops.scalevec.rms_norm_fwd` / `rms_norm_bwd` and
 `swiglu_norm_fwd` / `swiglu_norm_bwd` (registered with torch.library, with fake implementations and
 autograd), so torch.compile keeps one graph.

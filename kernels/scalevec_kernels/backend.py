@@ -48,14 +48,16 @@ def check_backend(backend: str, device_type: str) -> None:
                           "triton's interpreter.")
 
 
-def use_triton(backend: str, x: Tensor, misfit: str | None) -> bool:
+def use_triton(backend: str, x: Tensor, misfit: str | None, device_type: str | None = None) -> bool:
     """Whether a call on x runs the kernels: `auto` takes them when they can, `triton` insists on them.
-    `misfit` says why the call does not fit the kernels, None when it does."""
-    check_backend(backend, x.device.type)
+    `misfit` says why the call does not fit the kernels, None when it does. `device_type` decides as if x
+    were on that device (aot.capture answers for CUDA on CPU tensors)."""
+    device_type = (device_type or x.device.type).split(":")[0]
+    check_backend(backend, device_type)
     if backend == "torch":
         return False
     if backend == "auto":
-        return misfit is None and x.is_cuda and triton is not None
+        return misfit is None and device_type == "cuda" and triton is not None
     if misfit is not None:
         raise KernelError(misfit, f"{_USE_OTHER}.")
     return True
@@ -68,9 +70,34 @@ def tile(n: int, budget: int) -> tuple[int, int, int]:
     return block_m, block_n, min(16, max(1, block_m * block_n // 512))
 
 
+def backward_tile(n: int, budget: int, chunk: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of a backward: whole rows when they fit in `chunk` features, else
+    rows walked in chunks of `chunk` features. Each thread holds BACKWARD_PER_THREAD elements of a tile,
+    so that the K fp32 scale-gradient accumulators and the working rows fit in 128 registers a thread,
+    which lets 16 warps stay resident per SM (see resident_programs)."""
+    block_n = min(triton.next_power_of_2(n), chunk)
+    block_m = max(1, min(64, budget // block_n))
+    return block_m, block_n, min(MAX_WARPS, max(1, block_m * block_n // (32 * BACKWARD_PER_THREAD)))
+
+
+MAX_WARPS, BACKWARD_PER_THREAD = 16, 8
+# The warps per SM a backward's persistent grid fills: at <= 128 registers a thread, 16 warps fit in an
+# SM's 65536 registers. Every launch passes the cap to ptxas (maxnreg): without one, ptxas spilled a
+# register now and then with registers to spare; tests/kernels/test_compile_ahead.py checks that no
+# variant the presets launch spills under it.
+WARPS_PER_SM, MAX_REGISTERS = 16, 128
+
+
+def resident_programs(device: torch.device, num_warps: int) -> int:
+    """Programs of num_warps warps in a backward's persistent grid: as many as the device holds at once
+    (one wave); 3 off-GPU (a few, uneven on purpose, so that the CPU tests give programs several tiles)."""
+    sms = sm_count(device)
+    return sms * max(1, WARPS_PER_SM // num_warps) if sms else 3
+
+
 @functools.cache
-def persistent_programs(device: torch.device) -> int:
-    """Programs in a backward's persistent grid: two per SM; a few (uneven on purpose) off-GPU."""
+def sm_count(device: torch.device) -> int:
+    """The device's SMs; 0 off-GPU."""
     if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 3
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 0

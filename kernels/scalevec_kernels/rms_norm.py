@@ -2,7 +2,9 @@
 
 A block's pre-norm feeds several branches (q/k/v, gate/up), each with its own scale vector. Writing
 every branch's scaled copy from one read of x makes the norm cost (1 + K) row transfers instead of
-2K, and the backward reads x once for all K scale gradients.
+2K, and the backward reads x once for all K scale gradients (rows wider than the backward's widest
+tile, 4096 features, are walked in chunks twice: once for the row reduction, once for dx, the second
+read mostly from cache, so that no tile outgrows its registers).
 
 This file holds the Triton kernels, the `scalevec::rms_norm_fwd/bwd` ops with their fake
 implementations and autograd wiring, and the plain PyTorch reference. The ops take a `groups`
@@ -13,10 +15,10 @@ in head_rms_norm.py indexes a full-width [H, D] scale.
 import torch
 from torch import Tensor
 
-from .backend import INTERPRETED, persistent_programs, tile, tl, triton, use_triton
+from .backend import INTERPRETED, MAX_REGISTERS, backward_tile, resident_programs, tile, tl, triton, use_triton
 from .errors import KernelError
 
-# One pointer argument per output/scale slot in the kernels, and whole rows held in registers.
+# One pointer argument per output/scale slot in the kernels; the forward holds whole rows in registers.
 MAX_SCALES = 4
 MAX_FEATURES = 16384
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -95,76 +97,143 @@ if triton is not None:
     @triton.jit
     def _bwd_kernel(X, RSTD, DH, DX, DY0, DY1, DY2, DY3, S0, S1, S2, S3, DS, T, N, G, C,
                     K: tl.constexpr, SCALED: tl.constexpr, HAS_DH: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKED: tl.constexpr):
         # Persistent: program (c, g) walks every C-th tile of the rows whose scale row is g, so its
         # scale-gradient partials belong to one scale row and need no atomics. DS is [C, K, G, N].
         pid = tl.program_id(0)
         g = pid % G
         c = pid // G
         cols = tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        s_offs = g * N + cols
-        # Unscaled slots multiply by 1 (folded away by the compiler).
-        s0 = tl.full([BLOCK_N], 1.0, tl.float32)
-        s1 = tl.full([BLOCK_N], 1.0, tl.float32)
-        s2 = tl.full([BLOCK_N], 1.0, tl.float32)
-        s3 = tl.full([BLOCK_N], 1.0, tl.float32)
-        if SCALED & 1:
-            s0 = tl.load(S0 + s_offs, mask=col_ok, other=0.0).to(tl.float32)
-        if (SCALED >> 1) & 1:
-            s1 = tl.load(S1 + s_offs, mask=col_ok, other=0.0).to(tl.float32)
-        if (SCALED >> 2) & 1:
-            s2 = tl.load(S2 + s_offs, mask=col_ok, other=0.0).to(tl.float32)
-        if (SCALED >> 3) & 1:
-            s3 = tl.load(S3 + s_offs, mask=col_ok, other=0.0).to(tl.float32)
-        acc0 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for t0 in range(c * BLOCK_M, T, C * BLOCK_M):
-            tokens = (t0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-            row_ok = tokens < T
-            rows = tokens * G + g
-            mask = row_ok[:, None] & col_ok[None, :]
-            offs = rows[:, None] * N + cols[None, :]
-            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-            normed = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
-            dy = tl.load(DY0 + offs, mask=mask, other=0.0).to(tl.float32)
-            dn = dy * s0[None, :]
-            acc0 += dy * normed
-            if K > 1:
-                dy = tl.load(DY1 + offs, mask=mask, other=0.0).to(tl.float32)
-                dn += dy * s1[None, :]
-                acc1 += dy * normed
-            if K > 2:
-                dy = tl.load(DY2 + offs, mask=mask, other=0.0).to(tl.float32)
-                dn += dy * s2[None, :]
-                acc2 += dy * normed
-            if K > 3:
-                dy = tl.load(DY3 + offs, mask=mask, other=0.0).to(tl.float32)
-                dn += dy * s3[None, :]
-                acc3 += dy * normed
-            proj = tl.sum(dn * normed, axis=1) / N
-            dx = (dn - normed * proj[:, None]) * rstd[:, None]
-            if HAS_DH:
-                dx += tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
-        part = DS + (c * K * G + g) * N + cols
-        accs = (acc0, acc1, acc2, acc3)
+        part = DS + (c * K * G + g) * N
+        if CHUNKED:
+            # Rows longer than a tile: per tile of rows, one pass over the column chunks for the row
+            # reduction, a second (re-reading the chunks, mostly from cache) for dx, adding each chunk's
+            # scale-gradient sums into the program's own partials (zeroed by the caller).
+            for t0 in range(c * BLOCK_M, T, C * BLOCK_M):
+                tokens = (t0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+                row_ok = tokens < T
+                rows = tokens * G + g
+                rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+                proj = tl.zeros([BLOCK_M], tl.float32)
+                for n0 in range(0, N, BLOCK_N):
+                    normed, dn, _, _, _, _ = _bwd_chunk(X, DY0, DY1, DY2, DY3, S0, S1, S2, S3, rows, row_ok,
+                                                        rstd, n0 + cols, N, g, K, SCALED)
+                    proj += tl.sum(dn * normed, axis=1)
+                proj = proj / N
+                for n0 in range(0, N, BLOCK_N):
+                    chunk = n0 + cols
+                    normed, dn, dy0, dy1, dy2, dy3 = _bwd_chunk(X, DY0, DY1, DY2, DY3, S0, S1, S2, S3, rows,
+                                                                row_ok, rstd, chunk, N, g, K, SCALED)
+                    mask = row_ok[:, None] & (chunk < N)[None, :]
+                    offs = rows[:, None] * N + chunk[None, :]
+                    dx = (dn - normed * proj[:, None]) * rstd[:, None]
+                    if HAS_DH:
+                        dx += tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
+                    tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+                    dys = (dy0, dy1, dy2, dy3)
+                    for k in tl.static_range(K):
+                        if (SCALED >> k) & 1:
+                            p = part + k * G * N + chunk
+                            total = tl.load(p, mask=chunk < N, other=0.0) + tl.sum(dys[k] * normed, axis=0)
+                            tl.store(p, total, mask=chunk < N)
+                # The next tile's threads may read partials other threads of this program wrote.
+                tl.debug_barrier()
+        else:
+            col_ok = cols < N
+            s_offs = g * N + cols
+            # Unscaled slots multiply by 1 (folded away by the compiler).
+            s0 = tl.full([BLOCK_N], 1.0, tl.float32)
+            s1 = tl.full([BLOCK_N], 1.0, tl.float32)
+            s2 = tl.full([BLOCK_N], 1.0, tl.float32)
+            s3 = tl.full([BLOCK_N], 1.0, tl.float32)
+            if SCALED & 1:
+                s0 = tl.load(S0 + s_offs, mask=col_ok, other=0.0).to(tl.float32)
+            if (SCALED >> 1) & 1:
+                s1 = tl.load(S1 + s_offs, mask=col_ok, other=0.0).to(tl.float32)
+            if (SCALED >> 2) & 1:
+                s2 = tl.load(S2 + s_offs, mask=col_ok, other=0.0).to(tl.float32)
+            if (SCALED >> 3) & 1:
+                s3 = tl.load(S3 + s_offs, mask=col_ok, other=0.0).to(tl.float32)
+            acc0 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for t0 in range(c * BLOCK_M, T, C * BLOCK_M):
+                tokens = (t0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+                row_ok = tokens < T
+                rows = tokens * G + g
+                mask = row_ok[:, None] & col_ok[None, :]
+                offs = rows[:, None] * N + cols[None, :]
+                rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+                normed = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+                dy = tl.load(DY0 + offs, mask=mask, other=0.0).to(tl.float32)
+                dn = dy * s0[None, :]
+                acc0 += dy * normed
+                if K > 1:
+                    dy = tl.load(DY1 + offs, mask=mask, other=0.0).to(tl.float32)
+                    dn += dy * s1[None, :]
+                    acc1 += dy * normed
+                if K > 2:
+                    dy = tl.load(DY2 + offs, mask=mask, other=0.0).to(tl.float32)
+                    dn += dy * s2[None, :]
+                    acc2 += dy * normed
+                if K > 3:
+                    dy = tl.load(DY3 + offs, mask=mask, other=0.0).to(tl.float32)
+                    dn += dy * s3[None, :]
+                    acc3 += dy * normed
+                proj = tl.sum(dn * normed, axis=1) / N
+                dx = (dn - normed * proj[:, None]) * rstd[:, None]
+                if HAS_DH:
+                    dx += tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+            accs = (acc0, acc1, acc2, acc3)
+            for k in tl.static_range(K):
+                if (SCALED >> k) & 1:
+                    tl.store(part + k * G * N + cols, tl.sum(accs[k], axis=0), mask=col_ok)
+
+    @triton.jit
+    def _bwd_chunk(X, DY0, DY1, DY2, DY3, S0, S1, S2, S3, rows, row_ok, rstd, chunk, N, g,
+                   K: tl.constexpr, SCALED: tl.constexpr):
+        """(normed, dn, dy_0..3) of a chunk of columns: dn = sum_k s_k dy_k; absent dy_k are zeros."""
+        col_ok = chunk < N
+        mask = row_ok[:, None] & col_ok[None, :]
+        offs = rows[:, None] * N + chunk[None, :]
+        normed = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+        dn = tl.zeros_like(normed)
+        dys = (DY0, DY1, DY2, DY3)
+        ss = (S0, S1, S2, S3)
+        dy0 = dn
+        dy1 = dn
+        dy2 = dn
+        dy3 = dn
         for k in tl.static_range(K):
+            dy = tl.load(dys[k] + offs, mask=mask, other=0.0).to(tl.float32)
+            if k == 0:
+                dy0 = dy
+            if k == 1:
+                dy1 = dy
+            if k == 2:
+                dy2 = dy
+            if k == 3:
+                dy3 = dy
             if (SCALED >> k) & 1:
-                tl.store(part + k * G * N, tl.sum(accs[k], axis=0), mask=col_ok)
+                dy = dy * tl.load(ss[k] + g * N + chunk, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            dn += dy
+        return normed, dn, dy0, dy1, dy2, dy3
 
 
-# Elements per tile of whole rows, forward and backward (the backward holds K fp32 accumulators per
-# element). The interpreter pays per operation, not per element: larger tiles keep the CPU tests fast.
-_FWD_TILE, _BWD_TILE = (65536, 65536) if INTERPRETED else (4096, 2048)
+# Elements per tile, forward (whole rows) and backward, and the widest backward tile: longer rows are
+# walked in chunks. The interpreter pays per operation, not per element: larger tiles keep the CPU tests
+# fast (and tests force small chunks to run the chunked path).
+_FWD_TILE, _BWD_TILE, _BWD_CHUNK = (65536, 65536, MAX_FEATURES) if INTERPRETED else (4096, 2048, 4096)
 
 
-def backward_chunks(n: int, tokens: int, groups: int, device: torch.device) -> int:
-    """Programs per scale row in the backward grid; each writes one fp32 partial per scale gradient."""
-    block_m = tile(n, _BWD_TILE)[0]
-    return max(1, min(triton.cdiv(tokens, block_m), triton.cdiv(persistent_programs(device), groups)))
+def backward_grid(n: int, tokens: int, groups: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, programs per scale row) of the backward; each program writes one
+    fp32 partial per scale gradient."""
+    block_m, block_n, warps = backward_tile(n, _BWD_TILE, _BWD_CHUNK)
+    programs = triton.cdiv(resident_programs(device, warps), groups)
+    return block_m, block_n, warps, max(1, min(triton.cdiv(tokens, block_m), programs))
 
 
 def _slots(tensors: list[Tensor | None], fill: Tensor) -> list[Tensor]:
@@ -214,7 +283,7 @@ def _fwd_op(x, residual, scales, scaled, groups, eps):
     _fwd_kernel[(triton.cdiv(m, block_m),)](
         x, res, h if residual is not None else x, rstd, *_slots(ys, ys[0]),
         *_slots(_by_slot(scales, scaled), x), m, n, groups, eps, K=len(scaled), SCALED=_mask(scaled),
-        HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, maxnreg=MAX_REGISTERS)
     return ys, h, rstd
 
 
@@ -237,14 +306,16 @@ def _bwd_op(grad_ys, grad_h, x, rstd, scales, scaled, groups):
     tokens = x.numel() // n // groups
     if tokens == 0:
         return dx, [d.zero_() for d in ds]
-    block_m, block_n, warps = tile(n, _BWD_TILE)
-    chunks = backward_chunks(n, tokens, groups, x.device)
-    partials = torch.empty((chunks, len(grad_ys), groups, n), dtype=torch.float32, device=x.device)
+    block_m, block_n, warps, programs = backward_grid(n, tokens, groups, x.device)
+    chunked = block_n < n
+    partials = (torch.zeros if chunked else torch.empty)((programs, len(grad_ys), groups, n),
+                                                         dtype=torch.float32, device=x.device)
     dh = x if grad_h is None else grad_h.contiguous()
-    _bwd_kernel[(chunks * groups,)](
+    _bwd_kernel[(programs * groups,)](
         x.contiguous(), rstd.contiguous(), dh, dx, *_slots([g.contiguous() for g in grad_ys], x),
-        *_slots(_by_slot(scales, scaled), x), partials, tokens, n, groups, chunks, K=len(scaled),
-        SCALED=_mask(scaled), HAS_DH=grad_h is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        *_slots(_by_slot(scales, scaled), x), partials, tokens, n, groups, programs, K=len(scaled),
+        SCALED=_mask(scaled), HAS_DH=grad_h is not None, BLOCK_M=block_m, BLOCK_N=block_n, CHUNKED=chunked,
+        num_warps=warps, maxnreg=MAX_REGISTERS)
     # Summing the per-program partials in a fixed order keeps the scale gradients deterministic.
     slots = [k for k, on in enumerate(scaled) if on]
     ds = [partials[:, k].sum(0).reshape(s.shape).to(s.dtype) for k, s in zip(slots, scales, strict=True)]

@@ -5,6 +5,7 @@ width, each with its own output scale, before the SwiGLU product. Unfused, that 
 scaled copies, then silu and the product reading them back: about nine row transfers. Fused, the
 forward reads G and U once and writes the output (three), keeping two fp32 inverse RMS per row; the
 backward reads G, U and the output gradient, recomputes the normalized rows, and writes dG and dU (five).
+Rows wider than the backward's widest tile (4096 features) are walked in chunks, as in rms_norm.py.
 
 A scale is shared by every row ([F]), or is per expert ([E, F]) for the rows of a MoE layer grouped by
 expert: `expert_offsets` [E] holds the cumulative row counts, and row r uses the scale row of the
@@ -18,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .backend import INTERPRETED, persistent_programs, tile, tl, triton, use_triton
+from .backend import INTERPRETED, MAX_REGISTERS, backward_tile, resident_programs, tile, tl, triton, use_triton
 from .errors import KernelError
 
-# Whole rows of G and U held in registers.
+# The forward holds whole rows of G and U in registers.
 MAX_FEATURES = 16384
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -140,75 +141,142 @@ if triton is not None:
     @triton.jit
     def _bwd_kernel(DOUT, G, U, RSTD, SG, SU, OFFS, DG, DU, DS, M, N, E, C,
                     SCALED: tl.constexpr, PER_EXPERT: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKED: tl.constexpr):
         # Persistent: program (c, e) walks every C-th tile of expert e's rows (all rows when E = 1), so its
         # scale-gradient partials belong to one expert and need no atomics. DS is [C, 2, E, N].
         pid = tl.program_id(0)
         e = pid % E
         c = pid // E
         cols = tl.arange(0, BLOCK_N)
-        col_ok = cols < N
         start = 0
         end = M
         if PER_EXPERT:
             start = tl.load(OFFS + e - 1, mask=e > 0, other=0).to(tl.int32)
             # The last expert also takes rows past its offset, as in the forward.
             end = tl.where(e == E - 1, M, tl.minimum(tl.load(OFFS + e), M).to(tl.int32))
-        # Unscaled slots multiply by 1 (folded away by the compiler).
+        sg_row = e * N if PER_EXPERT & 1 else 0
+        su_row = e * N if PER_EXPERT & 2 else 0
+        part = DS + (c * 2 * E + e) * N
+        if CHUNKED:
+            # Rows longer than a tile: per tile of rows, one pass over the column chunks for the two row
+            # reductions, a second (re-reading the chunks, mostly from cache) for dG and dU, adding each
+            # chunk's scale-gradient sums into the program's own partials (zeroed by the caller).
+            for t0 in range(start + c * BLOCK_M, end, C * BLOCK_M):
+                rows = t0 + tl.arange(0, BLOCK_M)
+                row_ok = rows < end
+                rstd_g = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+                rstd_u = tl.load(RSTD + M + rows, mask=row_ok, other=0.0)
+                proj_g = tl.zeros([BLOCK_M], tl.float32)
+                proj_u = tl.zeros([BLOCK_M], tl.float32)
+                for n0 in range(0, N, BLOCK_N):
+                    n_g, n_u, da, db, s_g, s_u = _bwd_chunk(DOUT, G, U, SG + sg_row, SU + su_row, rows, row_ok,
+                                                            rstd_g, rstd_u, n0 + cols, N, SCALED, BLOCK_N)
+                    proj_g += tl.sum(da * s_g[None, :] * n_g, axis=1)
+                    proj_u += tl.sum(db * s_u[None, :] * n_u, axis=1)
+                proj_g = proj_g / N
+                proj_u = proj_u / N
+                for n0 in range(0, N, BLOCK_N):
+                    chunk = n0 + cols
+                    n_g, n_u, da, db, s_g, s_u = _bwd_chunk(DOUT, G, U, SG + sg_row, SU + su_row, rows, row_ok,
+                                                            rstd_g, rstd_u, chunk, N, SCALED, BLOCK_N)
+                    mask = row_ok[:, None] & (chunk < N)[None, :]
+                    offs = rows.to(tl.int64)[:, None] * N + chunk[None, :]
+                    dg = (da * s_g[None, :] - n_g * proj_g[:, None]) * rstd_g[:, None]
+                    du = (db * s_u[None, :] - n_u * proj_u[:, None]) * rstd_u[:, None]
+                    tl.store(DG + offs, dg.to(DG.dtype.element_ty), mask=mask)
+                    tl.store(DU + offs, du.to(DU.dtype.element_ty), mask=mask)
+                    if SCALED & 1:
+                        p = part + chunk
+                        tl.store(p, tl.load(p, mask=chunk < N, other=0.0) + tl.sum(da * n_g, axis=0), mask=chunk < N)
+                    if SCALED & 2:
+                        p = part + E * N + chunk
+                        tl.store(p, tl.load(p, mask=chunk < N, other=0.0) + tl.sum(db * n_u, axis=0), mask=chunk < N)
+                # The next tile's threads may read partials other threads of this program wrote.
+                tl.debug_barrier()
+        else:
+            col_ok = cols < N
+            # Unscaled slots multiply by 1 (folded away by the compiler).
+            s_g = tl.full([BLOCK_N], 1.0, tl.float32)
+            s_u = tl.full([BLOCK_N], 1.0, tl.float32)
+            if SCALED & 1:
+                s_g = tl.load(SG + sg_row + cols, mask=col_ok, other=0.0).to(tl.float32)
+            if SCALED & 2:
+                s_u = tl.load(SU + su_row + cols, mask=col_ok, other=0.0).to(tl.float32)
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for t0 in range(start + c * BLOCK_M, end, C * BLOCK_M):
+                rows = t0 + tl.arange(0, BLOCK_M)
+                row_ok = rows < end
+                mask = row_ok[:, None] & col_ok[None, :]
+                offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+                rstd_g = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+                rstd_u = tl.load(RSTD + M + rows, mask=row_ok, other=0.0)
+                n_g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) * rstd_g[:, None]
+                n_u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32) * rstd_u[:, None]
+                a = n_g * s_g[None, :]
+                b = n_u * s_u[None, :]
+                sig = tl.sigmoid(a)
+                dout = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
+                # silu'(a) = sig(a) (1 + a (1 - sig(a)))
+                da = dout * b * sig * (1.0 + a * (1.0 - sig))
+                db = dout * a * sig
+                if SCALED & 1:
+                    acc_g += da * n_g
+                if SCALED & 2:
+                    acc_u += db * n_u
+                # Through the norm, with dn = s * d(s n): dx = rstd (dn - n mean(dn n)).
+                dn_g = da * s_g[None, :]
+                dn_u = db * s_u[None, :]
+                dg = (dn_g - n_g * (tl.sum(dn_g * n_g, axis=1) / N)[:, None]) * rstd_g[:, None]
+                du = (dn_u - n_u * (tl.sum(dn_u * n_u, axis=1) / N)[:, None]) * rstd_u[:, None]
+                tl.store(DG + offs, dg.to(DG.dtype.element_ty), mask=mask)
+                tl.store(DU + offs, du.to(DU.dtype.element_ty), mask=mask)
+            if SCALED & 1:
+                tl.store(part + cols, tl.sum(acc_g, axis=0), mask=col_ok)
+            if SCALED & 2:
+                tl.store(part + E * N + cols, tl.sum(acc_u, axis=0), mask=col_ok)
+
+    @triton.jit
+    def _bwd_chunk(DOUT, G, U, SG, SU, rows, row_ok, rstd_g, rstd_u, chunk, N,
+                   SCALED: tl.constexpr, BLOCK_N: tl.constexpr):
+        """(n_g, n_u, da, db, s_g, s_u) of a chunk of columns: the normalized rows, the gradients of the
+        scaled norms a = s_g n_g and b = s_u n_u, and the scales (ones where unscaled)."""
+        col_ok = chunk < N
+        mask = row_ok[:, None] & col_ok[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + chunk[None, :]
         s_g = tl.full([BLOCK_N], 1.0, tl.float32)
         s_u = tl.full([BLOCK_N], 1.0, tl.float32)
         if SCALED & 1:
-            s_g = tl.load(SG + (e * N if PER_EXPERT & 1 else 0) + cols, mask=col_ok, other=0.0).to(tl.float32)
+            s_g = tl.load(SG + chunk, mask=col_ok, other=0.0).to(tl.float32)
         if SCALED & 2:
-            s_u = tl.load(SU + (e * N if PER_EXPERT & 2 else 0) + cols, mask=col_ok, other=0.0).to(tl.float32)
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for t0 in range(start + c * BLOCK_M, end, C * BLOCK_M):
-            rows = t0 + tl.arange(0, BLOCK_M)
-            row_ok = rows < end
-            mask = row_ok[:, None] & col_ok[None, :]
-            offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-            rstd_g = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-            rstd_u = tl.load(RSTD + M + rows, mask=row_ok, other=0.0)
-            n_g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) * rstd_g[:, None]
-            n_u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32) * rstd_u[:, None]
-            a = n_g * s_g[None, :]
-            b = n_u * s_u[None, :]
-            sig = tl.sigmoid(a)
-            dout = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
-            # silu'(a) = sig(a) (1 + a (1 - sig(a)))
-            da = dout * b * sig * (1.0 + a * (1.0 - sig))
-            db = dout * a * sig
-            if SCALED & 1:
-                acc_g += da * n_g
-            if SCALED & 2:
-                acc_u += db * n_u
-            # Through the norm, with dn = s * d(s n): dx = rstd (dn - n mean(dn n)).
-            dn_g = da * s_g[None, :]
-            dn_u = db * s_u[None, :]
-            dg = (dn_g - n_g * (tl.sum(dn_g * n_g, axis=1) / N)[:, None]) * rstd_g[:, None]
-            du = (dn_u - n_u * (tl.sum(dn_u * n_u, axis=1) / N)[:, None]) * rstd_u[:, None]
-            tl.store(DG + offs, dg.to(DG.dtype.element_ty), mask=mask)
-            tl.store(DU + offs, du.to(DU.dtype.element_ty), mask=mask)
-        part = DS + (c * 2 * E + e) * N + cols
-        if SCALED & 1:
-            tl.store(part, tl.sum(acc_g, axis=0), mask=col_ok)
-        if SCALED & 2:
-            tl.store(part + E * N, tl.sum(acc_u, axis=0), mask=col_ok)
+            s_u = tl.load(SU + chunk, mask=col_ok, other=0.0).to(tl.float32)
+        n_g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) * rstd_g[:, None]
+        n_u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32) * rstd_u[:, None]
+        a = n_g * s_g[None, :]
+        b = n_u * s_u[None, :]
+        sig = tl.sigmoid(a)
+        dout = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
+        # silu'(a) = sig(a) (1 + a (1 - sig(a)))
+        da = dout * b * sig * (1.0 + a * (1.0 - sig))
+        db = dout * a * sig
+        return n_g, n_u, da, db, s_g, s_u
 
 
-# Elements per tile of whole rows, forward and backward. The interpreter pays per operation, not per
-# element: larger tiles keep the CPU tests fast.
-_FWD_TILE, _BWD_TILE = (65536, 65536) if INTERPRETED else (4096, 2048)
+# Elements per tile, forward (whole rows) and backward, and the widest backward tile: longer rows are
+# walked in chunks. The interpreter pays per operation, not per element: larger tiles keep the CPU tests
+# fast (and tests force small chunks to run the chunked path).
+_FWD_TILE, _BWD_TILE, _BWD_CHUNK = (65536, 65536, MAX_FEATURES) if INTERPRETED else (4096, 2048, 4096)
 
 
-def backward_chunks(n: int, rows: int, experts: int, device: torch.device) -> int:
-    """Programs per expert in the backward grid; each writes one fp32 partial per scale gradient.
+def backward_grid(n: int, rows: int, experts: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, programs per expert) of the backward; each program writes one fp32
+    partial per scale gradient.
 
     An expert's rows are spread over this many programs whatever its share of the rows, so a very uneven
     routing leaves part of the device idle in the backward."""
-    block_m = tile(n, _BWD_TILE)[0]
-    return max(1, min(triton.cdiv(rows, block_m), triton.cdiv(persistent_programs(device), experts)))
+    block_m, block_n, warps = backward_tile(n, _BWD_TILE, _BWD_CHUNK)
+    programs = triton.cdiv(resident_programs(device, warps), experts)
+    return block_m, block_n, warps, max(1, min(triton.cdiv(rows, block_m), programs))
 
 
 def _flags(gate_scale: Tensor | None, up_scale: Tensor | None) -> tuple[int, int]:
@@ -244,7 +312,7 @@ def _fwd_op(gate, up, gate_scale, up_scale, expert_offsets, eps):
     _fwd_kernel[(triton.cdiv(m, block_m),)](
         gate, up.contiguous(), out, rstd, *_pointers(gate_scale, up_scale, expert_offsets, gate), m, n, experts,
         eps, SCALED=scaled, PER_EXPERT=per_expert, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_E=min(128, triton.next_power_of_2(experts)), num_warps=warps)
+        BLOCK_E=min(128, triton.next_power_of_2(experts)), num_warps=warps, maxnreg=MAX_REGISTERS)
     return out, rstd
 
 
@@ -269,14 +337,15 @@ def _bwd_op(grad, gate, up, rstd, gate_scale, up_scale, expert_offsets):
         return dg, du, [d.zero_() for d in ds]
     scaled, per_expert = _flags(gate_scale, up_scale)
     experts = _experts(expert_offsets, per_expert)
-    block_m, block_n, warps = tile(n, _BWD_TILE)
-    chunks = backward_chunks(n, m, experts, gate.device)
-    partials = torch.empty((chunks, 2, experts, n), dtype=torch.float32, device=gate.device)
+    block_m, block_n, warps, programs = backward_grid(n, m, experts, gate.device)
+    chunked = block_n < n
+    partials = (torch.zeros if chunked else torch.empty)((programs, 2, experts, n), dtype=torch.float32,
+                                                         device=gate.device)
     gate = gate.contiguous()
-    _bwd_kernel[(chunks * experts,)](
+    _bwd_kernel[(programs * experts,)](
         grad.contiguous(), gate, up.contiguous(), rstd, *_pointers(gate_scale, up_scale, expert_offsets, gate),
-        dg, du, partials, m, n, experts, chunks, SCALED=scaled, PER_EXPERT=per_expert, BLOCK_M=block_m,
-        BLOCK_N=block_n, num_warps=warps)
+        dg, du, partials, m, n, experts, programs, SCALED=scaled, PER_EXPERT=per_expert, BLOCK_M=block_m,
+        BLOCK_N=block_n, CHUNKED=chunked, num_warps=warps, maxnreg=MAX_REGISTERS)
     # Summing the per-program partials in a fixed order keeps the scale gradients deterministic; a shared
     # scale also sums over the experts.
     ds = []

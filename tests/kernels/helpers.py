@@ -1,4 +1,4 @@
-"""What the kernel tests share: scale parameters built the model's way, tolerances, and the child process
+"""What the kernel tests share: scale sites built the model's way, tolerances, and the child process
 that runs a file's test_interp_ tests under triton's interpreter.
 
 Triton reads TRITON_INTERPRET when @triton.jit decorates a kernel, i.e. when scalevec_kernels is first
@@ -15,6 +15,8 @@ import sys
 import pytest
 import torch
 
+from scalevec_train.model.strategies import ScaleSite
+
 EPS = 1e-6
 
 
@@ -22,21 +24,15 @@ def grads(outputs, inputs, upstream):
     return torch.autograd.grad(outputs, inputs, upstream)
 
 
-def scale_params(shape, param: str, gen: torch.Generator) -> list[torch.Tensor]:
-    """Leaf parameters of a scale site: [s] (plain) or [magnitude, alpha] (the spec's `or` / `er`)."""
-    alpha = (1 + 0.5 * torch.randn(shape, generator=gen)).requires_grad_()
-    if param == "plain":
-        return [alpha]
-    return [(0.2 * torch.randn(1, generator=gen)).requires_grad_(), alpha]
-
-
-def scale(params: list[torch.Tensor], param: str) -> torch.Tensor:
-    """s from its parameters with ordinary torch ops: beta * alpha / rms(alpha), beta = 1 + m or exp(m)."""
-    if param == "plain":
-        return params[0]
-    magnitude, alpha = params
-    direction = alpha * torch.rsqrt(alpha.square().mean())
-    return (1 + magnitude if param == "or" else magnitude.exp()) * direction
+def scale_site(shape, param: str, gen: torch.Generator) -> ScaleSite:
+    """A scale site built as the model builds it (ScaleSite: s = p for plain; beta * alpha / rms(alpha)
+    for `or` and exp(b) * alpha / rms(alpha) for `er`, with one magnitude and rms per row of a 2-D
+    site), its parameters moved off their initial values so that each one matters."""
+    site = ScaleSite(shape if isinstance(shape, tuple) else (shape,), "input", param)
+    with torch.no_grad():
+        for name, p in site.named_parameters():
+            p.add_((0.5 if name in ("scale", "alpha") else 0.2) * torch.randn(p.shape, generator=gen))
+    return site
 
 
 def assert_scale_grad_close(got, want, m):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from scalevec_kernels import KernelError, head_rms_norm, head_rms_norm_reference
 from scalevec_kernels.backend import INTERPRETED
-from tests.kernels.helpers import EPS, assert_scale_grad_close, grads, run_interpreted, scale, scale_params
+from tests.kernels.helpers import EPS, assert_scale_grad_close, grads, run_interpreted, scale_site
 
 
 def test_head_reference_normalizes_each_head():
@@ -42,11 +42,11 @@ if INTERPRETED:
             pytest.skip("no scale to reparameterize")
         gen = torch.Generator().manual_seed(5)
         x = torch.randn(2, 7, 3, 40, generator=gen).requires_grad_()
-        params = [] if shape is None else scale_params(shape, param, gen)
-        leaves = [x, *params]
+        site = None if shape is None else scale_site(shape, param, gen)
+        leaves = [x, *([] if site is None else site.parameters())]
 
         def run(backend):
-            return head_rms_norm(x, scale(params, param) if params else None, EPS, backend=backend)
+            return head_rms_norm(x, None if site is None else site(), EPS, backend=backend)
 
         got, want = run("triton"), run("torch")
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scalevec_kernels import KernelError, head_rms_norm, rms_norm_scales
+from scalevec_kernels import KernelError, head_rms_norm, rms_norm, rms_norm_scales
 from scalevec_kernels.backend import INTERPRETED
-from tests.kernels.helpers import EPS, assert_scale_grad_close, grads, run_interpreted, scale, scale_params
+from tests.kernels.helpers import EPS, assert_scale_grad_close, grads, run_interpreted, scale_site
 
 
 def test_torch_backend_matches_functional_rms_norm():
@@ -56,8 +56,37 @@ def _compiled_matches_eager(backend):
         torch.testing.assert_close(got, want)
 
 
-def test_compile_fullgraph_on_torch_backend():
-    _compiled_matches_eager("auto")
+@pytest.mark.skipif(INTERPRETED, reason="aot.capture records the compiled kernels' launches")
+def test_compile_traces_the_ops_in_one_graph():
+    """torch.compile(fullgraph=True) of a block's norm traffic on the kernel path keeps the custom ops in
+    one forward and one backward graph, and the compiled graphs launch the kernels. Off the interpreter
+    the kernels cannot run on CPU, so aot.capture records their launches (the numbers are the
+    interpreter test's: test_interp_compile_fullgraph_on_triton_backend)."""
+    pytest.importorskip("triton")
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from scalevec_kernels import aot
+
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, _inputs):
+            graphs[name] = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    gen = torch.Generator().manual_seed(2)
+    leaves = [torch.randn(shape, generator=gen).requires_grad_() for shape in ((2, 3, 32), (2, 3, 32), 32, 32, 8)]
+    torch._dynamo.reset()
+    compiled = torch.compile(_model_like, backend=aot_autograd(fw_compiler=keep("fwd"), bw_compiler=keep("bwd")),
+                             fullgraph=True)
+    with aot.capture() as launches:
+        compiled(*leaves, "triton").backward()
+    # the pre-norm with q, k and the residual, and the per-head norm: two fused ops each way
+    assert graphs["fwd"].count("scalevec.rms_norm_fwd.default") == 2, graphs["fwd"]
+    assert graphs["bwd"].count("scalevec.rms_norm_bwd.default") == 2, graphs["bwd"]
+    assert {v.kernel for v in launches.variants} == {"rms_norm._fwd_kernel", "rms_norm._bwd_kernel"}
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this process runs the test_interp_ tests itself")
@@ -73,12 +102,12 @@ if INTERPRETED:
         gen = torch.Generator().manual_seed(n * 1000 + m * 10 + k)
         x = torch.randn(m, n, generator=gen).requires_grad_()
         r = torch.randn(m, n, generator=gen).requires_grad_() if residual else None
-        params = [scale_params(n, param, gen) for _ in range(k)]
-        leaves = [p for site in params for p in site]
+        sites = [scale_site(n, param, gen) for _ in range(k)]
+        leaves = [p for site in sites for p in site.parameters()]
 
         def run(backend):
             # Each run rebuilds s from its parameters, as the model does once per step.
-            return rms_norm_scales(x, [scale(site, param) for site in params], EPS, residual=r,
+            return rms_norm_scales(x, [site() for site in sites], EPS, residual=r,
                                    backend=backend)
 
         got, want = run("triton"), run("torch")
@@ -92,6 +121,37 @@ if INTERPRETED:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         for a, b in zip(got_grads[len(acts):], want_grads[len(acts):], strict=True):
             assert_scale_grad_close(a, b, m)
+
+    @pytest.mark.parametrize("n,m,k,groups", [(200, 37, 4, 1), (300, 9, 2, 1), (64, 24, 1, 3)])
+    def test_interp_chunked_backward_matches_reference(monkeypatch, n, m, k, groups):
+        """Rows walked in chunks of 64 features (several per row, the last one partial) by tiles of two
+        rows over several programs: the path that rows wider than the GPU's chunk take. groups=3 is the
+        per-head norm with a full-width scale (one partial per head)."""
+        monkeypatch.setattr(rms_norm, "_BWD_CHUNK", 32 if groups > 1 else 64)
+        monkeypatch.setattr(rms_norm, "_BWD_TILE", 128)
+        assert rms_norm.backward_grid(n, m, groups, torch.device("cpu"))[1] < n  # the chunked path runs
+        gen = torch.Generator().manual_seed(n + k)
+        x = torch.randn(m, n, generator=gen).requires_grad_()
+        r = torch.randn(m, n, generator=gen).requires_grad_()
+        if groups == 1:
+            scales = [(1 + 0.5 * torch.randn(n, generator=gen)).requires_grad_() for _ in range(k)]
+            if k > 1:
+                scales[1] = None  # an unscaled slot among scaled ones
+            leaves = [x, r] + [s for s in scales if s is not None]
+
+            def run(backend):
+                return rms_norm_scales(x, scales, EPS, residual=r, backend=backend)
+        else:
+            full = (1 + 0.5 * torch.randn(groups, n, generator=gen)).requires_grad_()
+            leaves = [x, full]
+
+            def run(backend):
+                return (head_rms_norm(x.unflatten(0, (m // groups, groups)), full, EPS, backend=backend),)
+
+        got, want = run("triton"), run("torch")
+        upstream = [torch.randn(o.shape, generator=gen) for o in got]
+        for a, b in zip(grads(got, leaves, upstream), grads(want, leaves, upstream), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
     def test_interp_unscaled_slots_and_four_outputs():
         gen = torch.Generator().manual_seed(3)

@@ -4,6 +4,8 @@ The Triton kernels run in triton's CPU interpreter, in fp32, in a child process 
 tests/kernels/helpers.py).
 """
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,9 @@ import torch.nn.functional as F
 from scalevec_kernels import KernelError, rms_norm_scales_reference, swiglu_norm, swiglu_norm_reference
 from scalevec_kernels.backend import INTERPRETED
 from tests.kernels.helpers import EPS, grads, run_interpreted
+
+# The module (the package's name swiglu_norm is the function).
+swiglu_kernels = importlib.import_module("scalevec_kernels.swiglu_norm")
 
 # Rows per expert, empty experts included: offsets [3, 3, 8, 8].
 COUNTS = [3, 0, 5, 0]
@@ -115,6 +120,25 @@ if INTERPRETED:
         upstream = torch.randn(got.shape, generator=gen)
         for a, b in zip(grads(got, leaves, upstream), grads(want, leaves, upstream), strict=True):
             assert a.dtype == b.dtype and a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+    @pytest.mark.parametrize("f,counts,kind", [(200, [40], "shared"), (96, [7, 0, 13, 4], "experts_and_shared"),
+                                               (130, [11], "none")])
+    def test_interp_chunked_backward_matches_reference(monkeypatch, f, counts, kind):
+        """Rows walked in chunks of 32 features (several per row, the last one partial) by tiles of two
+        rows over several programs: the path that rows wider than the GPU's chunk take."""
+        monkeypatch.setattr(swiglu_kernels, "_BWD_CHUNK", 32)
+        monkeypatch.setattr(swiglu_kernels, "_BWD_TILE", 64)
+        rows = sum(counts)
+        assert swiglu_kernels.backward_grid(f, rows, len(counts), torch.device("cpu"))[1] < f
+        gen = torch.Generator().manual_seed(f + rows)
+        g, u = (torch.randn(rows, f, generator=gen).requires_grad_() for _ in range(2))
+        gate_scale, up_scale, offsets = _case(kind, f, counts, gen)
+        leaves = [t for t in (g, u, gate_scale, up_scale) if t is not None]
+        got = swiglu_norm(g, u, gate_scale, up_scale, EPS, offsets, backend="triton")
+        want = swiglu_norm(g, u, gate_scale, up_scale, EPS, offsets, backend="torch")
+        upstream = torch.randn(got.shape, generator=gen)
+        for a, b in zip(grads(got, leaves, upstream), grads(want, leaves, upstream), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
     def test_interp_mixed_precision_keeps_each_dtype():

@@ -1,0 +1,228 @@
+"""The Triton kernels the model presets launch, compiled ahead of time (no GPU needed): one row per
+distinct launch variant with its tile, warps, registers, spills, shared memory and occupancy.
+
+The launches come from the real launch code: every preset of configs/model is built (one layer, a
+small vocabulary: neither changes a kernel launch) with model.kernels=triton under each strategy that
+changes the launches, and run forward and backward on a few tokens in fp32 and under bf16 autocast
+inside scalevec_kernels.aot.capture, which records each launch instead of running it. Presets with the
+same widths launch the same variants and run once. Each distinct variant is then compiled with the
+local venv's Triton for sm_80 and sm_90 (scalevec_kernels.aot.compile_variant). Beside the presets,
+LIMITS lists the widest calls the kernel library takes (not launched by any preset).
+
+    python scripts/kernel_table.py [--cc 80 90] [--presets dense-1b moe-2b]
+
+Prints a markdown table for docs/benchmarks.md ("Kernels compiled, not yet timed") and exits 1 when a
+preset's variant spills or needs more shared memory than a block may have.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import pickle
+import sys
+from pathlib import Path
+
+import torch
+
+from scalevec_kernels import aot, rms_norm_scales, swiglu_norm
+from scalevec_train.config import compose_config
+from scalevec_train.errors import ScalevecError
+from scalevec_train.model.transformer import Transformer
+
+REPO = Path(__file__).resolve().parents[1]
+# Captured launches and compiled usage, by what they depend on (a fresh clone starts empty).
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "scalevec" / "kernel_aot"
+PRESETS = sorted(p.stem for p in (REPO / "configs" / "model").glob("*.yaml"))
+# The strategies whose kernel launches differ (K outputs and scaled slots, residual, per-head and output
+# norms, per-expert scales); or/er/iwd/wd_all launch what baseline or unified launch.
+STRATEGIES = {
+    "baseline": ["scale=baseline"],
+    "none": ["scale=none"],
+    "hg": ["scale=hg"],
+    "dp": ["scale=dp"],
+    "dnp": ["scale=dnp"],
+    "unified": ["scale=unified"],
+    "unified-full-heads": ["scale=unified", "scale.head_site_shape=full"],
+    "unified-rev1": ["scale=unified", "scale.targets=[q,k,o,down]"],
+    "unified-per-expert": ["scale=unified", "scale.per_expert=true"],
+}
+CHEAP = ["model.n_layers=1", "model.vocab_size=128", "model.kernels=triton"]
+TOKENS = 16
+# The widest calls the library takes, in bf16 and fp32: K = 4 outputs with a residual, and SwiGLU.
+LIMIT_WIDTHS = (8192, 16384)
+
+
+def _shape(model_cfg) -> tuple:
+    """What decides a preset's launches: every model option but its name and those CHEAP overrides."""
+    skip = {"name", "n_layers", "vocab_size", "max_seq_len", "rope_theta", "kernels"}
+    return tuple((k, repr(v)) for k, v in sorted(vars(model_cfg).items()) if k not in skip)
+
+
+def _capture_model(model_cfg, scale_cfg) -> list[aot.Variant]:
+    """The variants one model makes, forward and backward in fp32 and under bf16 autocast; [] for a
+    combination the framework refuses (e.g. dp on a preset with QK-norm). The weights stay uninitialized:
+    the kernels write nothing under capture, so no value matters."""
+    try:
+        model = Transformer(model_cfg, scale_cfg)
+    except ScalevecError:
+        return []
+    tokens = torch.zeros(1, TOKENS, dtype=torch.long)
+    with aot.capture() as launches:
+        for autocast in (contextlib.nullcontext, lambda: torch.autocast("cpu", dtype=torch.bfloat16)):
+            with autocast():
+                logits = model(tokens)
+                aux = model.auxiliary_loss()
+            (logits.float().sum() + (0 if aux is None else aux)).backward()
+    return launches.variants
+
+
+def preset_launches(presets=PRESETS) -> dict[aot.Variant, list[str]]:
+    """Every distinct variant the presets launch, with the presets that launch it."""
+    # Composed once each: a preset's model and a strategy's scales are independent parts of the config.
+    models = {p: compose_config([f"model={p}", *CHEAP], 1).model for p in presets}
+    scales = {name: compose_config(["model=moe-tiny", *overrides, *CHEAP], 1).scale
+              for name, overrides in STRATEGIES.items()}
+    users: dict[aot.Variant, list[str]] = {}
+    done: dict[tuple, list[aot.Variant]] = {}
+    for preset, model_cfg in models.items():
+        for name, scale_cfg in scales.items():
+            if scale_cfg.per_expert and model_cfg.moe is None:
+                continue
+            key = (_shape(model_cfg), name)
+            if key not in done:
+                done[key] = _capture_model(model_cfg, scale_cfg)
+            for variant in done[key]:
+                users.setdefault(variant, [])
+                if preset not in users[variant]:
+                    users[variant].append(preset)
+    return users
+
+
+def _sources_hash() -> str:
+    """Changes with anything that can change the presets' launches: the kernels' launch code, the model,
+    the configs, this script, torch and triton."""
+    import triton
+
+    h = hashlib.sha256(f"{torch.__version__}-{triton.__version__}".encode())
+    for pattern in ("kernels/scalevec_kernels/*.py", "scalevec_train/model/*.py", "scalevec_train/*.py",
+                    "configs/**/*.yaml", "scripts/kernel_table.py"):
+        for path in sorted(REPO.glob(pattern)):
+            h.update(path.relative_to(REPO).as_posix().encode() + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cached_preset_launches(cache: Path = CACHE) -> dict[aot.Variant, list[str]]:
+    """preset_launches() of all presets, read from `cache` when nothing it depends on changed."""
+    path = cache / f"launches-{_sources_hash()}.pkl"
+    if path.exists():
+        return pickle.loads(path.read_bytes())
+    users = preset_launches()
+    cache.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(pickle.dumps(users))
+    return users
+
+
+def limit_launches() -> list[aot.Variant]:
+    """The widest calls the kernel library takes (not launched by a preset)."""
+    with aot.capture() as launches:
+        for n in LIMIT_WIDTHS:
+            for dtype in (torch.bfloat16, torch.float32):
+                x, r = (torch.randn(TOKENS, n, dtype=dtype, requires_grad=True) for _ in range(2))
+                scales = [torch.ones(n, requires_grad=True) for _ in range(4)]
+                outs = rms_norm_scales(x, scales, 1e-6, residual=r, backend="triton")
+                torch.autograd.grad(outs, [x, r, *scales], [torch.ones_like(o) for o in outs])
+                out = swiglu_norm(x, r, scales[0], scales[1], 1e-6, backend="triton")
+                torch.autograd.grad(out, [x, r, scales[0], scales[1]], torch.ones_like(out))
+    return launches.variants
+
+
+def describe(variant: aot.Variant) -> tuple[str, str, str, str]:
+    """(kernel, tile, flags, dtypes) of a variant, for the table."""
+    module, name = variant.kernel.split(".")
+    c = dict(variant.constexprs)
+    tile = f"{c['BLOCK_M']}x{c['BLOCK_N']}" + (" chunked" if c.get("CHUNKED") else "")
+    if module == "rms_norm":
+        flags = [f"K={c['K']}", f"scaled={c['SCALED']:b}"] + ["residual"] * bool(c.get("HAS_RES") or c.get("HAS_DH"))
+        flags += ["per-head scale"] * ("G" not in c)
+        x, scale = variant.dtype("X"), variant.dtype("S0") if c["SCALED"] & 1 else None
+    else:
+        flags = [f"scaled={c['SCALED']:b}", f"per_expert={c['PER_EXPERT']:b}"]
+        x, scale = variant.dtype("G"), variant.dtype("SG") if c["SCALED"] & 1 else None
+    dtypes = x + ("/" + scale if scale else "")
+    return f"{module} {'bwd' if 'bwd' in name else 'fwd'}", tile, " ".join(flags), dtypes
+
+
+def compile_all(variants, ccs, cache: Path = CACHE) -> dict[tuple[aot.Variant, int], aot.Usage]:
+    """Each variant's usage per architecture; compiled results are kept in `cache` by the variant's
+    cache key (which changes with the kernel's source), on top of Triton's own compile cache."""
+    path = cache / "usage.json"
+    known = json.loads(path.read_text()) if path.exists() else {}
+    out = {}
+    for v in variants:
+        for cc in ccs:
+            key = v.cache_key(cc)
+            if key not in known:
+                known[key] = dataclasses.asdict(aot.compile_variant(v, cc))
+                cache.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(known))  # each result kept at once: compiling all takes minutes
+            out[v, cc] = aot.Usage(**known[key])
+    return out
+
+
+def table(users: dict[aot.Variant, list[str]], usage, ccs) -> list[str]:
+    """One row per kernel, tile, warps and flags; its variants (input/scale dtypes, argument
+    specializations) summed up by their worst case: most registers, spills and shared memory, least
+    occupancy."""
+    groups: dict[tuple, list[aot.Variant]] = {}
+    for v in users:
+        kernel, tile, flags, _ = describe(v)
+        groups.setdefault((kernel, tile, v.num_warps, flags), []).append(v)
+    head = ["kernel", "tile", "warps", "flags", "variants", "x/scale dtypes"]
+    head += [f"{col} sm_{cc}" for cc in ccs for col in ("regs", "spill B", "smem KB", "occupancy")]
+    lines = ["| " + " | ".join(head + ["launched by"]) + " |", "|" + "---|" * (len(head) + 1)]
+    for (kernel, tile, warps, flags), vs in sorted(groups.items()):
+        dtypes = sorted({describe(v)[3] for v in vs})
+        cells = [kernel, tile, str(warps), flags, str(len(vs)), ", ".join(dtypes)]
+        for cc in ccs:
+            us = [usage[v, cc] for v in vs]
+            cells += [str(max(u.registers for u in us)), str(max(u.spill_bytes for u in us)),
+                      f"{max(u.shared_bytes for u in us) / 1024:g}",
+                      f"{min(u.occupancy(warps) for u in us):.0%}"]
+        presets = sorted({p for v in vs for p in users[v]})
+        lines.append("| " + " | ".join(cells + [_summary(presets)]) + " |")
+    return lines
+
+
+def _summary(presets: list[str]) -> str:
+    if len(presets) <= 3:
+        return ", ".join(presets) or "library limit"
+    big = [p for p in presets if "." in p]  # the named sizes (dense-1b, moe-2b, ...)
+    return f"{len(presets)} presets" + (f" ({', '.join(big)}, ...)" if big else "")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cc", type=int, nargs="+", default=[80, 90], choices=sorted(aot.SHARED_PER_BLOCK))
+    parser.add_argument("--presets", nargs="+", default=PRESETS, choices=PRESETS)
+    args = parser.parse_args(argv)
+    import triton
+
+    users = cached_preset_launches() if args.presets == PRESETS else preset_launches(args.presets)
+    limits = {v: [] for v in limit_launches() if v not in users}
+    usage = compile_all(list(users) + list(limits), args.cc)
+    print(f"Triton {triton.__version__}, compiled for {', '.join(f'sm_{cc}' for cc in args.cc)}, "
+          f"{datetime.date.today()}: {len(users)} variants launched by {len(args.presets)} presets, "
+          f"{len(limits)} more at the library's limits (launched by none).\n")
+    print("\n".join(table(users | limits, usage, args.cc)))
+    bad = [(describe(v), p) for v in users for cc in args.cc for p in usage[v, cc].problems()]
+    for what, problem in bad:
+        print(f"FAIL {' '.join(what)}: {problem}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

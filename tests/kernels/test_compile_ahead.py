@@ -1,0 +1,89 @@
+"""The Triton kernels compiled ahead of time, on CPU (issue 27): every launch variant the model presets
+make, captured from the real launch code (scripts/kernel_table.py drives each preset under each
+strategy inside scalevec_kernels.aot.capture), compiles with the local Triton for sm_90 without a
+register spill, within a block's shared memory, and with a backward whose persistent grid (sized to
+one wave of the SMs) fits. sm_90 only here (the GPU host's architecture; the tiles are sized by a
+register model that holds on sm_80 too): `python scripts/kernel_table.py` compiles sm_80 as well.
+
+The captured launches and the compiled usage are cached (kernel_table.CACHE) by what they depend on, on
+top of Triton's compile cache: a fresh clone captures and compiles everything once.
+"""
+
+import pytest
+import torch
+
+from scalevec_kernels import aot, backend, rms_norm, rms_norm_scales
+from tests.helpers import REPO, load_script
+
+pytest.importorskip("triton")
+if backend.INTERPRETED:
+    pytest.skip("TRITON_INTERPRET=1: these tests compile the kernels", allow_module_level=True)
+kernel_table = load_script(REPO / "scripts" / "kernel_table.py")
+CC = 90
+
+
+@pytest.fixture(scope="module")
+def launches():
+    return kernel_table.cached_preset_launches()
+
+
+def test_presets_launch_every_kernel_and_the_chunked_backward(launches):
+    kinds = {kernel_table.describe(v)[0] for v in launches}
+    assert kinds == {"rms_norm fwd", "rms_norm bwd", "swiglu_norm fwd", "swiglu_norm bwd"}
+    # dense-1b's FFN is 8192 wide: under unified its fused SwiGLU backward walks rows in chunks.
+    chunked = {v.kernel for v, presets in launches.items() if "dense-1b" in presets
+               and dict(v.constexprs).get("CHUNKED")}
+    assert chunked == {"swiglu_norm._bwd_kernel"}
+
+
+def test_every_preset_variant_compiles_without_spills(launches):
+    usage = kernel_table.compile_all(launches, [CC])
+    problems = [f"{' '.join(kernel_table.describe(v))} ({', '.join(launches[v][:3])}): {p}"
+                for v in launches for p in usage[v, CC].problems()]
+    assert not problems, "\n".join(problems)
+    # backend.resident_programs sizes a backward's grid to WARPS_PER_SM warps per SM: they must fit.
+    crowded = [kernel_table.describe(v) for v in launches if "bwd" in v.kernel
+               and usage[v, CC].blocks_per_sm(v.num_warps) * v.num_warps < backend.WARPS_PER_SM]
+    assert not crowded, crowded
+
+
+def _rms_norm_variants(n: int, k: int) -> list[aot.Variant]:
+    """The variants of K outputs with a residual at width n in bf16, forward and backward."""
+    with aot.capture() as captured:
+        x, r = (torch.randn(16, n, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        scales = [torch.ones(n, requires_grad=True) for _ in range(k)]
+        outs = rms_norm_scales(x, scales, 1e-6, residual=r, backend="triton")
+        torch.autograd.grad(outs, [x, r, *scales], [torch.ones_like(o) for o in outs])
+    return captured.variants
+
+
+def test_widest_rows_do_not_spill_in_the_backward():
+    """16384 features (the library's limit, wider than any preset) with K = 4: the chunked backward."""
+    (bwd,) = [v for v in _rms_norm_variants(16384, 4) if v.kernel == "rms_norm._bwd_kernel"]
+    assert dict(bwd.constexprs)["CHUNKED"]
+    assert aot.compile_variant(bwd, CC).problems() == []
+
+
+def test_a_spilling_tile_is_caught(monkeypatch):
+    """The tiling before issue 27: whole rows of 8192 in one tile of 16 warps (16 elements a thread)
+    holding K = 4 accumulators spills, and the check says so."""
+    monkeypatch.setattr(rms_norm, "_BWD_CHUNK", 16384)
+    monkeypatch.setattr(backend, "BACKWARD_PER_THREAD", 16)
+    (bwd,) = [v for v in _rms_norm_variants(8192, 4) if v.kernel == "rms_norm._bwd_kernel"]
+    assert dict(bwd.constexprs)["BLOCK_N"] == 8192 and bwd.num_warps == 16
+    usage = aot.compile_variant(bwd, CC)
+    assert usage.spill_bytes > 0
+    assert usage.problems() == [f"spills {usage.spill_bytes} B per thread to local memory (sm_90)"]
+
+
+def test_occupancy_and_shared_memory_limits():
+    """Occupancy from registers (65536 per SM, given to warps in units of 256) and shared memory."""
+    full = aot.Usage(cc=90, registers=128, spill_bytes=0, shared_bytes=16384)
+    assert full.blocks_per_sm(16) == 1 and full.occupancy(16) == 0.25
+    assert aot.Usage(90, 64, 0, 0).occupancy(16) == 0.5
+    # 41 registers round up to 48 a thread: 1536 a warp, 65536 // (1536 * 8) = 5 blocks of 8 warps
+    assert aot.Usage(90, 41, 0, 0).blocks_per_sm(8) == 5
+    assert aot.Usage(90, 32, 0, 100 * 1024).blocks_per_sm(4) == 2  # 228 KB of shared memory an SM
+    assert aot.Usage(90, 32, 0, 200 * 1024).problems() == []
+    assert aot.Usage(80, 32, 0, 200 * 1024).problems() == [
+        f"needs {200 * 1024} B of shared memory, over sm_80's {163 * 1024} B per block"]
