@@ -38,7 +38,7 @@ def describe(cfg) -> dict:
             "name": path, "layer": layer, "site": name, "role": site.role, "param": site.param,
             "shape": list(site.shape), "behind_norm": site.behind_norm,
             "params": sum(p.numel() for p in site.parameters()),
-            "weight_decay": site.param != "fixed" and cfg.scale.decays(site.role),
+            "weight_decay": cfg.scale.decays(site),
             "magnitude_cancelled_by": cancelled[id(site)],
         })
     scale_params = sum(s["params"] for s in sites)

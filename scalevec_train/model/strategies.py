@@ -1,4 +1,4 @@
-"""Scale-vector strategies (../shared/spec/scale-vectors.md): the config axes, the scale site, and the
+"""Scale-vector strategies (docs/scale-vectors.md): the config axes, the scale site, and the
 plan that tells the model which sites exist where.
 
 A *site* is a learnable vector s multiplying a tensor elementwise. Its role (`input`: right before a
@@ -20,6 +20,9 @@ ATTN_MAPS = ("q", "k", "v", "o")
 FFN_MAPS = ("gate", "up", "down")
 # The maps that read a pre-norm's output: the default placement targets.
 PRE_NORM_MAPS = ("q", "k", "v", "gate", "up")
+# Forward FLOPs per element and token (accounting.py): a normalization (square-accumulate, scale by the
+# inverse RMS, and the RMS itself amortized) and a scale site (one multiply).
+NORM_FLOPS, SITE_FLOPS = 3, 1
 
 
 @dataclass
@@ -77,16 +80,18 @@ class ScaleConfig:
         """The parameterization of a new site of this role."""
         return self.reparam if self.reparam_sites in ("all", role) else "plain"
 
-    def decays(self, role: str) -> bool:
-        """Whether a site of this role gets weight decay."""
-        return self.weight_decay == "all" or (self.weight_decay == "iwd" and role == "input")
+    def decays(self, site: "ScaleSite") -> bool:
+        """Whether `site` gets weight decay (a fixed site has nothing to decay)."""
+        if site.param == "fixed":
+            return False
+        return self.weight_decay == "all" or (self.weight_decay == "iwd" and site.role == "input")
 
-    def decay_rule(self, role: str, param_name: str) -> str:
-        """How weight decay treats parameter `param_name` (scale, beta, b or alpha) of a site of this
-        role: `scale` (p <- p (1 - lr wd), the optimizer's decoupled decay), `log` (b <- b + log(1 - lr wd),
-        shrinking exp(b) by the same factor) or `none`. In magnitude mode only an or/er site's magnitude
-        decays, so that decay shrinks s itself."""
-        if not self.decays(role):
+    def decay_rule(self, site: "ScaleSite", param_name: str) -> str:
+        """How weight decay treats parameter `param_name` (scale, beta, b or alpha) of `site`: `scale`
+        (p <- p (1 - lr wd), the optimizer's decoupled decay), `log` (b <- b + log(1 - lr wd), shrinking
+        exp(b) by the same factor) or `none`. In magnitude mode only an or/er site's magnitude decays, so
+        that decay shrinks s itself."""
+        if not self.decays(site):
             return "none"
         if self.reparam_decay == "all_params" or param_name in ("scale", "beta"):
             return "scale"
@@ -117,11 +122,20 @@ class ScaleSite(nn.Module):
     def foldable(self) -> bool:
         return self.param != "fixed" and not self.behind_norm
 
+    @staticmethod
+    def initial_value(param_name: str, shape: torch.Size) -> torch.Tensor:
+        """Every parameterization starts at s = 1: b = 0, every other parameter 1."""
+        return torch.zeros(shape) if param_name == "b" else torch.ones(shape)
+
+    @torch.no_grad()
     def init_weights(self) -> None:
-        """Every parameterization starts at s = 1."""
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                p.fill_(0.0 if name == "b" else 1.0)
+        for name, p in self.named_parameters():
+            p.copy_(self.initial_value(name, p.shape))
+
+    def flops_per_token(self, width: int | None = None) -> int:
+        """Forward FLOPs per token of applying s to `width` features (default: its own last dim; a
+        head_dim site is broadcast over the heads); none for a fixed site."""
+        return 0 if self.param == "fixed" else SITE_FLOPS * (width or self.shape[-1])
 
     def forward(self) -> torch.Tensor | None:
         """The vector s, or None for a fixed site (s = 1: callers skip the multiply)."""
@@ -142,7 +156,7 @@ class ScaleSite(nn.Module):
 
 
 @dataclass(frozen=True)
-class MapInput:
+class ScaledMap:
     """A linear map seen from a scale site: its weight ([out, in], or [experts, out, in]) and the label
     of the normalization right after it (None when its output is not normalized on its own)."""
 
@@ -157,7 +171,7 @@ class SiteMaps:
 
     site: ScaleSite
     side: str
-    maps: tuple[MapInput, ...]
+    maps: tuple[ScaledMap, ...]
 
     @property
     def cancelled_by(self) -> str | None:
@@ -169,8 +183,8 @@ class SiteMaps:
 
 
 @dataclass(frozen=True)
-class MapSites:
-    """What surrounds one linear map: an optional new input site, an optional output normalization
+class MapPlan:
+    """Where the sites of one linear map go (plan_map): an optional new input site, an optional output normalization
     (`head`: per attention head, `full`: over the whole output) and an optional output site."""
 
     in_site: bool = False
@@ -178,7 +192,7 @@ class MapSites:
     out_site: bool = False
 
 
-def plan_map(scale: ScaleConfig, name: str, qk_norm: bool, post_norm: bool) -> MapSites:
+def plan_map(scale: ScaleConfig, name: str, qk_norm: bool, post_norm: bool) -> MapPlan:
     """Where the sites of linear map `name` go under `scale` on a model with the given options.
 
     dual_norm reuses the model's own QK-norm / post-norms: it never stacks a second normalization.
@@ -194,7 +208,7 @@ def plan_map(scale: ScaleConfig, name: str, qk_norm: bool, post_norm: bool) -> M
             f"'{name}' from scale.targets.")
     has_norm = model_norm or (targeted and scale.placement == "dual_norm")
     out_norm = ("head" if name in ("q", "k", "v") else "full") if has_norm else None
-    return MapSites(
+    return MapPlan(
         # q/k/v/gate/up already have the pre-norm's (or their HG branch's) site on their input side.
         in_site=targeted and name in ("o", "down"),
         out_norm=out_norm,

@@ -87,7 +87,7 @@ class OptimConfig:
 
 def classify(model: nn.Module, scale: ScaleConfig) -> dict[str, list[tuple[str, nn.Parameter]]]:
     """Split the parameters into KINDS; raise if any parameter would land in none or two."""
-    site_kind = {id(p): _RULE_KIND[scale.decay_rule(site.role, name)]
+    site_kind = {id(p): _RULE_KIND[scale.decay_rule(site, name)]
                  for _, site in scale_sites(model) for name, p in site.named_parameters()}
     kinds: dict[str, list[tuple[str, nn.Parameter]]] = {k: [] for k in KINDS}
     for name, p in model.named_parameters():
