@@ -5,8 +5,3 @@ and learning-rate schedules.
     muon.py        Muon with AdamW groups in one optimizer (muon_dist.py: orthogonalization under FSDP2)
     schedules.py   ScheduleConfig and the LR multiplier of each step
 """
-
-from scalevec_train.optim.groups import OptimConfig, build_optimizer, describe_groups
-from scalevec_train.optim.schedules import ScheduleConfig, lr_multiplier
-
-__all__ = ["OptimConfig", "ScheduleConfig", "build_optimizer", "describe_groups", "lr_multiplier"]

@@ -13,7 +13,7 @@ from torch import nn
 
 from scalevec_train.errors import ScalevecError
 from scalevec_train.model.strategies import ScaleConfig, scale_sites
-from scalevec_train.optim.muon import LR_ADJUSTS, NS_COEFFICIENTS, NS_DTYPES, Muon
+from scalevec_train.optim.muon import ADAMW_KEYS, MUON_KEYS, Muon, check_options
 
 # scale_decay: p <- p (1 - lr wd), the optimizer's own decay; scale_log_decay: an `er` site's b <- b +
 # log(1 - lr wd) (applied by a step pre-hook, see log_decay_hook); scale_no_decay: no decay.
@@ -61,28 +61,16 @@ class OptimConfig:
     def validate(self) -> None:
         if self.name not in ("adamw", "muon"):
             raise ScalevecError("optim.name", f"unknown optimizer {self.name!r}.", "use optim=adamw or optim=muon.")
-        choices = {"ns_coefficients": NS_COEFFICIENTS, "ns_dtype": NS_DTYPES, "lr_adjust": LR_ADJUSTS}
-        for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                raise ScalevecError(f"optim.{key}", f"unknown value {getattr(self, key)!r}.",
-                                    f"use one of: {', '.join(allowed)}.")
-        if self.ns_steps < 1:
-            raise ScalevecError("optim.ns_steps", f"{self.ns_steps} is not a positive integer.", "use 5.")
-        if not 0 <= self.momentum < 1:
-            raise ScalevecError("optim.momentum", f"{self.momentum} is outside [0, 1).", "use 0.95.")
+        check_options(vars(self), tuple(dict.fromkeys(ADAMW_KEYS + MUON_KEYS)), lambda key: f"optim.{key}")
         if self.adamw_lr is not None and self.adamw_lr <= 0:
             raise ScalevecError("optim.adamw_lr", f"{self.adamw_lr} is not positive.", "use null or a positive LR.")
         if self.lr <= 0:
             raise ScalevecError("optim.lr", f"{self.lr} is not positive.", "use a learning rate > 0.")
-        if self.weight_decay < 0:
-            raise ScalevecError("optim.weight_decay", f"{self.weight_decay} is negative.", "use 0 or more.")
         peak = max(self.lr, self.adamw_lr or 0.0)
         if peak * self.weight_decay >= 1:
             raise ScalevecError("optim.weight_decay", f"lr * weight_decay = {peak * self.weight_decay:g}: a decoupled "
                                 "decay step (1 - lr * wd) would zero or flip the weights.",
                                 "lower optim.weight_decay or the learning rate so that their product is below 1.")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ScalevecError("optim.betas", f"{self.betas} is not two numbers in [0, 1).", "use [0.9, 0.95].")
 
 
 def classify(model: nn.Module, scale: ScaleConfig) -> dict[str, list[tuple[str, nn.Parameter]]]:
@@ -157,8 +145,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, scale: ScaleConfig) -> t
     if cfg.name == "muon":
         optimizer = Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
                          nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, ns_coefficients=cfg.ns_coefficients,
-                         ns_dtype=cfg.ns_dtype, lr_adjust=cfg.lr_adjust, eps=cfg.ns_eps,
-                         adamw_betas=tuple(cfg.betas), adamw_eps=cfg.eps)
+                         ns_dtype=cfg.ns_dtype, lr_adjust=cfg.lr_adjust, ns_eps=cfg.ns_eps,
+                         betas=tuple(cfg.betas), eps=cfg.eps)
     else:
         on_cuda = next(model.parameters()).is_cuda
         optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=on_cuda)
