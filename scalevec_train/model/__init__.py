@@ -4,6 +4,7 @@ strategy, and folding. Nothing here knows about training, parallelism or checkpo
     config.py       ModelConfig, MoEConfig: the shape of the decoder
     strategies.py   ScaleConfig and the scale site: where sites go and how they are parameterized
     layers.py       pre-norm, linear map with its sites and output norm, rotary embeddings
+    swiglu.py       SwiGLU with its inner sites and fused path (dense feed-forward and experts)
     moe.py          the mixture-of-experts feed-forward layer
     transformer.py  attention, feed-forward, block, the decoder
     fold.py         absorbing foldable sites into the linear maps

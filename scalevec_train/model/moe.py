@@ -13,8 +13,8 @@ through torch._grouped_mm or a loop of matmuls. The routing weight g multiplies 
 activation (W_down is linear, so this equals weighting its output); a token's k expert outputs are
 then summed in fp32. Several shared experts act as one SwiGLU of their summed width.
 
-Scale sites (strategies.py): the pre-norm hands this layer {"ffn"} (one site read by the router and
-all experts), {"gate", "up", "router"} under HG, or {"router", "norm"} with `per_expert`, where the
+Scale sites (strategies.py; the experts' SwiGLU builds and applies its own: swiglu.py): the pre-norm
+hands this layer {"ffn"} (one site read by the router and all experts), {"gate", "up", "router"} under HG, or {"router", "norm"} with `per_expert`, where the
 experts scale N(x) themselves with (experts, dim) sites and the shared expert with (dim,) ones. Sites
 on an expert's hidden units (gate/up output sites under dual placement, the input site of a targeted
 down map) have one row per routed expert, (experts, width): hidden unit j of one expert has nothing to

@@ -178,8 +178,8 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Initialize every parameter and buffer in place (single device; see distributed.py for
-        sharded models, which use initial_value too)."""
+        """Initialize every parameter and buffer in place (single device; parallel/fsdp.py initializes
+        sharded models with initial_value too)."""
         for name, p in self.named_parameters():
             p.copy_(self.initial_value(name, p.shape, seed))
         self.init_buffers()
