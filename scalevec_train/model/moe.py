@@ -14,15 +14,15 @@ activation (W_down is linear, so this equals weighting its output); a token's k 
 then summed in fp32. Several shared experts act as one SwiGLU of their summed width.
 
 Scale sites (strategies.py; the experts' SwiGLU builds and applies its own: swiglu.py): the pre-norm
-hands this layer {"ffn"} (one site read by the router and all experts), {"gate", "up", "router"} under HG, or {"router", "norm"} with `per_expert`, where the
-experts scale N(x) themselves with (experts, dim) sites and the shared expert with (dim,) ones. Sites
-on an expert's hidden units (gate/up output sites under dual placement, the input site of a targeted
-down map) have one row per routed expert, (experts, width): hidden unit j of one expert has nothing to
-do with unit j of another. Under dual_norm, gate and up are each normalized over the hidden width of
-their expert, u * N(W x) with the expert's row of u. Sites that do not sit behind a normalization
-are applied to the weights, W * s, which is the same function and cheaper than scaling tokens. The
-output site of `down` (with its normalization under dual_norm or post_norm) acts on the combined y,
-as on the dense block's output.
+hands this layer {"ffn"} (one site read by the router and all experts), {"gate", "up", "router"} under
+HG, or {"router", "norm"} with `per_expert`, where the experts scale N(x) themselves with (experts, dim)
+sites and the shared expert with (dim,) ones. Sites on an expert's hidden units (gate/up output sites
+under dual placement, the input site of a targeted down map) have one row per routed expert, (experts,
+width): hidden unit j of one expert has nothing to do with unit j of another. Under dual_norm, gate and
+up are each normalized over the hidden width of their expert, u * N(W x) with the expert's row of u.
+Sites that do not sit behind a normalization are applied to the weights, W * s, which is the same
+function and cheaper than scaling tokens. The output site of `down` (with its normalization under
+dual_norm or post_norm) acts on the combined y, as on the dense block's output.
 
 Load balancing: the auxiliary-loss-free expert bias moves every optimizer step by
 bias += bias_update_rate * sign(mean load - load), with the loads (token counts of the step's training
