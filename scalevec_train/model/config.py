@@ -2,14 +2,12 @@
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from scalevec_kernels import BACKENDS
-from scalevec_train.errors import ScalevecError
-
-SCORE_FUNCS = ("softmax", "sigmoid")
-EXPERT_BACKENDS = ("auto", "grouped_mm", "loop")
+from scalevec_train.errors import ScalevecError, check_choices, choice
 
 
 @dataclass
@@ -25,7 +23,7 @@ class MoEConfig:
     # hidden width of each shared expert; null = model.ffn_dim
     shared_expert_dim: int | None = None
     # router scores: softmax (over the experts) | sigmoid (each expert on its own)
-    score_func: str = "softmax"
+    score_func: str = choice("softmax", Literal["softmax", "sigmoid"])
     # rescale each token's top-k scores to sum to 1
     renormalize: bool = True
     # expert-bias step per optimizer step: bias += rate * sign(mean load - load); 0 disables
@@ -35,9 +33,10 @@ class MoEConfig:
     # weight of the router z-loss mean(logsumexp(logits)^2) in the training loss; 0 disables
     z_loss_coef: float = 0.0
     # expert matmuls: auto (grouped_mm where supported, else loop) | grouped_mm | loop
-    backend: str = "auto"
+    backend: str = choice("auto", Literal["auto", "grouped_mm", "loop"])
 
     def validate(self, dim: int) -> None:
+        check_choices(self, "model.moe.")
         for key in ("num_experts", "expert_dim"):
             if getattr(self, key) <= 0:
                 raise ScalevecError(f"model.moe.{key}", f"must be positive, got {getattr(self, key)}.")
@@ -54,12 +53,6 @@ class MoEConfig:
         if self.shared_expert_dim is not None and self.shared_expert_dim <= 0:
             raise ScalevecError("model.moe.shared_expert_dim", f"must be positive or null, got "
                                 f"{self.shared_expert_dim}.")
-        if self.score_func not in SCORE_FUNCS:
-            raise ScalevecError("model.moe.score_func", f"unknown value {self.score_func!r}.",
-                                f"use one of: {', '.join(SCORE_FUNCS)}.")
-        if self.backend not in EXPERT_BACKENDS:
-            raise ScalevecError("model.moe.backend", f"unknown value {self.backend!r}.",
-                                f"use one of: {', '.join(EXPERT_BACKENDS)}.")
         for key in ("bias_update_rate", "aux_loss_coef", "z_loss_coef"):
             if getattr(self, key) < 0:
                 raise ScalevecError(f"model.moe.{key}", f"must not be negative, got {getattr(self, key)}.")
@@ -104,13 +97,14 @@ class ModelConfig:
     moe: MoEConfig | None = None
     # normalization kernels, chosen when the layers are built: auto (Triton on CUDA, PyTorch
     # elsewhere) | triton | torch. Changes no weight: a checkpoint resumes under any backend.
-    kernels: str = "auto"
+    kernels: str = choice("auto", Literal[BACKENDS])
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
     def validate(self) -> None:
+        check_choices(self, "model.")
         for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
             if getattr(self, key) <= 0:
                 raise ScalevecError(f"model.{key}", f"must be positive, got {getattr(self, key)}.")
@@ -123,9 +117,6 @@ class ModelConfig:
         if self.n_heads % self.n_kv_heads:
             raise ScalevecError("model.n_kv_heads", f"{self.n_kv_heads} does not divide "
                                 f"n_heads={self.n_heads}.", "use a divisor of n_heads.")
-        if self.kernels not in BACKENDS:
-            raise ScalevecError("model.kernels", f"unknown value {self.kernels!r}.",
-                                f"use one of: {', '.join(BACKENDS)}.")
         if self.moe is not None:
             self.moe.validate(self.dim)
 

@@ -7,14 +7,16 @@ folds. Its parameterization decides how s is computed from parameters.
 """
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 from torch import nn
 
-from scalevec_train.errors import ScalevecError
+from scalevec_train.errors import ScalevecError, check_choices, choice
 
 ROLES = ("input", "output")
-PARAMS = ("plain", "or", "er", "fixed")
+Param = Literal["plain", "or", "er", "fixed"]
+PARAMS = get_args(Param)
 # The linear maps of a block that placement targets can name.
 ATTN_MAPS = ("q", "k", "v", "o")
 FFN_MAPS = ("gate", "up", "down")
@@ -30,44 +32,31 @@ class ScaleConfig:
     # preset name; used in run names and for grouping runs
     name: str = "baseline"
     # shared: one pre-norm scale feeds q/k/v (and gate/up); per_branch: one input site per branch (HG)
-    heterogeneity: str = "shared"
+    heterogeneity: str = choice("shared", Literal["shared", "per_branch"])
     # MoE only, with per_branch: every expert gets its own gate/up input sites
     per_expert: bool = False
     # pre: scales only before the maps; dual: also an output-side site on each target map (DP);
     # dual_norm: the output-side site sits behind a normalization (DNP)
-    placement: str = "pre"
+    placement: str = choice("pre", Literal["pre", "dual", "dual_norm"])
     # the linear maps that get dual placement: any of q, k, v, o, gate, up, down. The default is the
     # pre-norm maps (spec revision 2); [q, k, o, down] is revision 1's reading (QK-norm + post-norms)
     targets: list[str] = field(default_factory=lambda: list(PRE_NORM_MAPS))
     # shape of the sites behind per-head normalizations (q, k, v): head_dim (shared by heads) | full
-    head_site_shape: str = "head_dim"
+    head_site_shape: str = choice("head_dim", Literal["head_dim", "full"])
     # plain: s = p; or: s = beta * alpha / rms(alpha); er: s = exp(b) * alpha / rms(alpha);
     # fixed: s = 1 with no parameter (the removal ablation)
-    reparam: str = "plain"
+    reparam: str = choice("plain", Param)
     # which sites `reparam` applies to (the others are plain): all | input | output
-    reparam_sites: str = "all"
+    reparam_sites: str = choice("all", Literal["all", "input", "output"])
     # weight decay on scale parameters: none | all | iwd (input sites only)
-    weight_decay: str = "none"
+    weight_decay: str = choice("none", Literal["none", "all", "iwd"])
     # what decay does to an or/er site: magnitude (shrink s by (1 - lr*wd) per step: beta scaled, b
     # shifted by log(1 - lr*wd), alpha untouched) | all_params (revision 1: the optimizer's decay on
     # beta or b and on alpha)
-    reparam_decay: str = "magnitude"
+    reparam_decay: str = choice("magnitude", Literal["magnitude", "all_params"])
 
     def validate(self) -> None:
-        choices = {
-            "heterogeneity": ("shared", "per_branch"),
-            "placement": ("pre", "dual", "dual_norm"),
-            "head_site_shape": ("head_dim", "full"),
-            "reparam": PARAMS,
-            "reparam_sites": ("all", "input", "output"),
-            "weight_decay": ("none", "all", "iwd"),
-            "reparam_decay": ("magnitude", "all_params"),
-        }
-        for key, allowed in choices.items():
-            value = getattr(self, key)
-            if value not in allowed:
-                raise ScalevecError(f"scale.{key}", f"unknown value {value!r}.",
-                                    f"use one of: {', '.join(allowed)}.")
+        check_choices(self, "scale.")
         unknown = [t for t in self.targets if t not in ATTN_MAPS + FFN_MAPS]
         if unknown:
             raise ScalevecError("scale.targets", f"unknown linear maps {unknown}.",

@@ -7,13 +7,14 @@ the optimizer config; every other parameter is a hidden matrix.
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import nn
 
-from scalevec_train.errors import ScalevecError
+from scalevec_train.errors import ScalevecError, check_choices, choice
 from scalevec_train.model.strategies import ScaleConfig, scale_sites
-from scalevec_train.optim.muon import ADAMW_KEYS, MUON_KEYS, Muon, check_options
+from scalevec_train.optim.muon import LR_ADJUSTS, NS_COEFFICIENTS, NS_DTYPES, Muon, check_options
 
 # scale_decay: p <- p (1 - lr wd), the optimizer's own decay; scale_log_decay: an `er` site's b <- b +
 # log(1 - lr wd) (applied by a step pre-hook, see log_decay_hook); scale_no_decay: no decay.
@@ -24,7 +25,7 @@ _RULE_KIND = {"scale": "scale_decay", "log": "scale_log_decay", "none": "scale_n
 @dataclass
 class OptimConfig:
     # adamw | muon (hidden matrices with Muon; embeddings, head and scale vectors with AdamW)
-    name: str = "adamw"
+    name: str = choice("adamw", Literal["adamw", "muon"])
     # peak learning rate (the schedule multiplies it); under muon the AdamW groups' too unless adamw_lr
     lr: float = 3e-3
     # AdamW's betas and eps (under muon: of its AdamW groups)
@@ -45,12 +46,12 @@ class OptimConfig:
     ns_steps: int = 5
     # muon only: quintic ((3.4445, -4.7750, 2.0315) every iteration) | polar_express (one optimal
     # polynomial per iteration, Amsel et al. 2025: closer to the exact polar factor in as many steps)
-    ns_coefficients: str = "quintic"
+    ns_coefficients: str = choice("quintic", Literal[NS_COEFFICIENTS])
     # muon only: dtype of the Newton-Schulz matmuls: bfloat16 | float32 | float16
-    ns_dtype: str = "bfloat16"
+    ns_dtype: str = choice("bfloat16", Literal[NS_DTYPES])
     # muon only: match_rms_adamw (update x 0.2 * sqrt(max(rows, cols)): reuse AdamW's LR and decay) |
     # original (update x sqrt(max(1, rows / cols)): Muon's own LR, about 0.02)
-    lr_adjust: str = "match_rms_adamw"
+    lr_adjust: str = choice("match_rms_adamw", Literal[LR_ADJUSTS])
     # muon only: floor of the norm that scales a matrix into Newton-Schulz's range
     ns_eps: float = 1e-7
     # muon only: orthogonalize the MoE router's weight with Muon instead of AdamW
@@ -59,9 +60,10 @@ class OptimConfig:
     adamw_lr: float | None = None
 
     def validate(self) -> None:
-        if self.name not in ("adamw", "muon"):
-            raise ScalevecError("optim.name", f"unknown optimizer {self.name!r}.", "use optim=adamw or optim=muon.")
-        check_options(vars(self), tuple(dict.fromkeys(ADAMW_KEYS + MUON_KEYS)), lambda key: f"optim.{key}")
+        check_choices(self, "optim.")
+        # the checks Muon's groups share; the choices above are the rest of ADAMW_KEYS + MUON_KEYS
+        check_options(vars(self), ("weight_decay", "betas", "eps", "momentum", "ns_steps", "ns_eps"),
+                      lambda key: f"optim.{key}")
         if self.adamw_lr is not None and self.adamw_lr <= 0:
             raise ScalevecError("optim.adamw_lr", f"{self.adamw_lr} is not positive.", "use null or a positive LR.")
         if self.lr <= 0:

@@ -2,14 +2,15 @@
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
-from scalevec_train.errors import ScalevecError
+from scalevec_train.errors import ScalevecError, check_choices, choice
 
 
 @dataclass
 class ScheduleConfig:
     # constant | cosine | wsd (warmup-stable-decay)
-    name: str = "cosine"
+    name: str = choice("cosine", Literal["constant", "cosine", "wsd"])
     # linear warmup from 0 to the peak LR over this many steps
     warmup_steps: int = 20
     # cosine and wsd: the LR at the end, as a share of the peak (the wsd preset sets 0)
@@ -17,12 +18,10 @@ class ScheduleConfig:
     # wsd only: the share of all steps spent in the final decay
     decay_fraction: float = 0.2
     # wsd only: linear | cosine | 1-sqrt
-    decay_shape: str = "1-sqrt"
+    decay_shape: str = choice("1-sqrt", Literal["linear", "cosine", "1-sqrt"])
 
     def validate(self, total_steps: int) -> None:
-        if self.name not in ("constant", "cosine", "wsd"):
-            raise ScalevecError("schedule.name", f"unknown schedule {self.name!r}.",
-                                "use schedule=constant, schedule=cosine or schedule=wsd.")
+        check_choices(self, "schedule.")
         if not 0 <= self.warmup_steps <= total_steps:
             raise ScalevecError("schedule.warmup_steps",
                                 f"{self.warmup_steps} is outside [0, train.steps={total_steps}].",
@@ -32,9 +31,6 @@ class ScheduleConfig:
         if self.name == "wsd":
             if not 0.0 < self.decay_fraction <= 1.0:
                 raise ScalevecError("schedule.decay_fraction", f"{self.decay_fraction} is outside (0, 1].")
-            if self.decay_shape not in ("linear", "cosine", "1-sqrt"):
-                raise ScalevecError("schedule.decay_shape", f"unknown shape {self.decay_shape!r}.",
-                                    "use linear, cosine or 1-sqrt.")
             if self.warmup_steps > total_steps - round(self.decay_fraction * total_steps):
                 raise ScalevecError("schedule.warmup_steps", "warmup overlaps the WSD decay phase.",
                                     "shorten the warmup or the decay_fraction.")
