@@ -18,11 +18,9 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from scalevec_train.accounting import non_embedding_params
 from scalevec_train.data.config import DataConfig
 from scalevec_train.errors import ScalevecError, check_choices, choice
-from scalevec_train.model.config import ModelConfig
-from scalevec_train.model.strategies import ScaleConfig
+from scalevec_train.model.config import ModelConfig, ScaleConfig
 from scalevec_train.model.transformer import Transformer
-from scalevec_train.optim.groups import OptimConfig
-from scalevec_train.optim.schedules import ScheduleConfig
+from scalevec_train.optim.config import OptimConfig, ScheduleConfig
 from scalevec_train.parallel.config import DistributedConfig
 from scalevec_train.training.config import CheckpointConfig, TrainConfig
 from scalevec_train.training.logger import LoggerConfig

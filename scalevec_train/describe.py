@@ -17,7 +17,8 @@ from scalevec_train.accounting import (
 )
 from scalevec_train.config import compose_config
 from scalevec_train.errors import ScalevecError
-from scalevec_train.model.strategies import ScaleConfig, scale_sites, site_display_name
+from scalevec_train.model.config import ScaleConfig
+from scalevec_train.model.strategies import scale_sites, site_display_name
 from scalevec_train.model.transformer import Transformer
 
 

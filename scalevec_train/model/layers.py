@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalevec_kernels import head_rms_norm, rms_norm_scales
-from scalevec_train.model.config import ModelConfig
-from scalevec_train.model.strategies import NORM_FLOPS, ScaleConfig, ScaledMap, ScaleSite, SiteMaps, plan_map
+from scalevec_train.model.config import ModelConfig, ScaleConfig
+from scalevec_train.model.strategies import NORM_FLOPS, ScaledMap, ScaleSite, SiteMaps, plan_map
 
 
 def scaled(x: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:

@@ -42,9 +42,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalevec_kernels import rms_norm_scales
-from scalevec_train.model.config import ModelConfig
+from scalevec_train.model.config import ModelConfig, ScaleConfig
 from scalevec_train.model.layers import map_sites
-from scalevec_train.model.strategies import NORM_FLOPS, ScaleConfig, ScaledMap, SiteMaps
+from scalevec_train.model.strategies import NORM_FLOPS, ScaledMap, SiteMaps
 from scalevec_train.model.swiglu import ExpertSwiGLU
 
 

@@ -1,90 +1,23 @@
-"""Scale-vector strategies (docs/scale-vectors.md): the config axes, the scale site, and the
-plan that tells the model which sites exist where.
+"""Scale-vector strategies (docs/scale-vectors.md): the scale site, and the plan that tells the model
+which sites exist where under a strategy (ScaleConfig, model/config.py).
 
 A *site* is a learnable vector s multiplying a tensor elementwise. Its role (`input`: right before a
 linear map, absorbable into it; `output`: anything else) decides weight decay under `iwd` and how it
 folds. Its parameterization decides how s is computed from parameters.
 """
 
-from dataclasses import dataclass, field
-from typing import Literal, get_args
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from scalevec_train.errors import ScalevecError, check_choices, choice
+from scalevec_train.errors import ScalevecError
+from scalevec_train.model.config import PARAMS, ScaleConfig
 
 ROLES = ("input", "output")
-Param = Literal["plain", "or", "er", "fixed"]
-PARAMS = get_args(Param)
-# The linear maps of a block that placement targets can name.
-ATTN_MAPS = ("q", "k", "v", "o")
-FFN_MAPS = ("gate", "up", "down")
-# The maps that read a pre-norm's output: the default placement targets.
-PRE_NORM_MAPS = ("q", "k", "v", "gate", "up")
 # Forward FLOPs per element and token (accounting.py): a normalization (square-accumulate, scale by the
 # inverse RMS, and the RMS itself amortized) and a scale site (one multiply).
 NORM_FLOPS, SITE_FLOPS = 3, 1
-
-
-@dataclass
-class ScaleConfig:
-    # preset name; used in run names and for grouping runs
-    name: str = "baseline"
-    # shared: one pre-norm scale feeds q/k/v (and gate/up); per_branch: one input site per branch (HG)
-    heterogeneity: str = choice("shared", Literal["shared", "per_branch"])
-    # MoE only, with per_branch: every expert gets its own gate/up input sites
-    per_expert: bool = False
-    # pre: scales only before the maps; dual: also an output-side site on each target map (DP);
-    # dual_norm: the output-side site sits behind a normalization (DNP)
-    placement: str = choice("pre", Literal["pre", "dual", "dual_norm"])
-    # the linear maps that get dual placement: any of q, k, v, o, gate, up, down. The default is the
-    # pre-norm maps (spec revision 2); [q, k, o, down] is revision 1's reading (QK-norm + post-norms)
-    targets: list[str] = field(default_factory=lambda: list(PRE_NORM_MAPS))
-    # shape of the sites behind per-head normalizations (q, k, v): head_dim (shared by heads) | full
-    head_site_shape: str = choice("head_dim", Literal["head_dim", "full"])
-    # plain: s = p; or: s = beta * alpha / rms(alpha); er: s = exp(b) * alpha / rms(alpha);
-    # fixed: s = 1 with no parameter (the removal ablation)
-    reparam: str = choice("plain", Param)
-    # which sites `reparam` applies to (the others are plain): all | input | output
-    reparam_sites: str = choice("all", Literal["all", "input", "output"])
-    # weight decay on scale parameters: none | all | iwd (input sites only)
-    weight_decay: str = choice("none", Literal["none", "all", "iwd"])
-    # what decay does to an or/er site: magnitude (shrink s by (1 - lr*wd) per step: beta scaled, b
-    # shifted by log(1 - lr*wd), alpha untouched) | all_params (revision 1: the optimizer's decay on
-    # beta or b and on alpha)
-    reparam_decay: str = choice("magnitude", Literal["magnitude", "all_params"])
-
-    def validate(self) -> None:
-        check_choices(self, "scale.")
-        unknown = [t for t in self.targets if t not in ATTN_MAPS + FFN_MAPS]
-        if unknown:
-            raise ScalevecError("scale.targets", f"unknown linear maps {unknown}.",
-                                f"choose among {', '.join(ATTN_MAPS + FFN_MAPS)}.")
-        if self.per_expert and self.heterogeneity != "per_branch":
-            raise ScalevecError("scale.per_expert", "per-expert sites need branch-specific scales.",
-                                "set scale.heterogeneity=per_branch or scale.per_expert=false.")
-
-    def site_param(self, role: str) -> str:
-        """The parameterization of a new site of this role."""
-        return self.reparam if self.reparam_sites in ("all", role) else "plain"
-
-    def decays(self, site: "ScaleSite") -> bool:
-        """Whether `site` gets weight decay (a fixed site has nothing to decay)."""
-        if site.param == "fixed":
-            return False
-        return self.weight_decay == "all" or (self.weight_decay == "iwd" and site.role == "input")
-
-    def decay_rule(self, site: "ScaleSite", param_name: str) -> str:
-        """How weight decay treats parameter `param_name` (scale, beta, b or alpha) of `site`: `scale`
-        (p <- p (1 - lr wd), the optimizer's decoupled decay), `log` (b <- b + log(1 - lr wd), shrinking
-        exp(b) by the same factor) or `none`. In magnitude mode only an or/er site's magnitude decays, so
-        that decay shrinks s itself."""
-        if not self.decays(site):
-            return "none"
-        if self.reparam_decay == "all_params" or param_name in ("scale", "beta"):
-            return "scale"
-        return "log" if param_name == "b" else "none"
 
 
 class ScaleSite(nn.Module):

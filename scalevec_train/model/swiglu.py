@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalevec_kernels import swiglu_norm
-from scalevec_train.model.config import ModelConfig
+from scalevec_train.model.config import ModelConfig, ScaleConfig
 from scalevec_train.model.layers import map_output, map_sites
-from scalevec_train.model.strategies import NORM_FLOPS, ScaleConfig, ScaledMap, ScaleSite, SiteMaps
+from scalevec_train.model.strategies import NORM_FLOPS, ScaledMap, ScaleSite, SiteMaps
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, gate_site: ScaleSite | None, up_site: ScaleSite | None,

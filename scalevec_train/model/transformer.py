@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scalevec_train.model.config import ModelConfig
+from scalevec_train.model.config import ModelConfig, ScaleConfig
 from scalevec_train.model.layers import Linear, PreNorm, Rotary
 from scalevec_train.model.moe import MoEFeedForward
-from scalevec_train.model.strategies import ScaleConfig, ScaledMap, ScaleSite, SiteMaps, input_branches
+from scalevec_train.model.strategies import ScaledMap, ScaleSite, SiteMaps, input_branches
 from scalevec_train.model.swiglu import swiglu
 
 

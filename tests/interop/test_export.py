@@ -30,7 +30,8 @@ from scalevec_train.interop import export
 from scalevec_train.interop.api import load
 from scalevec_train.interop.hf_import import check_init_from, import_llama, init_from_hf
 from scalevec_train.model import Transformer
-from scalevec_train.model.strategies import ScaleConfig, scale_sites
+from scalevec_train.model.config import ScaleConfig
+from scalevec_train.model.strategies import scale_sites
 from scalevec_train.optim.groups import build_optimizer
 from scalevec_train.train import run
 from tests.helpers import make_config
