@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from scalevec_train.model import Transformer
-from tests.helpers import make_config
+from tests.helpers import TINY_MODEL, make_config
 
 SIZES = {"dense-tiny": 4.2e6, "dense-0.12b": 0.12e9, "dense-0.5b": 0.5e9, "dense-1b": 1.0e9,
          "dense-2b": 2.0e9, "dense-gemma-0.5b": 0.5e9, "dense-tiny-gemma": 4.2e6}
@@ -79,8 +79,7 @@ def test_init_depends_only_on_seed_and_name():
     models = {}
     for key, extra in {"base": [], "vocab": ["model.vocab_size=3000"], "unified": ["scale=unified"],
                        "untied": ["model.tie_embeddings=false"]}.items():
-        cfg = make_config("model.n_layers=2", "model.dim=32", "model.n_heads=4", "model.n_kv_heads=2",
-                          "model.ffn_dim=48", "model.init_std=0.02", *extra)
+        cfg = make_config(*TINY_MODEL, *extra)
         models[key] = Transformer(cfg.model, cfg.scale)
         models[key].init_weights(5)
     base = dict(models["base"].named_parameters())
