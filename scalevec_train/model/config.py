@@ -86,9 +86,9 @@ class ModelConfig:
     max_seq_len: int = 1024
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
-    # per-head RMSNorm of q and k with an output scale site (the spec's g_q, g_k)
+    # per-head RMSNorm of q and k with an output scale site (docs/scale-vectors.md's g_q, g_k)
     qk_norm: bool = False
-    # Gemma/OLMo-2 style normalization of each sub-layer's output (the spec's g_o, g_down)
+    # Gemma/OLMo-2 style normalization of each sub-layer's output (docs/scale-vectors.md's g_o, g_down)
     post_norm: bool = False
     # share the token embedding with the output head
     tie_embeddings: bool = True
@@ -147,7 +147,7 @@ class ScaleConfig:
     # dual_norm: the output-side site sits behind a normalization (DNP)
     placement: str = choice("pre", Literal["pre", "dual", "dual_norm"])
     # the linear maps that get dual placement: any of q, k, v, o, gate, up, down. The default is the
-    # pre-norm maps (spec revision 2); [q, k, o, down] is revision 1's reading (QK-norm + post-norms)
+    # pre-norm maps (docs/scale-vectors.md, revision 2); [q, k, o, down] is revision 1's reading (QK-norm + post-norms)
     targets: list[str] = field(default_factory=lambda: list(PRE_NORM_MAPS))
     # shape of the sites behind per-head normalizations (q, k, v): head_dim (shared by heads) | full
     head_site_shape: str = choice("head_dim", Literal["head_dim", "full"])

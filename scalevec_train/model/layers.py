@@ -12,7 +12,8 @@ from scalevec_train.model.strategies import NORM_FLOPS, ScaledMap, ScaleSite, Si
 
 
 def scaled(x: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
-    """x * s in x's dtype: s stays fp32 (spec, precision), only the product takes the activations' dtype."""
+    """x * s in x's dtype: s stays fp32 (docs/scale-vectors.md, precision), only the product takes the
+    activations' dtype."""
     return x if s is None else (x * s).to(x.dtype)
 
 

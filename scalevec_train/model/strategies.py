@@ -98,7 +98,7 @@ class SiteMaps:
     @property
     def cancelled_by(self) -> str | None:
         """The normalization(s) that cancel the site's overall magnitude: an input site whose every map
-        is normalized right after (spec, "Sites whose magnitude does not reach the loss")."""
+        is normalized right after (docs/scale-vectors.md, "Sites whose magnitude does not reach the loss")."""
         if self.side != "in" or self.site.param == "fixed" or not all(m.norm for m in self.maps):
             return None
         return ", ".join(dict.fromkeys(m.norm for m in self.maps))

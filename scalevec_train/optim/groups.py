@@ -79,7 +79,8 @@ def param_groups(model: nn.Module, cfg: OptimConfig, scale: ScaleConfig) -> list
 def log_decay_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """Before each step: b <- b + log(1 - lr wd) for the `er` magnitudes of groups with a
     `log_weight_decay`, which shrinks s = exp(b) alpha / rms(alpha) by the decoupled factor (1 - lr wd),
-    as the optimizer's own decay shrinks a plain site (spec, "Weight decay on scale parameters")."""
+    as the optimizer's own decay shrinks a plain site (docs/scale-vectors.md, "Weight decay on scale
+    sites")."""
     for group in optimizer.param_groups:
         wd = group.get("log_weight_decay", 0.0)
         if wd and group["lr"]:
