@@ -1,4 +1,5 @@
-"""Sharding the model with FSDP2 when there are several processes.
+"""Data parallelism: placing and initializing the model (plain on one process, sharded with FSDP2/HSDP
+over several), the gradients of the parameters every rank holds whole, and gradient clipping.
 
 One process (no torchrun, or torchrun with one process) trains the plain model. Several processes
 shard it with FSDP2 over a DeviceMesh: `fully_shard` on every transformer block, then on the root.
