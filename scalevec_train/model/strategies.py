@@ -45,14 +45,18 @@ class ScaleSite(nn.Module):
         return self.param != "fixed" and not self.behind_norm
 
     @staticmethod
-    def initial_value(param_name: str, shape: torch.Size) -> torch.Tensor:
+    def initial_entry(param_name: str) -> float:
         """Every parameterization starts at s = 1: b = 0, every other parameter 1."""
-        return torch.zeros(shape) if param_name == "b" else torch.ones(shape)
+        return 0.0 if param_name == "b" else 1.0
+
+    @staticmethod
+    def initial_value(param_name: str, shape: torch.Size) -> torch.Tensor:
+        return torch.full(shape, ScaleSite.initial_entry(param_name))
 
     @torch.no_grad()
     def init_weights(self) -> None:
         for name, p in self.named_parameters():
-            p.copy_(self.initial_value(name, p.shape))
+            p.fill_(self.initial_entry(name))  # in place: a sharded (DTensor) parameter too
 
     def flops_per_token(self, width: int | None = None) -> int:
         """Forward FLOPs per token of applying s to `width` features (default: its own last dim; a
