@@ -31,6 +31,10 @@ _POLAR_EXPRESS_RAW = [
 POLAR_EXPRESS = [(a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in _POLAR_EXPRESS_RAW[:-1]]
 POLAR_EXPRESS.append(_POLAR_EXPRESS_RAW[-1])
 
+# The names checkpoints store group keys under: those they were first written with (a distributed
+# checkpoint loads only the keys it holds), mapped to and from the names of OptimConfig and the groups.
+STORED_KEYS = {"betas": "adamw_betas", "eps": "adamw_eps", "ns_eps": "eps"}
+
 NS_COEFFICIENTS = ("quintic", "polar_express")
 LR_ADJUSTS = ("match_rms_adamw", "original")
 NS_DTYPES = ("bfloat16", "float16", "float32")
@@ -71,6 +75,10 @@ def adjusted_lr(lr: float, rows: int, cols: int, mode: str) -> float:
     """
     ratio = 0.2 * math.sqrt(max(rows, cols)) if mode == "match_rms_adamw" else math.sqrt(max(1, rows / cols))
     return lr * ratio
+
+
+def _renamed(group: dict, names: dict[str, str]) -> dict:
+    return {names.get(k, k): v for k, v in group.items()}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -117,15 +125,17 @@ class Muon(torch.optim.Optimizer):
                         ns_eps=ns_eps, betas=tuple(betas), eps=eps)
         super().__init__(params, defaults)
 
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["param_groups"] = [_renamed(g, STORED_KEYS) for g in state["param_groups"]]
+        return state
+
     def load_state_dict(self, state_dict: dict) -> None:
-        # Checkpoints written before the group keys took OptimConfig's names (adamw_betas -> betas,
-        # adamw_eps -> eps, eps -> ns_eps) and lost the unused `split`: read under the new names.
-        for group in state_dict["param_groups"]:
-            if "adamw_eps" in group:
-                group["ns_eps"] = group.pop("eps")
-                group["betas"], group["eps"] = group.pop("adamw_betas"), group.pop("adamw_eps")
-            group.pop("split", None)
-        super().load_state_dict(state_dict)
+        stored = {v: k for k, v in STORED_KEYS.items()}
+        groups = [_renamed(g, stored) for g in state_dict["param_groups"]]
+        for group in groups:
+            group.pop("split", None)  # an option older checkpoints hold, always None
+        super().load_state_dict({**state_dict, "param_groups": groups})
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)

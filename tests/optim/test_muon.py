@@ -136,15 +136,18 @@ def test_state_dict_round_trip():
         assert torch.equal(a, b), a.shape
 
 
-def test_state_from_before_the_key_rename_loads_under_the_new_names():
-    """Checkpoints written when the group keys were adamw_betas, adamw_eps, eps (Newton-Schulz) and split."""
+def test_checkpoints_keep_the_group_key_names_they_were_written_with():
+    """In memory a group has OptimConfig's names; its state stores them as checkpoints always did
+    (adamw_betas, adamw_eps, and eps for Newton-Schulz; the `split` older ones hold is dropped)."""
     params = _leaves([torch.randn(32, 24), torch.randn(2, 12, 20), torch.randn(24), torch.randn(9, 24)])
     opt = _mixed(params)
     _run(params, opt, 1)
+    assert {"betas", "eps", "ns_eps"} <= set(opt.param_groups[0]) and "adamw_eps" not in opt.param_groups[0]
     state = opt.state_dict()
     for group in state["param_groups"]:
-        group["adamw_betas"], group["adamw_eps"] = group.pop("betas"), group.pop("eps")
-        group["eps"], group["split"] = group.pop("ns_eps"), None
+        assert (group["adamw_betas"], group["adamw_eps"], group["eps"]) == ((0.9, 0.95), 1e-8, 1e-7)
+        assert "ns_eps" not in group and "betas" not in group
+        group["split"] = None
     fresh = _mixed([p.detach().clone().requires_grad_() for p in params])
     fresh.load_state_dict(state)
     for group in fresh.param_groups:
