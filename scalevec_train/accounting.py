@@ -9,17 +9,15 @@ head counts. MoE layers count only the experts a token is routed to.
 
 Normalizations and scale sites are counted apart (norm_flops_per_token): per element and token,
 forward, a normalization N costs 3 FLOPs (square-accumulate, scale by the inverse RMS, and the RMS
-itself amortized) and a scale site 1 multiply; training costs 3x forward.
+itself amortized) and a scale site 1 multiply (model.strategies.NORM_FLOPS, SITE_FLOPS); each module of
+the model that holds normalizations or sites reports its own; training costs 3x forward.
 """
 
 import torch
 from torch import nn
 
-from scalevec_train.model.layers import Linear, PreNorm
-from scalevec_train.model.moe import MoEFeedForward, RoutedExperts, SharedExpert
+from scalevec_train.model.moe import MoEFeedForward
 from scalevec_train.model.strategies import scale_sites
-
-NORM_FLOPS, SITE_FLOPS = 3, 1
 
 # Dense bf16 peak FLOP/s (no sparsity), by a substring of torch.cuda.get_device_name().
 PEAK_BF16 = {
@@ -80,38 +78,10 @@ def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
     return 6 * matmul_params_per_token(model) + attention
 
 
-def _site(site) -> bool:
-    return site is not None and site.param != "fixed"
-
-
-def _expert_flops(expert: nn.Module) -> int:
-    """Per token through one expert: its own sites, and the normalizations behind gate and up."""
-    sites = (expert.gate_in, expert.up_in, expert.gate_out, expert.up_out, expert.down_in)
-    total = sum(SITE_FLOPS * s.shape[-1] for s in sites if _site(s))
-    return total + sum(NORM_FLOPS * s.shape[-1] for s in (expert.gate_out, expert.up_out)
-                       if s is not None and s.behind_norm)
-
-
 def norm_flops_per_token(model: nn.Module) -> int:
-    """Forward FLOPs per token spent in normalizations and scale sites."""
-    total = 0
-    for m in model.modules():
-        if isinstance(m, PreNorm):
-            width = model.cfg.dim
-            total += NORM_FLOPS * width + SITE_FLOPS * width * sum(_site(s) for s in m.sites.values())
-        elif isinstance(m, Linear):
-            d_out, d_in = m.weight.shape
-            total += SITE_FLOPS * d_in * _site(m.in_site) + SITE_FLOPS * d_out * _site(m.out_site)
-            if m.out_norm is not None:
-                total += NORM_FLOPS * d_out
-        elif isinstance(m, RoutedExperts):
-            total += model.cfg.moe.top_k * _expert_flops(m)
-        elif isinstance(m, SharedExpert):
-            total += _expert_flops(m)
-        elif isinstance(m, MoEFeedForward):
-            dim = model.cfg.dim
-            total += NORM_FLOPS * dim * (m.out_norm is not None) + SITE_FLOPS * dim * _site(m.down_out)
-    return total
+    """Forward FLOPs per token spent in normalizations and scale sites: the sum of what each module
+    reports of its own (`norm_flops_per_token()`)."""
+    return sum(m.norm_flops_per_token() for m in model.modules() if hasattr(m, "norm_flops_per_token"))
 
 
 def peak_flops(device: torch.device) -> float | None:

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from scalevec_train.model.config import ModelConfig
+from scalevec_train.model.config import ModelConfig, ScaleConfig
 from scalevec_train.model.moe import MoEFeedForward
-from scalevec_train.model.strategies import ScaleConfig, input_branches, plan_map, scale_sites
+from scalevec_train.model.strategies import input_branches, plan_map, scale_sites
 
 INDEX = 8  # int64 indices (tokens, targets, expert order)
 FP32 = 4

@@ -7,6 +7,7 @@ with `key=value` and this module's checks give the one-line errors); presets set
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -16,12 +17,10 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from scalevec_train.accounting import non_embedding_params
 from scalevec_train.data.config import DataConfig
-from scalevec_train.errors import ScalevecError
-from scalevec_train.model.config import ModelConfig
-from scalevec_train.model.strategies import ScaleConfig
+from scalevec_train.errors import ScalevecError, check_choices, choice
+from scalevec_train.model.config import ModelConfig, ScaleConfig
 from scalevec_train.model.transformer import Transformer
-from scalevec_train.optim.groups import OptimConfig
-from scalevec_train.optim.schedules import ScheduleConfig
+from scalevec_train.optim.config import OptimConfig, ScheduleConfig
 from scalevec_train.parallel.config import DistributedConfig
 from scalevec_train.training.config import CheckpointConfig, TrainConfig
 from scalevec_train.training.logger import LoggerConfig
@@ -56,7 +55,7 @@ class Config:
     # (scalevec_train/branch.py: which checkpoint, what must match); empty: no branch
     branch_from: str = ""
     # auto (cuda if available) | cpu | cuda
-    device: str = "auto"
+    device: str = choice("auto", Literal["auto", "cpu", "cuda"])
 
     def validate(self, world_size: int = 1) -> None:
         self.model.validate()
@@ -72,8 +71,7 @@ class Config:
             raise ScalevecError("train.seq_len", f"{self.train.seq_len} is longer than the model's "
                                 f"positions (model.max_seq_len={self.model.max_seq_len}).",
                                 "shorten train.seq_len or raise model.max_seq_len.")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ScalevecError("device", f"unknown device {self.device!r}.", "use auto, cpu or cuda.")
+        check_choices(self, "")
         if not self.run_dir:
             raise ScalevecError("run_dir", "is empty.", "set run_dir=<a directory>.")
         if self.branch_from and (self.init_from or self.resume not in ("none", "auto")):

@@ -12,6 +12,7 @@ GB (10^9 bytes), with the change that makes it fit when it does not and the worl
 import copy
 import json
 import sys
+from typing import get_args
 
 import torch
 from hydra.errors import HydraException
@@ -27,9 +28,10 @@ from scalevec_train.accounting import (
 from scalevec_train.config import compose_raw, to_config
 from scalevec_train.errors import ScalevecError
 from scalevec_train.memory import GB, estimate, fix
-from scalevec_train.model.strategies import ScaleConfig, scale_sites, site_display_name
+from scalevec_train.model.config import ScaleConfig
+from scalevec_train.model.strategies import scale_sites, site_display_name
 from scalevec_train.model.transformer import Transformer
-from scalevec_train.parallel.config import AC_MODES
+from scalevec_train.parallel.config import ActivationCheckpointing
 
 
 def build_meta(model_cfg, scale_cfg) -> Transformer:
@@ -49,7 +51,7 @@ def describe(cfg) -> dict:
             "name": path, "layer": layer, "site": name, "role": site.role, "param": site.param,
             "shape": list(site.shape), "behind_norm": site.behind_norm,
             "params": sum(p.numel() for p in site.parameters()),
-            "weight_decay": site.param != "fixed" and cfg.scale.decays(site.role),
+            "weight_decay": cfg.scale.decays(site),
             "magnitude_cancelled_by": cancelled[id(site)],
         })
     scale_params = sum(s["params"] for s in sites)
@@ -106,7 +108,7 @@ def memory(raw: DictConfig, world: int, device_gb: float) -> dict:
         except ScalevecError:  # the global batch does not split over w ranks
             continue
     by_mode = {}
-    for mode in AC_MODES:
+    for mode in get_args(ActivationCheckpointing):
         trial = copy.deepcopy(at_world)
         trial.distributed.activation_checkpointing = mode
         e = estimate(trial, world)

@@ -5,6 +5,9 @@ what is wrong and how to fix it instead of a traceback. Any other exception is a
 traceback (exit code 1).
 """
 
+from dataclasses import field, fields
+from typing import Any, get_args
+
 
 class ScalevecError(Exception):
     """Bad input. `where` names the config key or file; `fix` says what to do about it."""
@@ -30,3 +33,19 @@ def listing(items: list[str], limit: int = 5) -> str:
     """The first `limit` items and how many more: for error messages that name what is wrong."""
     shown = ", ".join(items[:limit])
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def choice(default: str, options: Any) -> Any:
+    """A config field whose values are the arguments of the Literal type `options`. The field stays
+    annotated `str` (OmegaConf's structured configs take no Literal); check_choices checks it."""
+    return field(default=default, metadata={"choices": get_args(options)})
+
+
+def check_choices(cfg: Any, prefix: str) -> None:
+    """The one check of every choice() field of the dataclass `cfg` (its options under `prefix`, e.g.
+    "model.moe."): its value must be one of the field's Literal's."""
+    for f in fields(cfg):
+        allowed = f.metadata.get("choices")
+        value = getattr(cfg, f.name)
+        if allowed is not None and value not in allowed:
+            raise ScalevecError(f"{prefix}{f.name}", f"unknown value {value!r}.", f"use one of: {', '.join(allowed)}.")

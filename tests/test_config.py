@@ -1,5 +1,7 @@
 """Config errors name the key and the fix, in-process and through the command line."""
 
+import dataclasses
+import functools
 import subprocess
 import sys
 
@@ -25,9 +27,9 @@ CASES = [
     (["optim=muon", "optim.momentum=1.0"], r"optim.momentum: 1.0 is outside \[0, 1\). Fix: use 0.95."),
     (["optim=muon", "optim.ns_steps=0"], r"optim.ns_steps: 0 is not a positive integer. Fix:"),
     (["optim.betas=[0.9,1.5]"], r"optim.betas: \[0.9, 1.5\] is not two numbers in \[0, 1\). Fix:"),
-    (["data.source=ftp"], "data.source: unknown source 'ftp'"),
+    (["data.source=ftp"], "data.source: unknown value 'ftp'. Fix: use one of: stdlib, python_env, text_dir"),
     (["data.source=text_dir"], "data.path: data.source=text_dir needs a path"),
-    (["device=tpu"], "device: unknown device 'tpu'"),
+    (["device=tpu"], "device: unknown value 'tpu'. Fix: use one of: auto, cpu, cuda."),
     (["model.kernels=cuda"], "model.kernels: unknown value 'cuda'"),
     (["train.dtype=fp8"], "train.dtype: unknown value 'fp8'"),
 ]
@@ -38,6 +40,38 @@ def test_config_error_names_key(overrides, message):
     with pytest.raises(ScalevecError, match=message) as info:
         make_config(*overrides)
     assert info.value.where
+
+
+def choice_keys(cfg, prefix: str = "") -> list[str]:
+    """Every option of `cfg` (a config dataclass) declared with errors.choice, as dotted keys."""
+    keys = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if "choices" in f.metadata:
+            keys.append(prefix + f.name)
+        elif dataclasses.is_dataclass(value):
+            keys += choice_keys(value, f"{prefix}{f.name}.")
+    return keys
+
+
+MOE_CONFIG = make_config("model=moe-tiny")
+
+
+@pytest.mark.parametrize("key", choice_keys(MOE_CONFIG))
+def test_every_choice_refuses_an_unknown_value_naming_the_choices(key):
+    *path, name = key.split(".")
+    owner = functools.reduce(getattr, path, MOE_CONFIG)
+    allowed = next(f.metadata["choices"] for f in dataclasses.fields(owner) if f.name == name)
+    assert len(allowed) >= 2
+    allowed = ", ".join(allowed)
+    with pytest.raises(ScalevecError, match=f"^{key}: unknown value 'bogus'. Fix: use one of: {allowed}.$"):
+        make_config("model=moe-tiny", f"{key}=bogus")
+
+
+def test_choices_cover_the_options_that_name_a_mode():
+    assert {"scale.placement", "scale.reparam", "model.moe.backend", "model.kernels", "optim.name",
+            "optim.ns_dtype", "schedule.decay_shape", "data.source", "train.dtype",
+            "distributed.activation_checkpointing", "device"} <= set(choice_keys(MOE_CONFIG))
 
 
 def test_global_batch_must_divide_by_world_size():

@@ -12,7 +12,7 @@ from scalevec_train.describe import describe
 from scalevec_train.model import Transformer
 from scalevec_train.model.strategies import scale_sites
 from scalevec_train.training.callbacks.scales import site_grad_norms
-from tests.helpers import make_config
+from tests.helpers import SMALL_MODEL, make_config
 
 
 def describe_json(*overrides: str) -> dict:
@@ -79,8 +79,7 @@ def test_cancelled_magnitudes_get_no_gradient():
     """What describe marks is what autograd finds: the or-magnitude of every marked site has (almost)
     no gradient, every other one a clear gradient (a tiny eps so that it barely leaks; the norms compute
     in fp32, whose rounding leaves about 1e-6 of the terms that cancel)."""
-    cfg = make_config("scale=unified", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
-                      "model.ffn_dim=96", "model.n_layers=2", "model.vocab_size=128", "model.norm_eps=1e-12")
+    cfg = make_config("scale=unified", *SMALL_MODEL, "model.vocab_size=128", "model.norm_eps=1e-12")
     model = Transformer(cfg.model, cfg.scale).double()
     model.init_weights(0)
     with torch.no_grad():

@@ -1,37 +1,39 @@
 """The package's shape (docs/architecture.md): imports point down the layers and never form a cycle,
-the kernel library stands alone, and no module grows past about 500 lines. Read from the source with
-ast, so imports inside functions count too."""
+the kernel library and the analysis package stand beside it, and no module grows past about 500 lines.
+Read from the source with ast, so imports inside functions count too."""
 
 import ast
+import re
 from pathlib import Path
 
 from tests.helpers import REPO
 
 PACKAGE = REPO / "scalevec_train"
-# Lower layers never import higher ones; modules of one group may import each other (without cycles),
-# groups of the same layer may not.
-LAYERS = {
-    "scalevec_train.errors": 0,
-    "scalevec_train.model": 1,
-    "scalevec_train.data": 1,
-    "scalevec_train.accounting": 2,
-    "scalevec_train.activations": 2,
-    "scalevec_train.optim": 2,
-    "scalevec_train.parallel": 2,
-    "scalevec_train.checkpoint": 3,
-    "scalevec_train.training": 4,
-    "scalevec_train.config": 5,
-    "scalevec_train.interop": 6,
-    "scalevec_train.describe": 7,
-    "scalevec_train.memory": 6,
-    "scalevec_train.branch": 6,
-    "scalevec_train.build": 7,
-    "scalevec_train.train": 8,
-    "scalevec_train.prepare_data": 8,
-    "scalevec_train.export": 8,
-    "scalevec_train": 9,
-}
+ANALYSIS = REPO / "scalevec_analysis"
+KERNELS = REPO / "kernels" / "scalevec_kernels"
 MAX_LINES = 500
+
+
+def documented_layers() -> dict[str, int]:
+    """docs/architecture.md's layer table, {module or package: layer}: lower layers never import higher
+    ones; modules of one group may import each other (without cycles), groups of the same layer may not.
+    The package's own __init__ sits above them all."""
+    layers = {}
+    for layer, names in re.findall(r"^\| (\d+) \| (.+?) \|", (REPO / "docs" / "architecture.md").read_text(), re.M):
+        for name in re.findall(r"`([\w/.]+)`", names):
+            layers["scalevec_train." + name.removesuffix("/").removesuffix(".py").replace("/", ".")] = int(layer)
+    layers["scalevec_train"] = max(layers.values()) + 1
+    return layers
+
+
+LAYERS = documented_layers()
+
+
+def test_the_layer_table_names_real_modules():
+    assert len(LAYERS) > 10
+    for name in LAYERS:
+        path = REPO / name.replace(".", "/")
+        assert path.is_dir() or path.with_suffix(".py").is_file(), name
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -39,21 +41,42 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path, root: Path) -> set[str]:
-    """The modules of `root`'s package that the file imports (a `from package import name` counts as
-    the submodule `package.name` when there is one). The package imports absolutely only."""
+def all_imports(path: Path, root: Path) -> set[str]:
+    """Every module the file imports, absolute or relative (a `from package import name` counts as the
+    submodule `package.name` when `root`'s package has one)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            assert not node.level, f"{path}: relative import"
+            module = node.module or ""
+            if node.level:
+                package = module_name(path, root).split(".")
+                package = package[:len(package) - node.level + (path.name == "__init__.py")]
+                module = ".".join(package + ([module] if module else []))
             for a in node.names:
-                sub = root.parent / f"{node.module}.{a.name}".replace(".", "/")
+                sub = root.parent / f"{module}.{a.name}".replace(".", "/")
                 # `from package import submodule` depends on the submodule, not on the package's names
                 is_module = sub.with_suffix(".py").exists() or sub.is_dir()
-                found.add(f"{node.module}.{a.name}" if is_module else node.module)
-    return {m for m in found if m == root.name or m.startswith(root.name + ".")}
+                found.add(f"{module}.{a.name}" if is_module else module)
+    return found
+
+
+def imports(path: Path, root: Path) -> set[str]:
+    """The modules of `root`'s package that the file imports. The package imports absolutely only."""
+    assert not any(isinstance(n, ast.ImportFrom) and n.level for n in ast.walk(ast.parse(path.read_text()))), \
+        f"{path}: relative import"
+    return {m for m in all_imports(path, root) if m == root.name or m.startswith(root.name + ".")}
+
+
+def test_imports_are_parsed_whole():
+    """The parser itself: absolute and relative imports, inside functions too, `from package import
+    submodule` as the submodule."""
+    found = all_imports(KERNELS / "__init__.py", KERNELS)
+    assert {"scalevec_kernels.backend", "scalevec_kernels.rms_norm"} <= found
+    assert "torch" in all_imports(KERNELS / "rms_norm.py", KERNELS)
+    assert "scalevec_train.model.moe" in imports(PACKAGE / "accounting.py", PACKAGE)
+    assert "scalevec_train.config" in imports(ANALYSIS / "runs.py", PACKAGE)  # imported inside a function
 
 
 def graph(root: Path) -> dict[str, set[str]]:
@@ -102,12 +125,24 @@ def test_model_code_never_imports_training_or_parallelism():
 
 
 def test_the_kernel_library_stands_alone():
-    root = REPO / "kernels" / "scalevec_kernels"
-    for path in root.rglob("*.py"):
-        assert "scalevec_train" not in path.read_text(), path
+    """It imports torch, triton, the standard library and itself: neither the framework nor the analysis."""
+    for path in KERNELS.rglob("*.py"):
+        tops = {m.split(".")[0] for m in all_imports(path, KERNELS)}
+        assert not tops & {"scalevec_train", "scalevec_analysis"}, path
+
+
+def test_the_analysis_stands_beside_the_package():
+    """scalevec_train never imports scalevec_analysis (matplotlib stays an optional extra); the analysis
+    imports the framework's errors and, lazily, its config, nothing that trains."""
+    for path in PACKAGE.rglob("*.py"):
+        assert not any(m.split(".")[0] == "scalevec_analysis" for m in all_imports(path, PACKAGE)), path
+    used = set()
+    for path in ANALYSIS.rglob("*.py"):
+        used |= imports(path, PACKAGE)
+    assert used <= {"scalevec_train.errors", "scalevec_train.config"}, used
 
 
 def test_no_module_is_long():
-    long = {str(p.relative_to(REPO)): n for p in [*PACKAGE.rglob("*.py"), *(REPO / "scalevec_analysis").rglob("*.py")]
+    long = {str(p.relative_to(REPO)): n for p in [*PACKAGE.rglob("*.py"), *ANALYSIS.rglob("*.py")]
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long

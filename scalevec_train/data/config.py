@@ -1,10 +1,10 @@
 """The data settings (`data.*` in the Hydra config) and their validation."""
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-from scalevec_train.errors import ScalevecError
+from scalevec_train.errors import ScalevecError, check_choices, choice
 
-SOURCES = ("stdlib", "python_env", "text_dir", "hf", "shards")
 EMBEDDED = ("stdlib", "python_env")  # sources that read the running Python's files, so take no data.path
 
 
@@ -13,7 +13,7 @@ class DataConfig:
     # stdlib (the running Python's standard library source, about 10M tokens) | python_env (the standard
     # library plus every package installed beside it, site-packages) | text_dir | hf (a `datasets`
     # dataset) | shards (a folder prepared earlier)
-    source: str = "stdlib"
+    source: str = choice("stdlib", Literal["stdlib", "python_env", "text_dir", "hf", "shards"])
     # text_dir: folder of text files; hf: dataset name or local path; shards: prepared folder
     path: str = ""
     # text_dir only: file-name patterns searched in all subfolders; each file is one document
@@ -37,7 +37,7 @@ class DataConfig:
     # token named </s>, <|endoftext|>, <|end_of_text|> or <eos>
     tokenizer_path: str = ""
     # SentencePiece model type when training: bpe | unigram (unigram trains about 10x slower)
-    tokenizer_type: str = "bpe"
+    tokenizer_type: str = choice("bpe", Literal["bpe", "unigram"])
     # tokenizer training reads at most this many bytes of training text
     tokenizer_train_bytes: int = 16_000_000
     # tokens per shard file (the last shard of each part shorter)
@@ -54,9 +54,7 @@ class DataConfig:
     cache_dir: str = "data_cache"
 
     def validate(self) -> None:
-        if self.source not in SOURCES:
-            raise ScalevecError("data.source", f"unknown source {self.source!r}.",
-                                f"use one of {', '.join(SOURCES)}.")
+        check_choices(self, "data.")
         if self.source in EMBEDDED and self.path:
             raise ScalevecError("data.path", f"is set ({self.path!r}) but data.source={self.source} ignores it.",
                                 "pick the source that reads it (data=text_dir, data=hf, data=shards) "
@@ -77,9 +75,6 @@ class DataConfig:
                                 "use 0 for no limit.")
         if self.vocab_size < 1:
             raise ScalevecError("data.vocab_size", f"{self.vocab_size} is not positive.")
-        if self.tokenizer_type not in ("bpe", "unigram"):
-            raise ScalevecError("data.tokenizer_type", f"unknown type {self.tokenizer_type!r}.",
-                                "use bpe or unigram.")
         if self.tokenizer_train_bytes < 1:
             raise ScalevecError("data.tokenizer_train_bytes",
                                 f"{self.tokenizer_train_bytes} is not positive.")

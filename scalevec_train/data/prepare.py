@@ -52,10 +52,6 @@ class PreparedData:
     def train_dir(self) -> Path:
         return self.split_dir("train")
 
-    @property
-    def val_dir(self) -> Path:
-        return self.split_dir("val")
-
     def split_dir(self, split: str) -> Path:
         if split not in self.manifest:
             raise ScalevecError("split", f"unknown split {split!r}.", f"use one of {list(self.manifest)}.")

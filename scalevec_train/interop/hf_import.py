@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from scalevec_train.errors import ScalevecError, listing
-from scalevec_train.model.config import ModelConfig
-from scalevec_train.model.strategies import ScaleConfig, scale_sites
+from scalevec_train.model.config import ModelConfig, ScaleConfig
+from scalevec_train.model.strategies import scale_sites
 from scalevec_train.model.transformer import Transformer
 
 SINGLE_FILE = "model.safetensors"

@@ -1,16 +1,17 @@
 """The model: a plain nn.Module decoder (dense or mixture of experts) with the scale sites of a
 strategy, and folding. Nothing here knows about training, parallelism or checkpoints.
 
-    config.py       ModelConfig, MoEConfig: the shape of the decoder
-    strategies.py   ScaleConfig and the scale site: where sites go and how they are parameterized
+    config.py       ModelConfig, MoEConfig: the shape of the decoder; ScaleConfig: the strategy
+    strategies.py   the scale site: where sites go and how they are parameterized
     layers.py       pre-norm, linear map with its sites and output norm, rotary embeddings
+    swiglu.py       SwiGLU with its inner sites and fused path (dense feed-forward and experts)
     moe.py          the mixture-of-experts feed-forward layer
     transformer.py  attention, feed-forward, block, the decoder
     fold.py         absorbing foldable sites into the linear maps
 """
 
-from scalevec_train.model.config import ModelConfig, MoEConfig
-from scalevec_train.model.strategies import ScaleConfig, ScaleSite, scale_sites
+from scalevec_train.model.config import ModelConfig, MoEConfig, ScaleConfig
+from scalevec_train.model.strategies import ScaleSite, scale_sites
 from scalevec_train.model.transformer import Transformer
 
 __all__ = ["ModelConfig", "MoEConfig", "ScaleConfig", "ScaleSite", "Transformer", "scale_sites"]

@@ -1,15 +1,14 @@
-"""The model's options: the decoder's shape and its mixture-of-experts layers (`model.*` in the config)."""
+"""The model's options: the decoder's shape and its mixture-of-experts layers (`model.*` in the config),
+and the scale-vector strategy (`scale.*`; model/strategies.py places its sites)."""
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 
 from scalevec_kernels import BACKENDS
-from scalevec_train.errors import ScalevecError
-
-SCORE_FUNCS = ("softmax", "sigmoid")
-EXPERT_BACKENDS = ("auto", "grouped_mm", "loop")
+from scalevec_train.errors import ScalevecError, check_choices, choice
 
 
 @dataclass
@@ -25,7 +24,7 @@ class MoEConfig:
     # hidden width of each shared expert; null = model.ffn_dim
     shared_expert_dim: int | None = None
     # router scores: softmax (over the experts) | sigmoid (each expert on its own)
-    score_func: str = "softmax"
+    score_func: str = choice("softmax", Literal["softmax", "sigmoid"])
     # rescale each token's top-k scores to sum to 1
     renormalize: bool = True
     # expert-bias step per optimizer step: bias += rate * sign(mean load - load); 0 disables
@@ -35,9 +34,10 @@ class MoEConfig:
     # weight of the router z-loss mean(logsumexp(logits)^2) in the training loss; 0 disables
     z_loss_coef: float = 0.0
     # expert matmuls: auto (grouped_mm where supported, else loop) | grouped_mm | loop
-    backend: str = "auto"
+    backend: str = choice("auto", Literal["auto", "grouped_mm", "loop"])
 
     def validate(self, dim: int) -> None:
+        check_choices(self, "model.moe.")
         for key in ("num_experts", "expert_dim"):
             if getattr(self, key) <= 0:
                 raise ScalevecError(f"model.moe.{key}", f"must be positive, got {getattr(self, key)}.")
@@ -54,12 +54,6 @@ class MoEConfig:
         if self.shared_expert_dim is not None and self.shared_expert_dim <= 0:
             raise ScalevecError("model.moe.shared_expert_dim", f"must be positive or null, got "
                                 f"{self.shared_expert_dim}.")
-        if self.score_func not in SCORE_FUNCS:
-            raise ScalevecError("model.moe.score_func", f"unknown value {self.score_func!r}.",
-                                f"use one of: {', '.join(SCORE_FUNCS)}.")
-        if self.backend not in EXPERT_BACKENDS:
-            raise ScalevecError("model.moe.backend", f"unknown value {self.backend!r}.",
-                                f"use one of: {', '.join(EXPERT_BACKENDS)}.")
         for key in ("bias_update_rate", "aux_loss_coef", "z_loss_coef"):
             if getattr(self, key) < 0:
                 raise ScalevecError(f"model.moe.{key}", f"must not be negative, got {getattr(self, key)}.")
@@ -92,9 +86,9 @@ class ModelConfig:
     max_seq_len: int = 1024
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
-    # per-head RMSNorm of q and k with an output scale site (the spec's g_q, g_k)
+    # per-head RMSNorm of q and k with an output scale site (docs/scale-vectors.md's g_q, g_k)
     qk_norm: bool = False
-    # Gemma/OLMo-2 style normalization of each sub-layer's output (the spec's g_o, g_down)
+    # Gemma/OLMo-2 style normalization of each sub-layer's output (docs/scale-vectors.md's g_o, g_down)
     post_norm: bool = False
     # share the token embedding with the output head
     tie_embeddings: bool = True
@@ -104,13 +98,14 @@ class ModelConfig:
     moe: MoEConfig | None = None
     # normalization kernels, chosen when the layers are built: auto (Triton on CUDA, PyTorch
     # elsewhere) | triton | torch. Changes no weight: a checkpoint resumes under any backend.
-    kernels: str = "auto"
+    kernels: str = choice("auto", Literal[BACKENDS])
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
     def validate(self) -> None:
+        check_choices(self, "model.")
         for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
             if getattr(self, key) <= 0:
                 raise ScalevecError(f"model.{key}", f"must be positive, got {getattr(self, key)}.")
@@ -123,12 +118,78 @@ class ModelConfig:
         if self.n_heads % self.n_kv_heads:
             raise ScalevecError("model.n_kv_heads", f"{self.n_kv_heads} does not divide "
                                 f"n_heads={self.n_heads}.", "use a divisor of n_heads.")
-        if self.kernels not in BACKENDS:
-            raise ScalevecError("model.kernels", f"unknown value {self.kernels!r}.",
-                                f"use one of: {', '.join(BACKENDS)}.")
         if self.moe is not None:
             self.moe.validate(self.dim)
 
     def architecture(self) -> dict:
         """The options that decide the weights (what a checkpoint must match): all but the kernels."""
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "kernels"}
+
+
+Param = Literal["plain", "or", "er", "fixed"]
+PARAMS = get_args(Param)
+# The linear maps of a block that placement targets can name.
+ATTN_MAPS = ("q", "k", "v", "o")
+FFN_MAPS = ("gate", "up", "down")
+# The maps that read a pre-norm's output: the default placement targets.
+PRE_NORM_MAPS = ("q", "k", "v", "gate", "up")
+
+
+@dataclass
+class ScaleConfig:
+    # preset name; used in run names and for grouping runs
+    name: str = "baseline"
+    # shared: one pre-norm scale feeds q/k/v (and gate/up); per_branch: one input site per branch (HG)
+    heterogeneity: str = choice("shared", Literal["shared", "per_branch"])
+    # MoE only, with per_branch: every expert gets its own gate/up input sites
+    per_expert: bool = False
+    # pre: scales only before the maps; dual: also an output-side site on each target map (DP);
+    # dual_norm: the output-side site sits behind a normalization (DNP)
+    placement: str = choice("pre", Literal["pre", "dual", "dual_norm"])
+    # the linear maps that get dual placement: any of q, k, v, o, gate, up, down. The default is the
+    # pre-norm maps (docs/scale-vectors.md, revision 2); [q, k, o, down] is revision 1's reading (QK-norm + post-norms)
+    targets: list[str] = field(default_factory=lambda: list(PRE_NORM_MAPS))
+    # shape of the sites behind per-head normalizations (q, k, v): head_dim (shared by heads) | full
+    head_site_shape: str = choice("head_dim", Literal["head_dim", "full"])
+    # plain: s = p; or: s = beta * alpha / rms(alpha); er: s = exp(b) * alpha / rms(alpha);
+    # fixed: s = 1 with no parameter (the removal ablation)
+    reparam: str = choice("plain", Param)
+    # which sites `reparam` applies to (the others are plain): all | input | output
+    reparam_sites: str = choice("all", Literal["all", "input", "output"])
+    # weight decay on scale parameters: none | all | iwd (input sites only)
+    weight_decay: str = choice("none", Literal["none", "all", "iwd"])
+    # what decay does to an or/er site: magnitude (shrink s by (1 - lr*wd) per step: beta scaled, b
+    # shifted by log(1 - lr*wd), alpha untouched) | all_params (revision 1: the optimizer's decay on
+    # beta or b and on alpha)
+    reparam_decay: str = choice("magnitude", Literal["magnitude", "all_params"])
+
+    def validate(self) -> None:
+        check_choices(self, "scale.")
+        unknown = [t for t in self.targets if t not in ATTN_MAPS + FFN_MAPS]
+        if unknown:
+            raise ScalevecError("scale.targets", f"unknown linear maps {unknown}.",
+                                f"choose among {', '.join(ATTN_MAPS + FFN_MAPS)}.")
+        if self.per_expert and self.heterogeneity != "per_branch":
+            raise ScalevecError("scale.per_expert", "per-expert sites need branch-specific scales.",
+                                "set scale.heterogeneity=per_branch or scale.per_expert=false.")
+
+    def site_param(self, role: str) -> str:
+        """The parameterization of a new site of this role."""
+        return self.reparam if self.reparam_sites in ("all", role) else "plain"
+
+    def decays(self, site) -> bool:
+        """Whether `site` (a strategies.ScaleSite) gets weight decay (a fixed one has nothing to decay)."""
+        if site.param == "fixed":
+            return False
+        return self.weight_decay == "all" or (self.weight_decay == "iwd" and site.role == "input")
+
+    def decay_rule(self, site, param_name: str) -> str:
+        """How weight decay treats parameter `param_name` (scale, beta, b or alpha) of `site`: `scale`
+        (p <- p (1 - lr wd), the optimizer's decoupled decay), `log` (b <- b + log(1 - lr wd), shrinking
+        exp(b) by the same factor) or `none`. In magnitude mode only an or/er site's magnitude decays, so
+        that decay shrinks s itself."""
+        if not self.decays(site):
+            return "none"
+        if self.reparam_decay == "all_params" or param_name in ("scale", "beta"):
+            return "scale"
+        return "log" if param_name == "b" else "none"

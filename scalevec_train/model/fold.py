@@ -1,4 +1,4 @@
-"""Folding: absorb every foldable scale site into the adjacent linear map (spec, "Folding").
+"""Folding: absorb every foldable scale site into the adjacent linear map (docs/scale-vectors.md, "Folding").
 
 Input sites fold into the next map's columns (W <- W diag(s)); output sites without a normalization
 fold into the previous map's rows (W <- diag(u) W); sites behind a normalization stay as that

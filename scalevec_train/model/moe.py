@@ -13,16 +13,16 @@ through torch._grouped_mm or a loop of matmuls. The routing weight g multiplies 
 activation (W_down is linear, so this equals weighting its output); a token's k expert outputs are
 then summed in fp32. Several shared experts act as one SwiGLU of their summed width.
 
-Scale sites (strategies.py): the pre-norm hands this layer {"ffn"} (one site read by the router and
-all experts), {"gate", "up", "router"} under HG, or {"router", "norm"} with `per_expert`, where the
-experts scale N(x) themselves with (experts, dim) sites and the shared expert with (dim,) ones. Sites
-on an expert's hidden units (gate/up output sites under dual placement, the input site of a targeted
-down map) have one row per routed expert, (experts, width): hidden unit j of one expert has nothing to
-do with unit j of another. Under dual_norm, gate and up are each normalized over the hidden width of
-their expert, u * N(W x) with the expert's row of u. Sites that do not sit behind a normalization
-are applied to the weights, W * s, which is the same function and cheaper than scaling tokens. The
-output site of `down` (with its normalization under dual_norm or post_norm) acts on the combined y,
-as on the dense block's output.
+Scale sites (strategies.py; the experts' SwiGLU builds and applies its own: swiglu.py): the pre-norm
+hands this layer {"ffn"} (one site read by the router and all experts), {"gate", "up", "router"} under
+HG, or {"router", "norm"} with `per_expert`, where the experts scale N(x) themselves with (experts, dim)
+sites and the shared expert with (dim,) ones. Sites on an expert's hidden units (gate/up output sites
+under dual placement, the input site of a targeted down map) have one row per routed expert, (experts,
+width): hidden unit j of one expert has nothing to do with unit j of another. Under dual_norm, gate and
+up are each normalized over the hidden width of their expert, u * N(W x) with the expert's row of u.
+Sites that do not sit behind a normalization are applied to the weights, W * s, which is the same
+function and cheaper than scaling tokens. The output site of `down` (with its normalization under
+dual_norm or post_norm) acts on the combined y, as on the dense block's output.
 
 Load balancing: the auxiliary-loss-free expert bias moves every optimizer step by
 bias += bias_update_rate * sign(mean load - load), with the loads (token counts of the step's training
@@ -41,82 +41,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from scalevec_kernels import rms_norm_scales, swiglu_norm
-from scalevec_train.model.config import ModelConfig
-from scalevec_train.model.strategies import MapInput, ScaleConfig, ScaleSite, SiteMaps, plan_map
-
-
-def _fold(w: torch.Tensor, s_in: ScaleSite | None, s_out: ScaleSite | None) -> torch.Tensor:
-    """W with an input site on its columns and an output site on its rows (W [..., out, in])."""
-    s = s_in() if s_in is not None else None
-    if s is not None:
-        w = w * s.unsqueeze(-2)
-    s = s_out() if s_out is not None and not s_out.behind_norm else None
-    if s is not None:
-        w = w * s.unsqueeze(-1)
-    return w
-
-
-def _expert_sites(module: nn.Module, cfg: ModelConfig, scale: ScaleConfig, hidden: int,
-                  experts: int | None) -> None:
-    """Give `module` (the routed experts' stack, `experts` of them, or a shared expert: None) the sites
-    inside its SwiGLU: its own gate/up input sites under per_expert, gate/up output sites under dual
-    placement (behind a normalization of the hidden width under dual_norm), the input site of a
-    targeted down map. Sites on an expert's hidden units have one row per expert; sites on the model
-    width only under per_expert. Missing sites are None."""
-    per_expert = (experts,) if experts else ()
-    module.gate_in = module.up_in = module.gate_out = module.up_out = module.down_in = None
-    module.eps, module.kernels = cfg.norm_eps, cfg.kernels
-    if scale.per_expert:
-        module.gate_in = ScaleSite(per_expert + (cfg.dim,), "input", scale.site_param("input"))
-        module.up_in = ScaleSite(per_expert + (cfg.dim,), "input", scale.site_param("input"))
-    for name in ("gate", "up"):
-        plan = plan_map(scale, name, cfg.qk_norm, cfg.post_norm)
-        if plan.out_site:
-            setattr(module, f"{name}_out", ScaleSite(per_expert + (hidden,), "output", scale.site_param("output"),
-                                                     behind_norm=plan.out_norm is not None))
-    if plan_map(scale, "down", cfg.qk_norm, cfg.post_norm).in_site:
-        module.down_in = ScaleSite(per_expert + (hidden,), "input", scale.site_param("input"))
-
-
-def _normed_output(module: nn.Module, name: str, y: torch.Tensor,
-                   expert_of: torch.Tensor | None = None) -> torch.Tensor:
-    """y, or u * N(y) over the hidden width when map `name`'s output site sits behind a normalization;
-    a per-expert u gives row r the scale row of its expert expert_of[r]."""
-    site = getattr(module, f"{name}_out")
-    if site is None or not site.behind_norm:
-        return y
-    s = site()
-    if s is None or s.dim() == 1:
-        return rms_norm_scales(y, [s], module.eps, backend=module.kernels)[0]
-    normed = rms_norm_scales(y, [None], module.eps, backend=module.kernels)[0]
-    return (normed * s.index_select(0, expert_of)).to(y.dtype)
-
-
-def _swiglu(module: nn.Module, gate: torch.Tensor, up: torch.Tensor, counts: torch.Tensor | None = None,
-            expert_of: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(gate) * up after the output normalizations and sites of gate and up: one fused pass when
-    both are normalized (rows grouped by expert: counts per expert; expert_of: each row's expert)."""
-    g, u = module.gate_out, module.up_out
-    if g is not None and u is not None and g.behind_norm and u.behind_norm:
-        offsets = None if counts is None else counts.cumsum(0)
-        return swiglu_norm(gate, up, g(), u(), module.eps, expert_offsets=offsets, backend=module.kernels)
-    return F.silu(_normed_output(module, "gate", gate, expert_of)) * _normed_output(module, "up", up, expert_of)
-
-
-def _norm_label(module: nn.Module, name: str) -> str | None:
-    """The normalization right after map `name` (gate or up) of an expert (stack), if any."""
-    site = getattr(module, f"{name}_out")
-    return f"N({name})" if site is not None and site.behind_norm else None
-
-
-def _site_maps(module: nn.Module, w_gate, w_up, w_down) -> list[SiteMaps]:
-    """The sites of an expert (stack) with the weight each one scales."""
-    gate, up = MapInput(w_gate, _norm_label(module, "gate")), MapInput(w_up, _norm_label(module, "up"))
-    down = MapInput(w_down, None)
-    pairs = [(module.gate_in, "in", gate), (module.up_in, "in", up), (module.gate_out, "out", gate),
-             (module.up_out, "out", up), (module.down_in, "in", down)]
-    return [SiteMaps(site, side, (m,)) for site, side, m in pairs if site is not None]
+from scalevec_kernels import rms_norm_scales
+from scalevec_train.model.config import ModelConfig, ScaleConfig
+from scalevec_train.model.layers import map_sites
+from scalevec_train.model.strategies import NORM_FLOPS, ScaledMap, SiteMaps
+from scalevec_train.model.swiglu import ExpertSwiGLU
 
 
 def _compute_dtype(w: torch.Tensor, device: torch.device) -> torch.dtype:
@@ -146,18 +75,21 @@ def _expert_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grouped: 
     return torch.cat([F.linear(chunk, w[e]) for e, chunk in enumerate(chunks)])
 
 
-class RoutedExperts(nn.Module):
+class RoutedExperts(ExpertSwiGLU):
     """The E routed SwiGLU experts, as weight stacks w_gate, w_up [E, expert_dim, dim] and
     w_down [E, dim, expert_dim]."""
 
     def __init__(self, cfg: ModelConfig, scale: ScaleConfig):
         super().__init__()
         moe = cfg.moe
-        self.backend = moe.backend
+        self.backend, self.top_k = moe.backend, moe.top_k
         self.w_gate = nn.Parameter(torch.empty(moe.num_experts, moe.expert_dim, cfg.dim))
         self.w_up = nn.Parameter(torch.empty(moe.num_experts, moe.expert_dim, cfg.dim))
         self.w_down = nn.Parameter(torch.empty(moe.num_experts, cfg.dim, moe.expert_dim))
-        _expert_sites(self, cfg, scale, moe.expert_dim, moe.num_experts)
+        self.add_sites(cfg, scale, moe.expert_dim, moe.num_experts)
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.w_gate, self.w_up, self.w_down
 
     def per_expert_numel(self) -> int:
         """Parameters that belong to one expert each (what a token skips when not routed there)."""
@@ -165,8 +97,9 @@ class RoutedExperts(nn.Module):
         sites = [m.site for m in self.site_maps() if len(m.site.shape) == 2]
         return sum(p.numel() for p in stacks) + sum(p.numel() for s in sites for p in s.parameters())
 
-    def site_maps(self) -> list[SiteMaps]:
-        return _site_maps(self, self.w_gate, self.w_up, self.w_down)
+    def norm_flops_per_token(self) -> int:
+        """A token passes top_k experts."""
+        return self.top_k * super().norm_flops_per_token()
 
     def forward(self, x_gate: torch.Tensor, x_up: torch.Tensor, chosen: torch.Tensor,
                 weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -177,17 +110,15 @@ class RoutedExperts(nn.Module):
         token_of = order // k
         expert_of = chosen.flatten().index_select(0, order)
         dtype = _compute_dtype(self.w_gate, x_gate.device)
-        w_gate = _fold(self.w_gate, self.gate_in, self.gate_out).to(dtype)
-        w_up = _fold(self.w_up, self.up_in, self.up_out).to(dtype)
-        w_down = _fold(self.w_down, self.down_in, None).to(dtype)
+        w_gate, w_up, w_down = (w.to(dtype) for w in self.folded_weights())
         xs_gate = x_gate.to(dtype).index_select(0, token_of)
         xs_up = xs_gate if x_up is x_gate else x_up.to(dtype).index_select(0, token_of)
         if self.backend == "auto":
             grouped = _grouped_mm_supported(xs_gate, (w_gate.shape[-1], w_gate.shape[-2]))
         else:
             grouped = self.backend == "grouped_mm"
-        hidden = _swiglu(self, _expert_mm(xs_gate, w_gate, counts, grouped), _expert_mm(xs_up, w_up, counts, grouped),
-                         counts, expert_of)
+        hidden = self.hidden(_expert_mm(xs_gate, w_gate, counts, grouped), _expert_mm(xs_up, w_up, counts, grouped),
+                             counts, expert_of)
         hidden = hidden * weights.flatten().index_select(0, order).unsqueeze(-1).to(dtype)
         out = _expert_mm(hidden, w_down, counts, grouped)
         # Back to token order (a permutation: no atomics, so deterministic), then the fp32 sum over k.
@@ -195,7 +126,7 @@ class RoutedExperts(nn.Module):
         return out.index_select(0, inverse).view(tokens, k, -1).sum(1, dtype=torch.float32)
 
 
-class SharedExpert(nn.Module):
+class SharedExpert(ExpertSwiGLU):
     """A dense SwiGLU every token passes through (several shared experts are one of their summed width)."""
 
     def __init__(self, cfg: ModelConfig, scale: ScaleConfig, hidden: int):
@@ -203,15 +134,14 @@ class SharedExpert(nn.Module):
         self.w_gate = nn.Linear(cfg.dim, hidden, bias=False)
         self.w_up = nn.Linear(cfg.dim, hidden, bias=False)
         self.w_down = nn.Linear(hidden, cfg.dim, bias=False)
-        _expert_sites(self, cfg, scale, hidden, None)
+        self.add_sites(cfg, scale, hidden, None)
 
-    def site_maps(self) -> list[SiteMaps]:
-        return _site_maps(self, self.w_gate.weight, self.w_up.weight, self.w_down.weight)
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.w_gate.weight, self.w_up.weight, self.w_down.weight
 
     def forward(self, x_gate: torch.Tensor, x_up: torch.Tensor) -> torch.Tensor:
-        gate = F.linear(x_gate, _fold(self.w_gate.weight, self.gate_in, self.gate_out))
-        up = F.linear(x_up, _fold(self.w_up.weight, self.up_in, self.up_out))
-        return F.linear(_swiglu(self, gate, up), _fold(self.w_down.weight, self.down_in, None))
+        w_gate, w_up, w_down = self.folded_weights()
+        return F.linear(self.hidden(F.linear(x_gate, w_gate), F.linear(x_up, w_up)), w_down)
 
 
 class MoEFeedForward(nn.Module):
@@ -226,12 +156,9 @@ class MoEFeedForward(nn.Module):
         if moe.num_shared_experts:
             width = moe.num_shared_experts * (moe.shared_expert_dim or cfg.ffn_dim)
             self.shared = SharedExpert(cfg, scale, width)
-        plan = plan_map(scale, "down", cfg.qk_norm, cfg.post_norm)
-        self.out_norm, self.eps, self.kernels = plan.out_norm, cfg.norm_eps, cfg.kernels
-        self.down_out = None
-        if plan.out_site:
-            self.down_out = ScaleSite((cfg.dim,), "output", scale.site_param("output"),
-                                      behind_norm=plan.out_norm is not None)
+        # The output side of every expert's down map, on the combined output.
+        _, self.down_out, self.out_norm = map_sites(scale, cfg, "down", moe.expert_dim, cfg.dim)
+        self.eps, self.kernels = cfg.norm_eps, cfg.kernels
         # Chooses experts only; a checkpointed training state, changed only by update_bias().
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts))
         # Expert assignments of the current optimizer step's training forwards (this rank).
@@ -332,14 +259,11 @@ class MoEFeedForward(nn.Module):
         out["bias_max"] = self.expert_bias.max().item()
         return out
 
-    def input_maps(self, branch: str) -> list[MapInput]:
+    def input_maps(self, branch: str) -> list[ScaledMap]:
         """The maps that read pre-norm branch `branch`: the router, and every expert's gate or up."""
-        gate = [MapInput(self.experts.w_gate, _norm_label(self.experts, "gate"))]
-        up = [MapInput(self.experts.w_up, _norm_label(self.experts, "up"))]
-        if self.shared is not None:
-            gate.append(MapInput(self.shared.w_gate.weight, _norm_label(self.shared, "gate")))
-            up.append(MapInput(self.shared.w_up.weight, _norm_label(self.shared, "up")))
-        router = [MapInput(self.router.weight, None)]
+        experts = [self.experts] + ([self.shared] if self.shared is not None else [])
+        gate, up = (list(maps) for maps in zip(*(e.input_maps() for e in experts), strict=True))
+        router = [ScaledMap(self.router.weight, None)]
         return {"ffn": router + gate + up, "gate": gate, "up": up, "router": router, "norm": []}[branch]
 
     def site_maps(self) -> list[SiteMaps]:
@@ -349,5 +273,12 @@ class MoEFeedForward(nn.Module):
         found = self.experts.site_maps() + (self.shared.site_maps() if self.shared is not None else [])
         if self.down_out is not None:
             downs = [self.experts.w_down] + ([self.shared.w_down.weight] if self.shared is not None else [])
-            found.append(SiteMaps(self.down_out, "out", tuple(MapInput(w, None) for w in downs)))
+            found.append(SiteMaps(self.down_out, "out", tuple(ScaledMap(w, None) for w in downs)))
         return found
+
+    def norm_flops_per_token(self) -> int:
+        """Forward FLOPs per token of the output normalization and site of `down` (the experts count
+        their own)."""
+        dim = self.experts.w_down.shape[-2]
+        site = self.down_out.flops_per_token() if self.down_out is not None else 0
+        return site + (NORM_FLOPS * dim if self.out_norm is not None else 0)

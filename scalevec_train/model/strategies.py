@@ -1,96 +1,23 @@
-"""Scale-vector strategies (../shared/spec/scale-vectors.md): the config axes, the scale site, and the
-plan that tells the model which sites exist where.
+"""Scale-vector strategies (docs/scale-vectors.md): the scale site, and the plan that tells the model
+which sites exist where under a strategy (ScaleConfig, model/config.py).
 
 A *site* is a learnable vector s multiplying a tensor elementwise. Its role (`input`: right before a
 linear map, absorbable into it; `output`: anything else) decides weight decay under `iwd` and how it
 folds. Its parameterization decides how s is computed from parameters.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from scalevec_train.errors import ScalevecError
+from scalevec_train.model.config import PARAMS, ScaleConfig
 
 ROLES = ("input", "output")
-PARAMS = ("plain", "or", "er", "fixed")
-# The linear maps of a block that placement targets can name.
-ATTN_MAPS = ("q", "k", "v", "o")
-FFN_MAPS = ("gate", "up", "down")
-# The maps that read a pre-norm's output: the default placement targets.
-PRE_NORM_MAPS = ("q", "k", "v", "gate", "up")
-
-
-@dataclass
-class ScaleConfig:
-    # preset name; used in run names and for grouping runs
-    name: str = "baseline"
-    # shared: one pre-norm scale feeds q/k/v (and gate/up); per_branch: one input site per branch (HG)
-    heterogeneity: str = "shared"
-    # MoE only, with per_branch: every expert gets its own gate/up input sites
-    per_expert: bool = False
-    # pre: scales only before the maps; dual: also an output-side site on each target map (DP);
-    # dual_norm: the output-side site sits behind a normalization (DNP)
-    placement: str = "pre"
-    # the linear maps that get dual placement: any of q, k, v, o, gate, up, down. The default is the
-    # pre-norm maps (spec revision 2); [q, k, o, down] is revision 1's reading (QK-norm + post-norms)
-    targets: list[str] = field(default_factory=lambda: list(PRE_NORM_MAPS))
-    # shape of the sites behind per-head normalizations (q, k, v): head_dim (shared by heads) | full
-    head_site_shape: str = "head_dim"
-    # plain: s = p; or: s = beta * alpha / rms(alpha); er: s = exp(b) * alpha / rms(alpha);
-    # fixed: s = 1 with no parameter (the removal ablation)
-    reparam: str = "plain"
-    # which sites `reparam` applies to (the others are plain): all | input | output
-    reparam_sites: str = "all"
-    # weight decay on scale parameters: none | all | iwd (input sites only)
-    weight_decay: str = "none"
-    # what decay does to an or/er site: magnitude (shrink s by (1 - lr*wd) per step: beta scaled, b
-    # shifted by log(1 - lr*wd), alpha untouched) | all_params (revision 1: the optimizer's decay on
-    # beta or b and on alpha)
-    reparam_decay: str = "magnitude"
-
-    def validate(self) -> None:
-        choices = {
-            "heterogeneity": ("shared", "per_branch"),
-            "placement": ("pre", "dual", "dual_norm"),
-            "head_site_shape": ("head_dim", "full"),
-            "reparam": PARAMS,
-            "reparam_sites": ("all", "input", "output"),
-            "weight_decay": ("none", "all", "iwd"),
-            "reparam_decay": ("magnitude", "all_params"),
-        }
-        for key, allowed in choices.items():
-            value = getattr(self, key)
-            if value not in allowed:
-                raise ScalevecError(f"scale.{key}", f"unknown value {value!r}.",
-                                    f"use one of: {', '.join(allowed)}.")
-        unknown = [t for t in self.targets if t not in ATTN_MAPS + FFN_MAPS]
-        if unknown:
-            raise ScalevecError("scale.targets", f"unknown linear maps {unknown}.",
-                                f"choose among {', '.join(ATTN_MAPS + FFN_MAPS)}.")
-        if self.per_expert and self.heterogeneity != "per_branch":
-            raise ScalevecError("scale.per_expert", "per-expert sites need branch-specific scales.",
-                                "set scale.heterogeneity=per_branch or scale.per_expert=false.")
-
-    def site_param(self, role: str) -> str:
-        """The parameterization of a new site of this role."""
-        return self.reparam if self.reparam_sites in ("all", role) else "plain"
-
-    def decays(self, role: str) -> bool:
-        """Whether a site of this role gets weight decay."""
-        return self.weight_decay == "all" or (self.weight_decay == "iwd" and role == "input")
-
-    def decay_rule(self, role: str, param_name: str) -> str:
-        """How weight decay treats parameter `param_name` (scale, beta, b or alpha) of a site of this
-        role: `scale` (p <- p (1 - lr wd), the optimizer's decoupled decay), `log` (b <- b + log(1 - lr wd),
-        shrinking exp(b) by the same factor) or `none`. In magnitude mode only an or/er site's magnitude
-        decays, so that decay shrinks s itself."""
-        if not self.decays(role):
-            return "none"
-        if self.reparam_decay == "all_params" or param_name in ("scale", "beta"):
-            return "scale"
-        return "log" if param_name == "b" else "none"
+# Forward FLOPs per element and token (accounting.py): a normalization (square-accumulate, scale by the
+# inverse RMS, and the RMS itself amortized) and a scale site (one multiply).
+NORM_FLOPS, SITE_FLOPS = 3, 1
 
 
 class ScaleSite(nn.Module):
@@ -117,11 +44,24 @@ class ScaleSite(nn.Module):
     def foldable(self) -> bool:
         return self.param != "fixed" and not self.behind_norm
 
+    @staticmethod
+    def initial_entry(param_name: str) -> float:
+        """Every parameterization starts at s = 1: b = 0, every other parameter 1."""
+        return 0.0 if param_name == "b" else 1.0
+
+    @staticmethod
+    def initial_value(param_name: str, shape: torch.Size) -> torch.Tensor:
+        return torch.full(shape, ScaleSite.initial_entry(param_name))
+
+    @torch.no_grad()
     def init_weights(self) -> None:
-        """Every parameterization starts at s = 1."""
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                p.fill_(0.0 if name == "b" else 1.0)
+        for name, p in self.named_parameters():
+            p.fill_(self.initial_entry(name))  # in place: a sharded (DTensor) parameter too
+
+    def flops_per_token(self, width: int | None = None) -> int:
+        """Forward FLOPs per token of applying s to `width` features (default: its own last dim; a
+        head_dim site is broadcast over the heads); none for a fixed site."""
+        return 0 if self.param == "fixed" else SITE_FLOPS * (width or self.shape[-1])
 
     def forward(self) -> torch.Tensor | None:
         """The vector s, or None for a fixed site (s = 1: callers skip the multiply)."""
@@ -142,7 +82,7 @@ class ScaleSite(nn.Module):
 
 
 @dataclass(frozen=True)
-class MapInput:
+class ScaledMap:
     """A linear map seen from a scale site: its weight ([out, in], or [experts, out, in]) and the label
     of the normalization right after it (None when its output is not normalized on its own)."""
 
@@ -157,20 +97,20 @@ class SiteMaps:
 
     site: ScaleSite
     side: str
-    maps: tuple[MapInput, ...]
+    maps: tuple[ScaledMap, ...]
 
     @property
     def cancelled_by(self) -> str | None:
         """The normalization(s) that cancel the site's overall magnitude: an input site whose every map
-        is normalized right after (spec, "Sites whose magnitude does not reach the loss")."""
+        is normalized right after (docs/scale-vectors.md, "Sites whose magnitude does not reach the loss")."""
         if self.side != "in" or self.site.param == "fixed" or not all(m.norm for m in self.maps):
             return None
         return ", ".join(dict.fromkeys(m.norm for m in self.maps))
 
 
 @dataclass(frozen=True)
-class MapSites:
-    """What surrounds one linear map: an optional new input site, an optional output normalization
+class MapPlan:
+    """Where the sites of one linear map go (plan_map): an optional new input site, an optional output normalization
     (`head`: per attention head, `full`: over the whole output) and an optional output site."""
 
     in_site: bool = False
@@ -178,7 +118,7 @@ class MapSites:
     out_site: bool = False
 
 
-def plan_map(scale: ScaleConfig, name: str, qk_norm: bool, post_norm: bool) -> MapSites:
+def plan_map(scale: ScaleConfig, name: str, qk_norm: bool, post_norm: bool) -> MapPlan:
     """Where the sites of linear map `name` go under `scale` on a model with the given options.
 
     dual_norm reuses the model's own QK-norm / post-norms: it never stacks a second normalization.
@@ -194,7 +134,7 @@ def plan_map(scale: ScaleConfig, name: str, qk_norm: bool, post_norm: bool) -> M
             f"'{name}' from scale.targets.")
     has_norm = model_norm or (targeted and scale.placement == "dual_norm")
     out_norm = ("head" if name in ("q", "k", "v") else "full") if has_norm else None
-    return MapSites(
+    return MapPlan(
         # q/k/v/gate/up already have the pre-norm's (or their HG branch's) site on their input side.
         in_site=targeted and name in ("o", "down"),
         out_norm=out_norm,

@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scalevec_kernels import swiglu_norm
-from scalevec_train.model.config import ModelConfig
+from scalevec_train.model.config import ModelConfig, ScaleConfig
 from scalevec_train.model.layers import Linear, PreNorm, Rotary
 from scalevec_train.model.moe import MoEFeedForward
-from scalevec_train.model.strategies import MapInput, ScaleConfig, ScaleSite, SiteMaps, input_branches
+from scalevec_train.model.strategies import ScaledMap, ScaleSite, SiteMaps, input_branches
+from scalevec_train.model.swiglu import swiglu
 
 
 class Attention(nn.Module):
@@ -39,7 +39,7 @@ class Attention(nn.Module):
         self.wv = Linear("v", cfg.dim, kv_width, scale, cfg)
         self.wo = Linear("o", q_width, cfg.dim, scale, cfg)
 
-    def input_maps(self, branch: str) -> list[MapInput]:
+    def input_maps(self, branch: str) -> list[ScaledMap]:
         """The maps that read pre-norm branch `branch`."""
         maps = {"q": [self.wq], "k": [self.wk], "v": [self.wv]}.get(branch, [self.wq, self.wk, self.wv])
         return [m.as_input() for m in maps]
@@ -62,7 +62,7 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU."""
+    """SwiGLU (swiglu.py), its sites held by its three maps."""
 
     def __init__(self, cfg: ModelConfig, scale: ScaleConfig, hidden: int):
         super().__init__()
@@ -70,7 +70,7 @@ class FeedForward(nn.Module):
         self.w_up = Linear("up", cfg.dim, hidden, scale, cfg)
         self.w_down = Linear("down", hidden, cfg.dim, scale, cfg)
 
-    def input_maps(self, branch: str) -> list[MapInput]:
+    def input_maps(self, branch: str) -> list[ScaledMap]:
         maps = {"gate": [self.w_gate], "up": [self.w_up]}.get(branch, [self.w_gate, self.w_up])
         return [m.as_input() for m in maps]
 
@@ -80,12 +80,8 @@ class FeedForward(nn.Module):
     def forward(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
         shared = b.get("ffn")
         x_gate, x_up = b.get("gate", shared), b.get("up", shared)
-        if self.w_gate.out_norm == self.w_up.out_norm == "full":
-            # u_g * N(G) and u_u * N(U), then SwiGLU, in one pass over G and U (dual_norm on gate and up)
-            hidden = swiglu_norm(self.w_gate.project(x_gate), self.w_up.project(x_up), self.w_gate.out_scale(),
-                                 self.w_up.out_scale(), self.w_gate.eps, backend=self.w_gate.kernels)
-        else:
-            hidden = F.silu(self.w_gate(x_gate)) * self.w_up(x_up)
+        hidden = swiglu(self.w_gate.project(x_gate), self.w_up.project(x_up), self.w_gate.out_site,
+                        self.w_up.out_site, self.w_gate.eps, self.w_gate.kernels)
         return self.w_down(hidden)
 
 
@@ -123,8 +119,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, scale) for _ in range(cfg.n_layers))
         self.final_norm = PreNorm(cfg, ["final"], scale)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self._moe_by_layer = [(i, b.ffn) for i, b in enumerate(self.layers) if isinstance(b.ffn, MoEFeedForward)]
-        self._moe = [m for _, m in self._moe_by_layer]
+        self._moe = {i: b.ffn for i, b in enumerate(self.layers) if isinstance(b.ffn, MoEFeedForward)}
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[-1] > self.cfg.max_seq_len:
@@ -140,7 +135,7 @@ class Transformer(nn.Module):
     def site_maps(self) -> list[SiteMaps]:
         """Every scale site with the maps it scales: what folding absorbs and what describe reports."""
         head = self.tok_emb.weight if self.head is None else self.head.weight
-        found = [SiteMaps(self.final_norm.sites["final"], "in", (MapInput(head, None),))]
+        found = [SiteMaps(self.final_norm.sites["final"], "in", (ScaledMap(head, None),))]
         for block in self.layers:
             found += block.site_maps()
         return found
@@ -149,32 +144,32 @@ class Transformer(nn.Module):
     def auxiliary_loss(self) -> torch.Tensor | None:
         """The weighted router losses of the last forward, to add to the training loss; None when the
         model has none (dense, or both MoE loss coefficients 0)."""
-        losses = [m.aux_loss for m in self._moe if m.aux_loss is not None]
+        losses = [m.aux_loss for m in self._moe.values() if m.aux_loss is not None]
         return torch.stack(losses).sum() if losses else None
 
     def compute_metrics(self) -> dict[str, float]:
         """Metrics of the layers that keep them (MoE load balance), keys like moe/layer3/load_max."""
         out = {}
-        for i, m in self._moe_by_layer:
+        for i, m in self._moe.items():
             out.update({f"moe/layer{i}/{k}": v for k, v in m.compute_metrics().items()})
         return out
 
     def register_optimizer_hooks(self, optimizer: torch.optim.Optimizer) -> None:
         """Updates that follow each optimizer step: the MoE layers' expert biases (a collective: every
         rank steps the optimizer)."""
-        for m in self._moe:
+        for m in self._moe.values():
             optimizer.register_step_post_hook(lambda *_, layer=m: layer.update_bias())
 
     def discard_step_state(self) -> None:
         """Forget what the forwards of a step that is not taken recorded (the routers' token counts)."""
-        for m in self._moe:
+        for m in self._moe.values():
             m.token_counts.zero_()
 
     def initial_value(self, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
         """The initial value of parameter `name`: a function of (seed, name) only."""
         owner = self.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self
         if isinstance(owner, ScaleSite):
-            return torch.zeros(shape) if name.endswith(".b") else torch.ones(shape)
+            return owner.initial_value(name.rsplit(".", 1)[1], shape)
         gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         std = self.cfg.init_std
         if name.endswith(("wo.weight", "w_down.weight")) or ".experts.w_down" in name:
@@ -183,8 +178,8 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Initialize every parameter and buffer in place (single device; see distributed.py for
-        sharded models, which use initial_value too)."""
+        """Initialize every parameter and buffer in place (single device; parallel/fsdp.py initializes
+        sharded models with initial_value too)."""
         for name, p in self.named_parameters():
             p.copy_(self.initial_value(name, p.shape, seed))
         self.init_buffers()

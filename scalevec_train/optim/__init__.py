@@ -1,12 +1,8 @@
 """Optimization: parameter groups (which parameter gets which decay and optimizer), AdamW and Muon,
 and learning-rate schedules.
 
-    groups.py      OptimConfig, the parameter groups, build_optimizer
+    config.py      OptimConfig, ScheduleConfig
+    groups.py      the parameter groups, build_optimizer
     muon.py        Muon with AdamW groups in one optimizer (muon_dist.py: orthogonalization under FSDP2)
-    schedules.py   ScheduleConfig and the LR multiplier of each step
+    schedules.py   the LR multiplier of each step
 """
-
-from scalevec_train.optim.groups import OptimConfig, build_optimizer, describe_groups
-from scalevec_train.optim.schedules import ScheduleConfig, lr_multiplier
-
-__all__ = ["OptimConfig", "ScheduleConfig", "build_optimizer", "describe_groups", "lr_multiplier"]

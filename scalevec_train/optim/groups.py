@@ -6,14 +6,14 @@ the optimizer config; every other parameter is a hidden matrix.
 """
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from scalevec_train.errors import ScalevecError
-from scalevec_train.model.strategies import ScaleConfig, scale_sites
-from scalevec_train.optim.muon import LR_ADJUSTS, NS_COEFFICIENTS, NS_DTYPES, Muon
+from scalevec_train.model.config import ScaleConfig
+from scalevec_train.model.strategies import scale_sites
+from scalevec_train.optim.config import OptimConfig
+from scalevec_train.optim.muon import Muon
 
 # scale_decay: p <- p (1 - lr wd), the optimizer's own decay; scale_log_decay: an `er` site's b <- b +
 # log(1 - lr wd) (applied by a step pre-hook, see log_decay_hook); scale_no_decay: no decay.
@@ -21,73 +21,9 @@ KINDS = ("matrix", "embedding", "head", "scale_decay", "scale_log_decay", "scale
 _RULE_KIND = {"scale": "scale_decay", "log": "scale_log_decay", "none": "scale_no_decay"}
 
 
-@dataclass
-class OptimConfig:
-    # adamw | muon (hidden matrices with Muon; embeddings, head and scale vectors with AdamW)
-    name: str = "adamw"
-    # peak learning rate (the schedule multiplies it); under muon the AdamW groups' too unless adamw_lr
-    lr: float = 3e-3
-    # AdamW's betas and eps (under muon: of its AdamW groups)
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    # decoupled weight decay for hidden matrices (and whatever the options below include), multiplied
-    # by the unadjusted LR; scale vectors follow scale.weight_decay
-    weight_decay: float = 0.1
-    # decay the token embedding (and a tied head) too
-    decay_embeddings: bool = False
-    # decay an untied output head too
-    decay_head: bool = True
-    # muon only: momentum of the gradient average (an EMA, as torch.optim.Muon's)
-    momentum: float = 0.95
-    # muon only: orthogonalize the Nesterov look-ahead instead of the momentum itself
-    nesterov: bool = True
-    # muon only: Newton-Schulz iterations
-    ns_steps: int = 5
-    # muon only: quintic ((3.4445, -4.7750, 2.0315) every iteration) | polar_express (one optimal
-    # polynomial per iteration, Amsel et al. 2025: closer to the exact polar factor in as many steps)
-    ns_coefficients: str = "quintic"
-    # muon only: dtype of the Newton-Schulz matmuls: bfloat16 | float32 | float16
-    ns_dtype: str = "bfloat16"
-    # muon only: match_rms_adamw (update x 0.2 * sqrt(max(rows, cols)): reuse AdamW's LR and decay) |
-    # original (update x sqrt(max(1, rows / cols)): Muon's own LR, about 0.02)
-    lr_adjust: str = "match_rms_adamw"
-    # muon only: floor of the norm that scales a matrix into Newton-Schulz's range
-    ns_eps: float = 1e-7
-    # muon only: orthogonalize the MoE router's weight with Muon instead of AdamW
-    muon_router: bool = False
-    # muon only: the AdamW groups' peak LR; null: lr (right for match_rms_adamw, needed with original)
-    adamw_lr: float | None = None
-
-    def validate(self) -> None:
-        if self.name not in ("adamw", "muon"):
-            raise ScalevecError("optim.name", f"unknown optimizer {self.name!r}.", "use optim=adamw or optim=muon.")
-        choices = {"ns_coefficients": NS_COEFFICIENTS, "ns_dtype": NS_DTYPES, "lr_adjust": LR_ADJUSTS}
-        for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                raise ScalevecError(f"optim.{key}", f"unknown value {getattr(self, key)!r}.",
-                                    f"use one of: {', '.join(allowed)}.")
-        if self.ns_steps < 1:
-            raise ScalevecError("optim.ns_steps", f"{self.ns_steps} is not a positive integer.", "use 5.")
-        if not 0 <= self.momentum < 1:
-            raise ScalevecError("optim.momentum", f"{self.momentum} is outside [0, 1).", "use 0.95.")
-        if self.adamw_lr is not None and self.adamw_lr <= 0:
-            raise ScalevecError("optim.adamw_lr", f"{self.adamw_lr} is not positive.", "use null or a positive LR.")
-        if self.lr <= 0:
-            raise ScalevecError("optim.lr", f"{self.lr} is not positive.", "use a learning rate > 0.")
-        if self.weight_decay < 0:
-            raise ScalevecError("optim.weight_decay", f"{self.weight_decay} is negative.", "use 0 or more.")
-        peak = max(self.lr, self.adamw_lr or 0.0)
-        if peak * self.weight_decay >= 1:
-            raise ScalevecError("optim.weight_decay", f"lr * weight_decay = {peak * self.weight_decay:g}: a decoupled "
-                                "decay step (1 - lr * wd) would zero or flip the weights.",
-                                "lower optim.weight_decay or the learning rate so that their product is below 1.")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ScalevecError("optim.betas", f"{self.betas} is not two numbers in [0, 1).", "use [0.9, 0.95].")
-
-
 def classify(model: nn.Module, scale: ScaleConfig) -> dict[str, list[tuple[str, nn.Parameter]]]:
     """Split the parameters into KINDS; raise if any parameter would land in none or two."""
-    site_kind = {id(p): _RULE_KIND[scale.decay_rule(site.role, name)]
+    site_kind = {id(p): _RULE_KIND[scale.decay_rule(site, name)]
                  for _, site in scale_sites(model) for name, p in site.named_parameters()}
     kinds: dict[str, list[tuple[str, nn.Parameter]]] = {k: [] for k in KINDS}
     for name, p in model.named_parameters():
@@ -143,7 +79,8 @@ def param_groups(model: nn.Module, cfg: OptimConfig, scale: ScaleConfig) -> list
 def log_decay_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """Before each step: b <- b + log(1 - lr wd) for the `er` magnitudes of groups with a
     `log_weight_decay`, which shrinks s = exp(b) alpha / rms(alpha) by the decoupled factor (1 - lr wd),
-    as the optimizer's own decay shrinks a plain site (spec, "Weight decay on scale parameters")."""
+    as the optimizer's own decay shrinks a plain site (docs/scale-vectors.md, "Weight decay on scale
+    sites")."""
     for group in optimizer.param_groups:
         wd = group.get("log_weight_decay", 0.0)
         if wd and group["lr"]:
@@ -157,8 +94,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, scale: ScaleConfig) -> t
     if cfg.name == "muon":
         optimizer = Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
                          nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, ns_coefficients=cfg.ns_coefficients,
-                         ns_dtype=cfg.ns_dtype, lr_adjust=cfg.lr_adjust, eps=cfg.ns_eps,
-                         adamw_betas=tuple(cfg.betas), adamw_eps=cfg.eps)
+                         ns_dtype=cfg.ns_dtype, lr_adjust=cfg.lr_adjust, ns_eps=cfg.ns_eps,
+                         betas=tuple(cfg.betas), eps=cfg.eps)
     else:
         on_cuda = next(model.parameters()).is_cuda
         optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=on_cuda)

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from scalevec_train.errors import ScalevecError
-from scalevec_train.optim.muon_dist import local_row_range, orthogonalize_sharded, shard_layout
+from scalevec_train.optim.muon_dist import orthogonalize_sharded, shard_layout
 
 # Keller Jordan's quintic: a fixed polynomial whose slope at 0 is as large as possible.
 QUINTIC = (3.4445, -4.7750, 2.0315)
@@ -30,6 +30,10 @@ _POLAR_EXPRESS_RAW = [
 ]
 POLAR_EXPRESS = [(a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in _POLAR_EXPRESS_RAW[:-1]]
 POLAR_EXPRESS.append(_POLAR_EXPRESS_RAW[-1])
+
+# The names checkpoints store group keys under: those they were first written with (a distributed
+# checkpoint loads only the keys it holds), mapped to and from the names of OptimConfig and the groups.
+STORED_KEYS = {"betas": "adamw_betas", "eps": "adamw_eps", "ns_eps": "eps"}
 
 NS_COEFFICIENTS = ("quintic", "polar_express")
 LR_ADJUSTS = ("match_rms_adamw", "original")
@@ -73,12 +77,8 @@ def adjusted_lr(lr: float, rows: int, cols: int, mode: str) -> float:
     return lr * ratio
 
 
-def _segments(split: list[int] | None, rows: int) -> list[tuple[int, int]]:
-    """Row ranges [start, stop) orthogonalized as separate matrices (fused Q, K, V); one without split."""
-    bounds = [0]
-    for n in split or [rows]:
-        bounds.append(bounds[-1] + n)
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
+def _renamed(group: dict, names: dict[str, str]) -> dict:
+    return {names.get(k, k): v for k, v in group.items()}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -86,22 +86,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _ns_cost(shape: torch.Size, split: list[int] | None) -> float:
+def _ns_cost(shape: torch.Size) -> float:
     """Newton-Schulz work for a whole parameter: rows * cols * min(rows, cols) per matrix."""
     batch = shape[0] if len(shape) == 3 else 1
-    cols = shape[-1]
-    return float(sum(batch * (b - a) * cols * min(b - a, cols) for a, b in _segments(split, shape[-2])))
+    rows, cols = shape[-2], shape[-1]
+    return float(batch * rows * cols * min(rows, cols))
 
 
 class Muon(torch.optim.Optimizer):
     """Muon for groups with `use_muon=True` (2-D matrices, 3-D expert stacks), AdamW for the others.
 
-    Group keys (each defaults to the constructor argument of the same name):
-      use_muon (True): Muon, or AdamW with adamw_betas / adamw_eps.
+    Group keys (each defaults to the constructor argument of the same name, which is OptimConfig's
+    option of that name; the AdamW ones are torch.optim.AdamW's):
+      use_muon (True): Muon, or AdamW with betas / eps.
       lr, weight_decay: both kinds; weight decay is decoupled and uses the unadjusted LR.
-      momentum, nesterov, ns_steps, ns_coefficients, ns_dtype, lr_adjust, eps: Muon only.
-      split (None): Muon only; row counts summing to dim -2, orthogonalized as separate matrices (fused
-        QKV: [q_rows, k_rows, v_rows]). 3-D parameters are a batch of matrices, one per leading index.
+      momentum, nesterov, ns_steps, ns_coefficients, ns_dtype, lr_adjust, ns_eps: Muon only. 3-D
+        parameters are a batch of matrices, one per leading index.
     State: Muon params hold `momentum_buffer`; AdamW params `step`, `exp_avg`, `exp_avg_sq` (as torch's).
     """
 
@@ -116,15 +116,26 @@ class Muon(torch.optim.Optimizer):
         ns_coefficients: str = "quintic",
         ns_dtype: torch.dtype | str = torch.bfloat16,
         lr_adjust: str = "match_rms_adamw",
-        eps: float = 1e-7,
-        adamw_betas: tuple[float, float] = (0.9, 0.95),
-        adamw_eps: float = 1e-8,
+        ns_eps: float = 1e-7,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
     ):
-        defaults = dict(use_muon=True, split=None, lr=lr, weight_decay=weight_decay, momentum=momentum,
-                        nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
-                        ns_dtype=ns_dtype, lr_adjust=lr_adjust, eps=eps, adamw_betas=tuple(adamw_betas),
-                        adamw_eps=adamw_eps)
+        defaults = dict(use_muon=True, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, lr_adjust=lr_adjust,
+                        ns_eps=ns_eps, betas=tuple(betas), eps=eps)
         super().__init__(params, defaults)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["param_groups"] = [_renamed(g, STORED_KEYS) for g in state["param_groups"]]
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        stored = {v: k for k, v in STORED_KEYS.items()}
+        groups = [_renamed(g, stored) for g in state_dict["param_groups"]]
+        for group in groups:
+            group.pop("split", None)  # an option older checkpoints hold, always None
+        super().load_state_dict({**state_dict, "param_groups": groups})
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -153,7 +164,7 @@ class Muon(torch.optim.Optimizer):
                 update = self._momentum_update(p, group)
                 layout = shard_layout(p)
                 if layout is None:
-                    self._apply(p, _orthogonalize(update, group), group, row_start=0)
+                    self._apply(p, _orthogonalize(update, group), group)
                 else:
                     key = (layout, update.dtype, group["ns_dtype"])
                     pending.setdefault(key, []).append((p, update, group))
@@ -163,10 +174,9 @@ class Muon(torch.optim.Optimizer):
 
             results = orthogonalize_sharded(
                 [u for _, u, _ in items], [p.shape[0] for p, _, _ in items],
-                [_ns_cost(p.shape, g["split"]) for p, _, g in items], whole, getattr(torch, ns_dtype), layout)
+                [_ns_cost(p.shape) for p, _, _ in items], whole, getattr(torch, ns_dtype), layout)
             for (p, _, group), result in zip(items, results, strict=True):
-                start, _ = local_row_range(p.shape[0], layout.world, layout.rank)
-                self._apply(p, result, group, row_start=start)
+                self._apply(p, result, group)
         return loss
 
     def _momentum_update(self, p: torch.Tensor, group: dict) -> torch.Tensor:
@@ -179,24 +189,21 @@ class Muon(torch.optim.Optimizer):
         buf.lerp_(grad, 1 - group["momentum"])
         return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
 
-    def _apply(self, p: torch.Tensor, ortho: torch.Tensor, group: dict, row_start: int) -> None:
-        """Decay, then add this rank's rows [row_start, ...) of the orthogonalized update, each split
-        segment with the LR adjusted to its own shape."""
+    def _apply(self, p: torch.Tensor, ortho: torch.Tensor, group: dict) -> None:
+        """Decay, then add this rank's rows of the orthogonalized update, with the LR adjusted to the
+        whole matrix's shape."""
         param = _local(p)
         lr = group["lr"]
         param.mul_(1 - lr * group["weight_decay"])
-        rows, cols = p.shape[-2], p.shape[-1]
-        row_stop = row_start + param.shape[-2]
-        for a, b in _segments(group["split"], rows):
-            lo, hi = max(a, row_start) - row_start, min(b, row_stop) - row_start
-            if lo < hi:
-                step_lr = adjusted_lr(lr, b - a, cols, group["lr_adjust"])
-                param[..., lo:hi, :].add_(ortho[..., lo:hi, :], alpha=-step_lr)
+        rows = param.shape[-2]
+        if rows:  # a rank may hold no rows of a small matrix
+            param[..., :rows, :].add_(ortho[..., :rows, :], alpha=-adjusted_lr(lr, p.shape[-2], p.shape[-1],
+                                                                               group["lr_adjust"]))
 
     def _adamw_step(self, group: dict) -> None:
         """torch.optim.AdamW's single-tensor update, on local shards."""
-        beta1, beta2 = group["adamw_betas"]
-        lr, eps = group["lr"], group["adamw_eps"]
+        beta1, beta2 = group["betas"]
+        lr, eps = group["lr"], group["eps"]
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -219,48 +226,44 @@ class Muon(torch.optim.Optimizer):
 
 
 def _orthogonalize(update: torch.Tensor, group: dict) -> torch.Tensor:
-    """Newton-Schulz of a whole matrix or expert stack, split segment by split segment."""
-    parts = [newton_schulz(update[..., a:b, :], group["ns_steps"], group["ns_coefficients"],
-                           getattr(torch, group["ns_dtype"]), group["eps"])
-             for a, b in _segments(group["split"], update.shape[-2])]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+    """Newton-Schulz of a whole matrix or expert stack."""
+    return newton_schulz(update, group["ns_steps"], group["ns_coefficients"], getattr(torch, group["ns_dtype"]),
+                         group["ns_eps"])
+
+
+_CHECKS = {  # key: (holds, problem, fix)
+    "weight_decay": (lambda v: v >= 0, "is negative.", "use 0 or more."),
+    "betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "is not two numbers in [0, 1).",
+              "use [0.9, 0.95]."),
+    "eps": (lambda v: v > 0, "is not positive.", "use 1e-8."),
+    "momentum": (lambda v: 0 <= v < 1, "is outside [0, 1).", "use 0.95."),
+    "ns_steps": (lambda v: isinstance(v, int) and v >= 1, "is not a positive integer.", "use 5."),
+    "ns_eps": (lambda v: v > 0, "is not positive.", "use 1e-7."),
+    **{key: (lambda v, allowed=allowed: v in allowed, "is not a known value.", f"use one of: {', '.join(allowed)}.")
+       for key, allowed in (("ns_coefficients", NS_COEFFICIENTS), ("ns_dtype", NS_DTYPES), ("lr_adjust", LR_ADJUSTS))},
+}
+ADAMW_KEYS = ("weight_decay", "betas", "eps")
+MUON_KEYS = ("weight_decay", "momentum", "ns_steps", "ns_eps", "ns_coefficients", "ns_dtype", "lr_adjust")
+
+
+def check_options(options: dict, keys: tuple[str, ...], name) -> None:
+    """The checks OptimConfig and Muon's parameter groups share, of options[key] for each of `keys`;
+    an error names the option as name(key)."""
+    for key in keys:
+        holds, problem, fix = _CHECKS[key]
+        if not holds(options[key]):
+            raise ScalevecError(name(key), f"{options[key]!r} {problem}", fix)
 
 
 def _validate_group(group: dict, where: str) -> None:
     """Reject bad hyperparameters and parameters that Muon cannot handle, naming the key and the fix."""
     if not group["lr"] >= 0:
         raise ScalevecError(f"{where}: lr", f"{group['lr']} is negative.", "use a learning rate >= 0.")
-    if not group["weight_decay"] >= 0:
-        raise ScalevecError(f"{where}: weight_decay", f"{group['weight_decay']} is negative.",
-                            "use a weight decay >= 0.")
+    check_options(group, MUON_KEYS if group["use_muon"] else ADAMW_KEYS, lambda key: f"{where}: {key}")
     if not group["use_muon"]:
-        beta1, beta2 = group["adamw_betas"]
-        if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
-            raise ScalevecError(f"{where}: adamw_betas", f"{group['adamw_betas']} is outside [0, 1).",
-                                "use betas such as [0.9, 0.95].")
-        if not group["adamw_eps"] > 0:
-            raise ScalevecError(f"{where}: adamw_eps", f"{group['adamw_eps']} is not positive.", "use 1e-8.")
         return
-    if not 0 <= group["momentum"] < 1:
-        raise ScalevecError(f"{where}: momentum", f"{group['momentum']} is outside [0, 1).", "use 0.95.")
-    if not (isinstance(group["ns_steps"], int) and group["ns_steps"] >= 1):
-        raise ScalevecError(f"{where}: ns_steps", f"{group['ns_steps']!r} is not a positive integer.",
-                            "use 5.")
-    for key, allowed in (("ns_coefficients", NS_COEFFICIENTS), ("lr_adjust", LR_ADJUSTS),
-                         ("ns_dtype", NS_DTYPES)):
-        if group[key] not in allowed:
-            raise ScalevecError(f"{where}: {key}", f"unknown value {group[key]!r}.",
-                                f"use one of {', '.join(allowed)}.")
-    if not group["eps"] > 0:
-        raise ScalevecError(f"{where}: eps", f"{group['eps']} is not positive.", "use 1e-7.")
     for p in group["params"]:
         if p.ndim not in (2, 3):
             raise ScalevecError(where, f"a parameter of shape {tuple(p.shape)} is in a Muon group; Muon "
                                 "takes matrices and [experts, rows, cols] stacks.",
                                 "route it to an AdamW group (use_muon=False).")
-        split = group["split"]
-        if split is not None and (any(not isinstance(n, int) or n <= 0 for n in split)
-                                  or sum(split) != p.shape[-2]):
-            raise ScalevecError(f"{where}: split", f"{split} does not split the {p.shape[-2]} rows of a "
-                                f"{tuple(p.shape)} parameter into positive parts.",
-                                "give row counts that add up to the rows, e.g. [q_rows, k_rows, v_rows].")

@@ -1,43 +1,8 @@
 """Learning-rate schedules: each a pure function of the step, returning a multiplier of the peak LR."""
 
 import math
-from dataclasses import dataclass
 
-from scalevec_train.errors import ScalevecError
-
-
-@dataclass
-class ScheduleConfig:
-    # constant | cosine | wsd (warmup-stable-decay)
-    name: str = "cosine"
-    # linear warmup from 0 to the peak LR over this many steps
-    warmup_steps: int = 20
-    # cosine and wsd: the LR at the end, as a share of the peak (the wsd preset sets 0)
-    min_lr_ratio: float = 0.1
-    # wsd only: the share of all steps spent in the final decay
-    decay_fraction: float = 0.2
-    # wsd only: linear | cosine | 1-sqrt
-    decay_shape: str = "1-sqrt"
-
-    def validate(self, total_steps: int) -> None:
-        if self.name not in ("constant", "cosine", "wsd"):
-            raise ScalevecError("schedule.name", f"unknown schedule {self.name!r}.",
-                                "use schedule=constant, schedule=cosine or schedule=wsd.")
-        if not 0 <= self.warmup_steps <= total_steps:
-            raise ScalevecError("schedule.warmup_steps",
-                                f"{self.warmup_steps} is outside [0, train.steps={total_steps}].",
-                                "set a warmup no longer than the run.")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ScalevecError("schedule.min_lr_ratio", f"{self.min_lr_ratio} is outside [0, 1].")
-        if self.name == "wsd":
-            if not 0.0 < self.decay_fraction <= 1.0:
-                raise ScalevecError("schedule.decay_fraction", f"{self.decay_fraction} is outside (0, 1].")
-            if self.decay_shape not in ("linear", "cosine", "1-sqrt"):
-                raise ScalevecError("schedule.decay_shape", f"unknown shape {self.decay_shape!r}.",
-                                    "use linear, cosine or 1-sqrt.")
-            if self.warmup_steps > total_steps - round(self.decay_fraction * total_steps):
-                raise ScalevecError("schedule.warmup_steps", "warmup overlaps the WSD decay phase.",
-                                    "shorten the warmup or the decay_fraction.")
+from scalevec_train.optim.config import ScheduleConfig
 
 
 def lr_multiplier(cfg: ScheduleConfig, step: int, total_steps: int) -> float:

@@ -1,10 +1,11 @@
 """The parallelism options (`distributed.*` in the config)."""
 
 from dataclasses import dataclass
+from typing import Literal
 
-from scalevec_train.errors import ScalevecError
+from scalevec_train.errors import ScalevecError, check_choices, choice
 
-AC_MODES = ("none", "selective", "full")
+ActivationCheckpointing = Literal["none", "selective", "full"]
 
 
 @dataclass
@@ -14,15 +15,12 @@ class DistributedConfig:
     replicate: int = 0
     # activation checkpointing per block: none | selective (recompute element-wise ops, keep matmul and
     # attention outputs) | full (recompute whole blocks)
-    activation_checkpointing: str = "none"
+    activation_checkpointing: str = choice("none", ActivationCheckpointing)
     # torch.compile each transformer block (the first steps are slower while it compiles)
     compile: bool = False
 
     def validate(self) -> None:
+        check_choices(self, "distributed.")
         if self.replicate < 0:
             raise ScalevecError("distributed.replicate", f"{self.replicate} is negative.",
                                 "use 0 (one replica group per node), 1 (plain FSDP) or a group count.")
-        if self.activation_checkpointing not in AC_MODES:
-            raise ScalevecError("distributed.activation_checkpointing",
-                                f"unknown mode {self.activation_checkpointing!r}.",
-                                f"use one of {', '.join(AC_MODES)}.")

@@ -1,4 +1,5 @@
-"""Sharding the model with FSDP2 when there are several processes.
+"""Data parallelism: placing and initializing the model (plain on one process, sharded with FSDP2/HSDP
+over several), the gradients of the parameters every rank holds whole, and gradient clipping.
 
 One process (no torchrun, or torchrun with one process) trains the plain model. Several processes
 shard it with FSDP2 over a DeviceMesh: `fully_shard` on every transformer block, then on the root.
@@ -76,7 +77,7 @@ def parallelize(model: TrainableModel, cfg: DistributedConfig, device: torch.dev
     # bf16 weights for compute, fp32 gradient reduction, fp32 master weights.
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if uses_bf16(dtype, device) else MixedPrecisionPolicy())
-    # Scale sites stay whole and fp32 on every rank (the spec's precision rule: FSDP would hand them to
+    # Scale sites stay whole and fp32 on every rank (docs/scale-vectors.md's precision rule: FSDP would hand them to
     # the forward in bf16, where their small updates vanish): FSDP ignores them, and their gradients are
     # averaged in one all-reduce per step (reduce_replicated_grads).
     sites = {p for _, site in scale_sites(model) for p in site.parameters()}

@@ -1,8 +1,9 @@
 """The training loop's options (`train.*`) and the checkpoint options (`checkpoint.*`)."""
 
 from dataclasses import dataclass
+from typing import Literal
 
-from scalevec_train.errors import ScalevecError
+from scalevec_train.errors import ScalevecError, check_choices, choice
 
 
 @dataclass
@@ -35,7 +36,7 @@ class TrainConfig:
     # same sequences every time, for every seed, world size and micro-batch
     eval_batches: int = 8
     # compute precision: auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
-    dtype: str = "auto"
+    dtype: str = choice("auto", Literal["auto", "fp32", "bf16"])
     # a step with a non-finite loss or gradient norm is skipped (no parameter changes); after this many
     # in a row the run saves a checkpoint and stops (docs/reliability.md)
     max_bad_steps: int = 5
@@ -54,6 +55,7 @@ class TrainConfig:
             self.micro_batch = max(d for d in range(1, min(per_rank, fits) + 1) if per_rank % d == 0)
 
     def validate(self, world_size: int) -> None:
+        check_choices(self, "train.")
         for key in ("steps", "global_batch", "seq_len", "log_every", "eval_batches", "max_micro_batch_tokens"):
             if getattr(self, key) <= 0:
                 raise ScalevecError(f"train.{key}", f"must be positive, got {getattr(self, key)}.",
@@ -77,8 +79,6 @@ class TrainConfig:
                 f"{self.global_batch} sequences are not divisible by micro_batch * ranks = "
                 f"{self.micro_batch} * {world_size}.",
                 f"use a multiple of {per_step}, or change train.micro_batch.")
-        if self.dtype not in ("auto", "fp32", "bf16"):
-            raise ScalevecError("train.dtype", f"unknown value {self.dtype!r}.", "use auto, fp32 or bf16.")
         if self.max_bad_steps < 1:
             raise ScalevecError("train.max_bad_steps", f"must be at least 1, got {self.max_bad_steps}.",
                                 "allow at least one skipped step, e.g. 5.")

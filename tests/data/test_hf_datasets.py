@@ -14,16 +14,14 @@ from scalevec_train.data import DataConfig, prepare_data, tokenizer
 from scalevec_train.errors import ScalevecError
 from scalevec_train.train import run
 from tests.data.test_data import VOCAB, split_texts, split_tokens, write_corpus
-from tests.helpers import make_config
+from tests.helpers import SHORT_RUN, TINY_MODEL, make_config
 
 datasets = pytest.importorskip("datasets", reason="Hugging Face datasets is not installed (the hf extra)")
 pa = pytest.importorskip("pyarrow")  # datasets' own dependency
 pq = pytest.importorskip("pyarrow.parquet")
 
-TINY = ["model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64", "model.n_layers=2",
-        f"model.vocab_size={VOCAB}", "train.seq_len=32", "train.global_batch=4", "train.micro_batch=4",
-        "train.eval_batches=1", "train.eval_every=0", "train.steps=3", "train.log_every=1",
-        "schedule.warmup_steps=1", "device=cpu", "logger.progress_bar=false", "data.num_workers=1"]
+TINY = [*TINY_MODEL, f"model.vocab_size={VOCAB}", *SHORT_RUN, "train.steps=3", "train.log_every=1",
+        "logger.progress_bar=false"]
 
 
 @pytest.fixture(scope="module", autouse=True)

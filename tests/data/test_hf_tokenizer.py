@@ -15,17 +15,14 @@ from scalevec_train.errors import ScalevecError
 from scalevec_train.interop.api import load
 from scalevec_train.interop.export import export
 from scalevec_train.train import run
-from tests.helpers import make_config
+from tests.helpers import SHORT_RUN, TINY_MODEL, make_config
 
 pytest.importorskip("tokenizers", reason="Hugging Face tokenizers is not installed (the hf extra)")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 
 EOS = "<|endoftext|>"
 SAMPLE = "def f(x):\n\tif x:\n        return x  +  12345  # größer 日本語 🙂\r\n <|endoftext|> </s> tail  \n"
-TINY = ["model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64", "model.n_layers=2",
-        "model.vocab_size=512", "train.seq_len=32", "train.global_batch=4", "train.micro_batch=4",
-        "train.eval_batches=1", "train.eval_every=0", "train.steps=4", "train.log_every=4",
-        "schedule.warmup_steps=1", "device=cpu", "data.num_workers=1"]
+TINY = [*TINY_MODEL, "model.vocab_size=512", *SHORT_RUN, "train.steps=4", "train.log_every=4"]
 
 
 def train_tokenizer(texts: list[str], out: Path, special: list[str], vocab: int = 400) -> Path:

@@ -30,15 +30,16 @@ from scalevec_train.interop import export
 from scalevec_train.interop.api import load
 from scalevec_train.interop.hf_import import check_init_from, import_llama, init_from_hf
 from scalevec_train.model import Transformer
-from scalevec_train.model.strategies import ScaleConfig, scale_sites
+from scalevec_train.model.config import ScaleConfig
+from scalevec_train.model.strategies import scale_sites
 from scalevec_train.optim.groups import build_optimizer
 from scalevec_train.train import run
-from tests.helpers import make_config
+from tests.helpers import SHORT_RUN, TINY_MODEL, make_config
 
-TINY = ["model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64", "model.n_layers=2",
-        "train.seq_len=32", "train.global_batch=4", "train.micro_batch=4", "train.eval_batches=1",
-        "schedule.warmup_steps=2", "train.steps=30", "train.log_every=30", "train.eval_every=0", "optim.lr=1e-2",
-        "device=cpu"]
+TINY = [*TINY_MODEL, *SHORT_RUN, "train.steps=30", "train.log_every=30", "optim.lr=1e-2"]
+# the model random_llama() writes
+RANDOM_LLAMA = [*TINY_MODEL, "model.ffn_dim=48", "model.vocab_size=300", "model.max_seq_len=128", "model.norm_eps=1e-5",
+                "model.rope_theta=5000", "model.tie_embeddings=false", "train.seq_len=64"]
 MOE = ["model=moe-tiny", "model.moe.num_experts=4", "model.moe.expert_dim=32", "model.ffn_dim=32"]
 RUNS = {"baseline": ["scale=baseline"], "unified": ["scale=unified"], "none": ["scale=none"],
         "moe-unified": [*MOE, "scale=unified"]}
@@ -305,9 +306,7 @@ def test_imported_llama_trains_under_unified(tmp_path, transformers):
 
 def test_init_from_hf_checks_the_config(tmp_path, transformers):
     hf = random_llama(transformers, tmp_path, tied=False)
-    cfg = make_config("model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=48",
-                      "model.n_layers=2", "model.vocab_size=300", "model.max_seq_len=128", "model.norm_eps=1e-5",
-                      "model.rope_theta=5000", "model.tie_embeddings=false", "train.seq_len=64", "scale=hg")
+    cfg = make_config(*RANDOM_LLAMA, "scale=hg")
     model = Transformer(cfg.model, cfg.scale)
     model.init_weights(seed=0)
     init_from_hf(model, tmp_path)
@@ -322,9 +321,7 @@ def test_init_from_hf_checks_the_config(tmp_path, transformers):
 def test_init_from_hf_fills_fsdp_shards(tmp_path, transformers):
     """FSDP2 on a one-rank gloo group: the parameters are DTensors, as under torchrun."""
     hf = random_llama(transformers, tmp_path, tied=False)
-    cfg = make_config("model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=48",
-                      "model.n_layers=2", "model.vocab_size=300", "model.max_seq_len=128", "model.norm_eps=1e-5",
-                      "model.rope_theta=5000", "model.tie_embeddings=false", "train.seq_len=64")
+    cfg = make_config(*RANDOM_LLAMA)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

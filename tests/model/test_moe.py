@@ -14,8 +14,9 @@ from omegaconf import OmegaConf
 from scalevec_train.accounting import active_params, total_params
 from scalevec_train.errors import ScalevecError
 from scalevec_train.model import ModelConfig, MoEConfig, Transformer
+from scalevec_train.model.config import ScaleConfig
 from scalevec_train.model.moe import MoEFeedForward
-from scalevec_train.model.strategies import ScaleConfig, input_branches, scale_sites
+from scalevec_train.model.strategies import input_branches, scale_sites
 from tests.helpers import REPO
 
 PRESETS = REPO / "configs" / "model"

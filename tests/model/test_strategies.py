@@ -9,11 +9,10 @@ from scalevec_train.model import Transformer
 from scalevec_train.model.fold import fold
 from scalevec_train.model.strategies import ScaleSite, scale_sites, site_display_name
 from scalevec_train.optim.groups import build_optimizer, classify
-from tests.helpers import make_config
+from tests.helpers import SMALL_MODEL, make_config
 
 PRESETS = ["none", "baseline", "iwd", "wd_all", "hg", "dp", "dnp", "or", "er", "unified"]
-SMALL = ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=96", "model.n_layers=2",
-         "model.vocab_size=128"]
+SMALL = [*SMALL_MODEL, "model.vocab_size=128"]
 
 
 def build(scale: str, *extra: str, seed: int = 0) -> Transformer:

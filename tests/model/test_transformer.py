@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from scalevec_train.model import Transformer
-from tests.helpers import make_config
+from tests.helpers import TINY_MODEL, make_config
 
 SIZES = {"dense-tiny": 4.2e6, "dense-0.12b": 0.12e9, "dense-0.5b": 0.5e9, "dense-1b": 1.0e9,
          "dense-2b": 2.0e9, "dense-gemma-0.5b": 0.5e9, "dense-tiny-gemma": 4.2e6}
@@ -73,15 +73,29 @@ def test_forward_matches_a_plain_reference():
 
 
 def test_init_depends_only_on_seed_and_name():
+    """A parameter's initial value is a function of (seed, name): models that differ before it (the
+    embedding's size), around it (the scale sites of a strategy) and after it (an untied output head)
+    give every parameter they share the same value; another name or another seed gives another value."""
+    models = {}
+    for key, extra in {"base": [], "vocab": ["model.vocab_size=3000"], "unified": ["scale=unified"],
+                       "untied": ["model.tie_embeddings=false"]}.items():
+        cfg = make_config(*TINY_MODEL, *extra)
+        models[key] = Transformer(cfg.model, cfg.scale)
+        models[key].init_weights(5)
+    base = dict(models["base"].named_parameters())
+    for key in ("vocab", "unified", "untied"):
+        shared = [(n, p) for n, p in models[key].named_parameters() if n in base and p.shape == base[n].shape]
+        assert len(shared) >= 2 * 7, key  # at least the seven matrices of both blocks
+        for name, p in shared:
+            assert torch.equal(p, base[name]), (key, name)
+    wq, wk = base["layers.0.attn.wq.weight"], base["layers.0.attn.wk.weight"]
+    assert not torch.equal(wq, wk)  # same shape, another name
+    reseeded = Transformer(models["base"].cfg, models["base"].scale)
+    reseeded.init_weights(6)
+    assert not torch.equal(wq, reseeded.layers[0].attn.wq.weight)
+    # the scale: init_std, and init_std / sqrt(2 * n_layers) for the maps into the residual stream
     cfg = make_config("model.n_layers=2")
-    a, b = Transformer(cfg.model, cfg.scale), Transformer(cfg.model, cfg.scale)
-    a.init_weights(5)
-    b.init_weights(5)
-    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
-        assert torch.equal(p, q), n
-    wo = a.layers[0].attn.wo.weight
-    wq = a.layers[0].attn.wq.weight
-    assert wo.std().item() == pytest.approx(0.02 / 2, rel=0.1)  # init_std / sqrt(2 * n_layers)
-    assert wq.std().item() == pytest.approx(0.02, rel=0.1)
-    b.init_weights(6)
-    assert not torch.equal(a.layers[0].attn.wq.weight, b.layers[0].attn.wq.weight)
+    model = Transformer(cfg.model, cfg.scale)
+    model.init_weights(5)
+    assert model.layers[0].attn.wo.weight.std().item() == pytest.approx(0.02 / 2, rel=0.1)
+    assert model.layers[0].attn.wq.weight.std().item() == pytest.approx(0.02, rel=0.1)

@@ -58,25 +58,6 @@ def test_polar_express_reaches_the_polar_factor():
                                                    - polar).abs().max() > 1e-2
 
 
-def test_fused_split_equals_separate_matrices():
-    torch.manual_seed(0)
-    q, k, v = torch.randn(16, 24), torch.randn(8, 24), torch.randn(8, 24)
-    fused = _leaves([torch.cat([q, k, v])])
-    separate = _leaves([q, k, v])
-    for lr_adjust in ("match_rms_adamw", "original"):
-        opt = Muon([{"params": fused, "split": [16, 8, 8]}], lr=0.02, lr_adjust=lr_adjust)
-        ref = torch.optim.Muon(separate, lr=0.02, adjust_lr_fn=lr_adjust)
-        gen = torch.Generator().manual_seed(1)
-        for _ in range(3):
-            g = torch.randn(32, 24, generator=gen)
-            fused[0].grad = g
-            for p, part in zip(separate, g.split([16, 8, 8]), strict=True):
-                p.grad = part.clone()
-            opt.step()
-            ref.step()
-        assert torch.equal(fused[0].detach(), torch.cat([p.detach() for p in separate]))
-
-
 def test_expert_stack_equals_per_matrix():
     torch.manual_seed(0)
     stack = torch.randn(3, 12, 20)
@@ -121,7 +102,7 @@ def test_adamw_groups_match_torch_adamw():
 
 
 def _mixed(params):
-    return Muon([{"params": params[:1], "split": [16, 8, 8]}, {"params": params[1:2]},
+    return Muon([{"params": params[:1]}, {"params": params[1:2]},
                  {"params": params[2:], "use_muon": False, "lr": 3e-3}],
                 lr=0.02, ns_coefficients="polar_express", ns_dtype=torch.float32)
 
@@ -139,7 +120,7 @@ def test_state_dict_round_trip():
     torch.save(opt.state_dict(), buffer)
     buffer.seek(0)
     resumed = [p.detach().clone().requires_grad_() for p in first]
-    opt2 = Muon([{"params": resumed[:1], "split": [16, 8, 8]}, {"params": resumed[1:2]},
+    opt2 = Muon([{"params": resumed[:1]}, {"params": resumed[1:2]},
                  {"params": resumed[2:], "use_muon": False}])  # hyperparameters come from the state
     opt2.load_state_dict(torch.load(buffer))
     assert opt2.param_groups[0]["ns_dtype"] == "float32" and opt2.param_groups[2]["lr"] == 3e-3
@@ -155,11 +136,33 @@ def test_state_dict_round_trip():
         assert torch.equal(a, b), a.shape
 
 
+def test_checkpoints_keep_the_group_key_names_they_were_written_with():
+    """In memory a group has OptimConfig's names; its state stores them as checkpoints always did
+    (adamw_betas, adamw_eps, and eps for Newton-Schulz; the `split` older ones hold is dropped)."""
+    params = _leaves([torch.randn(32, 24), torch.randn(2, 12, 20), torch.randn(24), torch.randn(9, 24)])
+    opt = _mixed(params)
+    _run(params, opt, 1)
+    assert {"betas", "eps", "ns_eps"} <= set(opt.param_groups[0]) and "adamw_eps" not in opt.param_groups[0]
+    state = opt.state_dict()
+    for group in state["param_groups"]:
+        assert (group["adamw_betas"], group["adamw_eps"], group["eps"]) == ((0.9, 0.95), 1e-8, 1e-7)
+        assert "ns_eps" not in group and "betas" not in group
+        group["split"] = None
+    fresh = _mixed([p.detach().clone().requires_grad_() for p in params])
+    fresh.load_state_dict(state)
+    for group in fresh.param_groups:
+        assert (group["betas"], group["eps"], group["ns_eps"]) == ((0.9, 0.95), 1e-8, 1e-7)
+        assert "split" not in group and "adamw_eps" not in group
+
+
 def test_bad_groups_raise():
     with pytest.raises(ScalevecError, match="AdamW group"):
         Muon([torch.zeros(4, requires_grad=True)])
-    with pytest.raises(ScalevecError, match="split"):
-        Muon([{"params": [torch.zeros(10, 4, requires_grad=True)], "split": [4, 4]}])
+    with pytest.raises(ScalevecError, match="ns_eps"):
+        Muon([torch.zeros(10, 4, requires_grad=True)], ns_eps=0.0)
+    with pytest.raises(ScalevecError, match="group 1: eps"):
+        Muon([{"params": [torch.zeros(10, 4, requires_grad=True)]},
+              {"params": [torch.zeros(3, requires_grad=True)], "use_muon": False, "eps": -1.0}])
     with pytest.raises(ScalevecError, match="ns_coefficients"):
         Muon([torch.zeros(10, 4, requires_grad=True)], ns_coefficients="cubic")
     with pytest.raises(ScalevecError, match="ns_dtype"):

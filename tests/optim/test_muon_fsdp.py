@@ -29,7 +29,7 @@ MESHES = {"fsdp": (2,), "hsdp_shard": (1, 2), "hsdp_replicate": (2, 1)}
 
 
 class Net(nn.Module):
-    """Every matrix has its own shape; qkv (14 rows, split 6/4/4) has k straddling the two shards, up
+    """Every matrix has its own shape; qkv (14 rows, read as 6/4/4) is sharded 7 + 7, up
     has 13 rows (7 + 6), the 3 experts shard 2 + 1 on the expert dimension."""
 
     def __init__(self):
@@ -64,7 +64,7 @@ def build(mesh, seed=0):
     named = dict(model.named_parameters())
     hidden = ["o.weight", "up.weight", "experts", "down.weight"]
     rest = [p for n, p in named.items() if n not in hidden + ["qkv.weight"]]
-    opt = Muon([{"params": [named["qkv.weight"]], "split": QKV_SPLIT},
+    opt = Muon([{"params": [named["qkv.weight"]]},
                 {"params": [named[n] for n in hidden]},
                 {"params": rest, "use_muon": False, "lr": 0.01}],
                lr=0.02, ns_dtype=torch.float32)

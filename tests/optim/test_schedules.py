@@ -5,7 +5,8 @@ import math
 import pytest
 
 from scalevec_train.errors import ScalevecError
-from scalevec_train.optim.schedules import ScheduleConfig, lr_multiplier
+from scalevec_train.optim.config import ScheduleConfig
+from scalevec_train.optim.schedules import lr_multiplier
 
 TOTAL = 1000
 
