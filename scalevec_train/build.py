@@ -141,7 +141,8 @@ def build(cfg: Config) -> Run:
         steps=cfg.train.steps, accum=cfg.train.global_batch // (cfg.train.micro_batch * world),
         grad_clip=cfg.train.grad_clip, device=device, autocast=autocast_for(cfg.train.dtype, device),
         log_every=cfg.train.log_every, tokens_per_step=tokens_per_step, callbacks=callbacks,
-        start_step=start_step, nan_steps=nan_steps, inf_grad_steps=inf_grad_steps)
+        start_step=start_step, nan_steps=nan_steps, inf_grad_steps=inf_grad_steps,
+        compile_loss=cfg.distributed.compile)
     return Run(trainer, data, run_dir, checkpointer, guard, branched_from)
 
 

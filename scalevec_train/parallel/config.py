@@ -15,8 +15,8 @@ class DistributedConfig:
     # activation checkpointing per block: none | selective (recompute element-wise ops, keep matmul and
     # attention outputs) | full (recompute whole blocks)
     activation_checkpointing: str = "none"
-    # torch.compile each transformer block as one graph (fullgraph; inductor, on CPU too: it needs a C
-    # compiler there). The first steps are slower while it compiles
+    # torch.compile each transformer block and the training loss, each as one graph (fullgraph; inductor,
+    # on CPU too: it needs a C compiler there). The first steps are slower while it compiles
     compile: bool = False
 
     def validate(self) -> None:
