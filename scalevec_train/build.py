@@ -39,7 +39,7 @@ from scalevec_train.training.callbacks import (
     StabilityGuard,
 )
 from scalevec_train.training.guards import FaultInjection
-from scalevec_train.training.trainer import Trainer, checkpointed, cross_entropy
+from scalevec_train.training.trainer import Trainer, checkpointed, training_loss
 
 
 @dataclass
@@ -76,7 +76,8 @@ def build(cfg: Config) -> Run:
         check_backend(cfg.model.kernels, device.type)
     except KernelError as e:
         raise ScalevecError("model.kernels", e.problem, e.fix) from None
-    faults = FaultInjection.from_env(cross_entropy, rank())
+    loss_fn = training_loss(cfg.distributed.compile)
+    faults = FaultInjection.from_env(loss_fn, rank())
     # Every rank uses rank 0's run_dir and checkpoint choice.
     run_dir = Path(broadcast_object(cfg.run_dir))
     check_run_dir(run_dir)
@@ -139,7 +140,7 @@ def build(cfg: Config) -> Run:
         steps=cfg.train.steps, accum=cfg.train.global_batch // (cfg.train.micro_batch * world),
         grad_clip=cfg.train.grad_clip, device=device, autocast=autocast_for(cfg.train.dtype, device),
         log_every=cfg.train.log_every, tokens_per_step=tokens_per_step, callbacks=callbacks,
-        start_step=start_step, loss_fn=faults or cross_entropy)
+        start_step=start_step, loss_fn=faults or loss_fn)
     return Run(trainer, data, run_dir, checkpointer, branched_from)
 
 

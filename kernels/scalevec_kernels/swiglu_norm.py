@@ -15,6 +15,8 @@ This file holds the Triton kernels, the `scalevec::swiglu_norm_fwd/bwd` ops with
 implementations and autograd wiring, and the plain PyTorch reference.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -319,7 +321,8 @@ def _fwd_op(gate, up, gate_scale, up_scale, expert_offsets, eps):
 @_fwd_op.register_fake
 def _fwd_fake(gate, up, gate_scale, up_scale, expert_offsets, eps):
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    return out, torch.empty((2, gate.shape[:-1].numel()), dtype=torch.float32, device=gate.device)
+    # math.prod keeps a data-dependent row count (MoE rows grouped by expert, compiled) symbolic.
+    return out, torch.empty((2, math.prod(gate.shape[:-1])), dtype=torch.float32, device=gate.device)
 
 
 def _pointers(gate_scale: Tensor | None, up_scale: Tensor | None, offsets: Tensor | None,

@@ -65,9 +65,6 @@ class PreNorm(nn.Module):
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None
                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """({branch: s_branch * N(h)}, h) with h = x + delta (x itself without a delta)."""
-        if delta is not None:
-            # Under autocast the update may be bf16 while the stream is fp32: x + delta promotes, so do we.
-            delta = delta.to(x.dtype)
         scales = [s() for s in self.sites.values()]
         outs = rms_norm_scales(x, scales, self.eps, residual=delta, backend=self.kernels)
         if delta is not None:

@@ -67,11 +67,12 @@ def _grouped_mm_supported(x: torch.Tensor, widths: tuple[int, ...]) -> bool:
     return False
 
 
-def _expert_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
-    """Rows of x sorted by expert times each expert's matrix: x [rows, in], w [E, out, in]."""
-    if grouped:
+def _expert_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None) -> torch.Tensor:
+    """Rows of x sorted by expert times each expert's matrix: x [rows, in], w [E, out, in]; through
+    torch._grouped_mm when `sizes` (counts as a list, for the loop) is None."""
+    if sizes is None:
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
-    chunks = x.split(counts.tolist())
+    chunks = x.split(sizes)
     return torch.cat([F.linear(chunk, w[e]) for e, chunk in enumerate(chunks)])
 
 
@@ -117,10 +118,12 @@ class RoutedExperts(ExpertSwiGLU):
             grouped = _grouped_mm_supported(xs_gate, (w_gate.shape[-1], w_gate.shape[-2]))
         else:
             grouped = self.backend == "grouped_mm"
-        hidden = self.hidden(_expert_mm(xs_gate, w_gate, counts, grouped), _expert_mm(xs_up, w_up, counts, grouped),
+        # One host sync for the three matmuls, and one set of sizes, so that the compiler knows gate and up alike.
+        sizes = None if grouped else counts.tolist()
+        hidden = self.hidden(_expert_mm(xs_gate, w_gate, counts, sizes), _expert_mm(xs_up, w_up, counts, sizes),
                              counts, expert_of)
         hidden = hidden * weights.flatten().index_select(0, order).unsqueeze(-1).to(dtype)
-        out = _expert_mm(hidden, w_down, counts, grouped)
+        out = _expert_mm(hidden, w_down, counts, sizes)
         # Back to token order (a permutation: no atomics, so deterministic), then the fp32 sum over k.
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         return out.index_select(0, inverse).view(tokens, k, -1).sum(1, dtype=torch.float32)

@@ -126,6 +126,10 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence of {tokens.shape[-1]} tokens exceeds model.max_seq_len="
                              f"{self.cfg.max_seq_len}")
         x, delta = self.tok_emb(tokens), None
+        if torch.is_autocast_enabled(x.device.type):
+            # The residual stream in the autocast dtype, as FSDP's bf16 parameters give it: one precision
+            # regime on one process and on many (docs/architecture.md, "Precision").
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         for layer in self.layers:
             x, delta = layer(x, self.rope, delta)
         x = self.final_norm(x, delta)[0]["final"]

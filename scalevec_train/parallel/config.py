@@ -16,7 +16,8 @@ class DistributedConfig:
     # activation checkpointing per block: none | selective (recompute element-wise ops, keep matmul and
     # attention outputs) | full (recompute whole blocks)
     activation_checkpointing: str = choice("none", ActivationCheckpointing)
-    # torch.compile each transformer block (the first steps are slower while it compiles)
+    # torch.compile each transformer block and the training loss, each as one graph (fullgraph; inductor,
+    # on CPU too: it needs a C compiler there). The first steps are slower while it compiles
     compile: bool = False
 
     def validate(self) -> None:

@@ -47,5 +47,11 @@ def wrap_block(block: nn.Module, ac: str, compile_block: bool) -> None:
     else:
         forward = inner
     if compile_block:
-        forward = torch.compile(forward)
+        # fullgraph: a graph break is an error, not a silent slowdown (tests/parallel/test_compile.py).
+        forward = torch.compile(forward, fullgraph=True)
+        if ac != "none":
+            # The MoE layer's forward records state (token counts, the auxiliary loss): compiled, a
+            # checkpointed region records it once and does not replay it in the recomputation. The
+            # counts only ever enter as relative loads, so recorded once or twice they act alike.
+            forward = torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)(forward)
     block.forward = forward

@@ -35,7 +35,10 @@ class TrainConfig:
     # first of the val split in a fixed order), split over the ranks and run micro_batch at a time: the
     # same sequences every time, for every seed, world size and micro-batch
     eval_batches: int = 8
-    # compute precision: auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
+    # compute precision: auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16. bf16 is one regime on one process
+    # and on many: fp32 master weights, gradient reduction and optimizer states; bf16 activations and
+    # residual stream (autocast, plus FSDP's bf16 copies of the weights when sharded); fp32 scale sites and
+    # fp32 arithmetic inside the fused norms, the router and the loss (docs/architecture.md, "Precision")
     dtype: str = choice("auto", Literal["auto", "fp32", "bf16"])
     # a step with a non-finite loss or gradient norm is skipped (no parameter changes); after this many
     # in a row the run saves a checkpoint and stops (docs/reliability.md)
