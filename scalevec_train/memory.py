@@ -8,6 +8,9 @@ Counted from the config on the meta device (no weights are allocated):
                      gradients between micro-steps (the reduce-scatter waits for the last one).
   optimizer          AdamW: exp_avg + exp_avg_sq (fp32) and a step count per tensor; Muon: a fp32
                      momentum per hidden matrix, AdamW's state for the rest.
+  skip_copies        the copies of parameters, optimizer state and buffers that training/skip.py keeps
+                     between steps to undo a skipped one, for the optimizer that cannot skip it
+                     itself: torch's for-loop AdamW (CPU). None for fused AdamW (CUDA) and Muon.
   activations        what autograd keeps through one micro-batch's forward (activations.py), for the
                      activation-checkpointing mode; `recompute`: one block's tensors again during its
                      backward when blocks are checkpointed.
@@ -15,8 +18,9 @@ Counted from the config on the meta device (no weights are allocated):
   fsdp_buffers       unsharded compute-dtype parameters of the root and of two blocks (the current
                      one and the prefetched one), and one block's unsharded gradients being reduced.
   optimizer_step     Muon's transient copies: the update, the exchange of whole matrices with their
-                     owner ranks and Newton-Schulz's workspace on the largest matrix (the activations
-                     are gone by then).
+                     owner ranks, Newton-Schulz's workspace on the largest matrix and its new value
+                     before it is selected into place (its skip on the device); the new value, denominator
+                     and update of the largest AdamW-group tensor (the activations are gone by then).
 The peak is the larger of the backward's (states + activations + recompute + logits + FSDP buffers)
 and the optimizer step's (states + optimizer_step), plus OVERHEAD.
 """
@@ -61,6 +65,7 @@ class MemoryEstimate:
     grads: int
     accumulated_grads: int
     optimizer: int
+    skip_copies: int
     activations: int
     recompute: int
     logits: int
@@ -70,7 +75,7 @@ class MemoryEstimate:
 
     @property
     def states(self) -> int:
-        return self.params + self.grads + self.accumulated_grads + self.optimizer
+        return self.params + self.grads + self.accumulated_grads + self.optimizer + self.skip_copies
 
     @property
     def total(self) -> int:
@@ -123,13 +128,17 @@ def estimate(cfg: Config, world: int, device: str = "cuda") -> MemoryEstimate:
 
     params = list(model.parameters())
     held = local(params)
-    optimizer, muon = 0.0, []
+    optimizer, muon, adamw = 0.0, [], []
     for group in param_groups(model, cfg.optim, cfg.scale):
         if group.get("use_muon", False):
             optimizer += FP32 * local(group["params"])
             muon += group["params"]
         else:
             optimizer += 2 * FP32 * local(group["params"]) + FP32 * len(group["params"])
+            adamw += group["params"]
+    skip_copies = 0.0
+    if cfg.optim.name != "muon" and device == "cpu":
+        skip_copies = FP32 * held + optimizer + sum(b.numel() * b.element_size() for b in model.buffers())
     accumulation = cfg.train.global_batch // (cfg.train.micro_batch * world)
     sharded = sum(t.numel() for t in params if id(t) not in sites)
     tokens = cfg.train.micro_batch * cfg.train.seq_len
@@ -152,14 +161,16 @@ def estimate(cfg: Config, world: int, device: str = "cuda") -> MemoryEstimate:
         ns_bytes = torch.empty((), dtype=getattr(torch, cfg.optim.ns_dtype)).element_size()
         # the update and the matrices exchanged with their owners (sent, gathered, reply, returned)
         exchange = (FP32 + FP32 + FP32 + 2 * ns_bytes) * sum(t.numel() for t in muon) / shard if world > 1 else 0
-        step = exchange + FP32 * largest + 4 * ns_bytes * largest  # Newton-Schulz: x, gram, poly, new x
+        # Newton-Schulz: x, gram, poly, new x; then the new parameter
+        step = exchange + 2 * FP32 * largest + 4 * ns_bytes * largest
+        step = max(step, 3 * FP32 * max((local([t]) for t in adamw), default=0))
     return MemoryEstimate(
         world_size=world, shard_size=shard, device=device,
         activation_checkpointing=cfg.distributed.activation_checkpointing,
         micro_batch_tokens=tokens, accumulation=accumulation,
         params=round(FP32 * held), grads=round(FP32 * held),
         accumulated_grads=FP32 * sharded if world > 1 and accumulation > 1 else 0,
-        optimizer=round(optimizer), activations=round(tokens * kept + kept_copies),
+        optimizer=round(optimizer), skip_copies=round(skip_copies), activations=round(tokens * kept + kept_copies),
         recompute=round(tokens * recompute + recompute_copies),
         logits=round(tokens * logits_peak_bytes(cfg.model, p)), fsdp_buffers=round(fsdp),
         optimizer_step=round(step), overhead=OVERHEAD if device == "cuda" else 0)

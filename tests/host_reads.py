@@ -4,8 +4,9 @@ writes the counts of this rank to out.json (a path per rank: {rank} is replaced)
 
 A read is any aten._local_scalar_dense (item(), float(), int(), bool() of a tensor) and any tolist()
 (which on the CPU reads memory without an aten call). Reads of the optimizer's step counters are counted
-apart: torch's for-loop AdamW (and Muon's AdamW groups) keep them on the host on every device, so reading
-them never waits for a device; every other read would.
+apart: torch's for-loop AdamW keeps them on the host on every device, so reading them never waits for a
+device; every other read would. The counts also say how many tensors the trainer's ConditionalStep keeps
+copies of (none for optimizers that skip a step themselves).
 """
 
 import json
@@ -74,14 +75,14 @@ class CountNonLogSteps(Callback):
 
 def count_reads(overrides: list[str], out: Path) -> None:
     build, original_tolist = train.build, torch.Tensor.tolist
-    made: list[tuple[ReadCounter, CountNonLogSteps]] = []
+    made: list[tuple[ReadCounter, CountNonLogSteps, Trainer]] = []
 
     def counted(cfg):
         built = build(cfg)
         counter = ReadCounter(built.trainer.optimizer)
         opening = CountNonLogSteps(counter, closing=False)
         built.trainer.callbacks = [opening, *built.trainer.callbacks, CountNonLogSteps(counter, closing=True)]
-        made.append((counter, opening))
+        made.append((counter, opening, built.trainer))
         return built
 
     def tolist(t):
@@ -94,9 +95,10 @@ def count_reads(overrides: list[str], out: Path) -> None:
         train.run(compose_config(overrides, process_group.world_size()))
     finally:
         train.build, torch.Tensor.tolist = build, original_tolist
-    counter, opening = made[-1]
+    counter, opening, trainer = made[-1]
     Path(str(out).format(rank=process_group.rank())).write_text(json.dumps(
-        {"steps": opening.steps, "reads": counter.reads, "step_counter_reads": counter.step_counter_reads}))
+        {"steps": opening.steps, "reads": counter.reads, "step_counter_reads": counter.step_counter_reads,
+         "copies": len(trainer.optimizer_step.copies)}))
 
 
 if __name__ == "__main__":

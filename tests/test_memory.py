@@ -1,7 +1,8 @@
 """The memory estimate (scalevec_train/memory.py, activations.py) against bytes measured on a real
 CPU step: the tensors autograd saves during a forward (saved-tensor hooks, unique storages, plus what
 selective checkpointing caches), and the parameters, gradients and optimizer state after an optimizer
-step. Then the GPU recipes against an 80 GB device at 8 ranks, and describe's report."""
+step (taken as the trainer takes it, with the copies it keeps to undo a skipped step where the
+optimizer cannot skip it itself). Then the GPU recipes against an 80 GB device at 8 ranks, and describe's report."""
 
 import gc
 import json
@@ -15,6 +16,7 @@ from scalevec_train.memory import GB, estimate, fix
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.optim.groups import build_optimizer
 from scalevec_train.parallel.wrap import wrap_block
+from scalevec_train.training.skip import ConditionalStep
 from scalevec_train.training.trainer import cross_entropy
 
 SHAPE = ["train.micro_batch=2", "train.global_batch=2", "train.seq_len=64"]
@@ -33,7 +35,7 @@ def measure(cfg) -> dict[str, int]:
     """Bytes of one real training step on the CPU: activations (what the saved-tensor hooks see, and
     the tensors made during the forward that are still alive after it: selective checkpointing's
     cache of matmul outputs, which no hook sees), the saved tensors per block when the blocks are not
-    checkpointed, parameters, gradients, optimizer state."""
+    checkpointed, parameters, gradients, optimizer state, the skip's copies."""
     torch.manual_seed(0)
     model = Transformer(cfg.model, cfg.scale)
     model.init_weights(0)
@@ -61,11 +63,13 @@ def measure(cfg) -> dict[str, int]:
     cached = {k: n for k, n in live_storages().items() if k not in before and k not in saved and k not in weights}
     loss.backward()
     optimizer = build_optimizer(model, cfg.optim, cfg.scale)
-    optimizer.step()
+    step = ConditionalStep(optimizer, model)
+    for _ in range(2):  # the first step creates the optimizer state, the second keeps its copies
+        step(torch.tensor(True))
     state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     return {"activations": sum(saved.values()) + sum(cached.values()), "block": max(per_layer.values(), default=0),
             "params": storage_bytes(model.parameters()), "grads": storage_bytes(p.grad for p in model.parameters()),
-            "optimizer": storage_bytes(state)}
+            "optimizer": storage_bytes(state), "skip_copies": storage_bytes(step.copies.values())}
 
 
 def close(estimated: float, measured: float, rel: float = 0.10) -> bool:
@@ -85,7 +89,7 @@ def test_estimate_matches_a_real_cpu_step(model, scale, optim):
         cfg = compose_config([*base, f"distributed.activation_checkpointing={mode}"])
         got, est = measure(cfg), estimate(cfg, world=1, device="cpu")
         measured[mode] = got
-        for key in ("params", "grads", "optimizer", "activations"):
+        for key in ("params", "grads", "optimizer", "skip_copies", "activations"):
             assert close(getattr(est, key), got[key]), (mode, key, getattr(est, key), got[key])
         if mode == "none":
             assert est.recompute == 0

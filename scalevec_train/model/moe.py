@@ -230,16 +230,22 @@ class MoEFeedForward(nn.Module):
         return y.to(x_router.dtype).view(x_router.shape)
 
     @torch.no_grad()
-    def update_bias(self) -> None:
+    def update_bias(self, taken: torch.Tensor | None = None) -> None:
         """Once per optimizer step, after the step's forwards: sum the counts over data-parallel
-        ranks (a collective: every rank must call it) and move the bias toward balanced loads."""
+        ranks (a collective: every rank must call it) and move the bias toward balanced loads. Where the
+        0-dim bool `taken` is false (a skipped step), the bias and the last load stay as they were."""
         counts = self.token_counts
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(counts)
         load = counts.float()
         # sign(0) = 0: a step without training forwards leaves the bias alone.
-        self.expert_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
-        self.last_load.copy_(counts)
+        bias = self.expert_bias + self.cfg.bias_update_rate * torch.sign(load.mean() - load)
+        if taken is None:
+            self.expert_bias.copy_(bias)
+            self.last_load.copy_(counts)
+        else:
+            torch.where(taken, bias, self.expert_bias, out=self.expert_bias)
+            torch.where(taken, counts, self.last_load, out=self.last_load)
         counts.zero_()
 
     @torch.no_grad()

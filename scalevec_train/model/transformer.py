@@ -160,9 +160,14 @@ class Transformer(nn.Module):
 
     def register_optimizer_hooks(self, optimizer: torch.optim.Optimizer) -> None:
         """Updates that follow each optimizer step: the MoE layers' expert biases (a collective: every
-        rank steps the optimizer)."""
+        rank steps the optimizer); not on a step the optimizer's `found_inf` skips."""
         for m in self._moe.values():
-            optimizer.register_step_post_hook(lambda *_, layer=m: layer.update_bias())
+            def update(optimizer, args, kwargs, layer=m):
+                found_inf = getattr(optimizer, "found_inf", None)
+                layer.update_bias(None if found_inf is None else found_inf == 0)
+
+            update.reads_found_inf = True  # training/skip.py then copies nothing to skip a step
+            optimizer.register_step_post_hook(update)
 
     def discard_step_state(self) -> None:
         """Forget what the forwards of a step that is not taken recorded (the routers' token counts)."""

@@ -80,13 +80,22 @@ def log_decay_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """Before each step: b <- b + log(1 - lr wd) for the `er` magnitudes of groups with a
     `log_weight_decay`, which shrinks s = exp(b) alpha / rms(alpha) by the decoupled factor (1 - lr wd),
     as the optimizer's own decay shrinks a plain site (docs/scale-vectors.md, "Weight decay on scale
-    sites")."""
+    sites").
+    Nothing changes on a step the optimizer's `found_inf` skips (training/skip.py)."""
+    found_inf = getattr(optimizer, "found_inf", None)
     for group in optimizer.param_groups:
         wd = group.get("log_weight_decay", 0.0)
         if wd and group["lr"]:
             shift = math.log(1.0 - group["lr"] * wd)  # OptimConfig.validate keeps lr * wd below 1
             for p in group["params"]:
-                p.add_(shift)
+                if found_inf is None:
+                    p.add_(shift)
+                else:
+                    local = p.to_local() if hasattr(p, "to_local") else p
+                    torch.where(found_inf == 0, local + shift, local, out=local)
+
+
+log_decay_hook.reads_found_inf = True
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, scale: ScaleConfig) -> torch.optim.Optimizer:

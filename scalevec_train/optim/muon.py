@@ -4,6 +4,12 @@ One optimizer object holds both kinds of parameter group (`use_muon`), so that t
 schedules and checkpoints a single optimizer. On one process the Muon update follows torch.optim.Muon
 operation for operation. Under FSDP2 the momentum stays sharded like its parameter and only the
 orthogonalization sees whole matrices, on an owner rank (see muon_dist).
+
+A step can be skipped on the device, as torch's fused optimizers skip one: set `found_inf` (a float
+tensor on the parameters' device, nonzero: skip) before step(). The host never reads it: every tensor
+the step changes (parameters, momentum, Adam moments, the step counters, which live on the device) is
+computed anew and then selected, element for element, between the new and the old value; a taken step
+does the same operations as an unconditional one, so its numbers are the same bit for bit.
 """
 
 import math
@@ -102,8 +108,11 @@ class Muon(torch.optim.Optimizer):
       lr, weight_decay: both kinds; weight decay is decoupled and uses the unadjusted LR.
       momentum, nesterov, ns_steps, ns_coefficients, ns_dtype, lr_adjust, ns_eps: Muon only. 3-D
         parameters are a batch of matrices, one per leading index.
-    State: Muon params hold `momentum_buffer`; AdamW params `step`, `exp_avg`, `exp_avg_sq` (as torch's).
+    State: Muon params hold `momentum_buffer`; AdamW params `step` (a float32 tensor on the parameter's
+    device), `exp_avg`, `exp_avg_sq` (as torch's).
     """
+
+    reads_found_inf = True  # skips a step on the device where `found_inf` says so (training/skip.py)
 
     def __init__(
         self,
@@ -131,11 +140,17 @@ class Muon(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, under the group keys the state was stored with, then each AdamW step counter onto its
+        parameter's device: states saved while the counters lived on the host (numbers or CPU tensors)
+        still load."""
         stored = {v: k for k, v in STORED_KEYS.items()}
         groups = [_renamed(g, stored) for g in state_dict["param_groups"]]
         for group in groups:
             group.pop("split", None)  # an option older checkpoints hold, always None
         super().load_state_dict({**state_dict, "param_groups": groups})
+        for p, state in self.state.items():
+            if "step" in state:
+                state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).to(p.device)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -152,19 +167,21 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf = getattr(self, "found_inf", None)
+        taken = None if found_inf is None else found_inf == 0
         # row-sharded matrices wait here, per (shard group, dtypes), for one exchange with their owners
         pending: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, dict]]] = {}
         for group in self.param_groups:
             if not group["use_muon"]:
-                self._adamw_step(group)
+                self._adamw_step(group, taken)
                 continue
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                update = self._momentum_update(p, group)
+                update = self._momentum_update(p, group, taken)
                 layout = shard_layout(p)
                 if layout is None:
-                    self._apply(p, _orthogonalize(update, group), group)
+                    self._apply(p, _orthogonalize(update, group), group, taken)
                 else:
                     key = (layout, update.dtype, group["ns_dtype"])
                     pending.setdefault(key, []).append((p, update, group))
@@ -176,32 +193,37 @@ class Muon(torch.optim.Optimizer):
                 [u for _, u, _ in items], [p.shape[0] for p, _, _ in items],
                 [_ns_cost(p.shape) for p, _, _ in items], whole, getattr(torch, ns_dtype), layout)
             for (p, _, group), result in zip(items, results, strict=True):
-                self._apply(p, result, group)
+                self._apply(p, result, group, taken)
         return loss
 
-    def _momentum_update(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+    def _momentum_update(self, p: torch.Tensor, group: dict, taken: torch.Tensor | None) -> torch.Tensor:
         """Update the momentum (an EMA of gradients, like torch's); return this rank's part of the matrix
         to orthogonalize: the Nesterov look-ahead, or the momentum itself."""
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p)
         buf, grad = _local(state["momentum_buffer"]), _local(p.grad)
-        buf.lerp_(grad, 1 - group["momentum"])
+        _commit(buf, _candidate(buf, taken).lerp_(grad, 1 - group["momentum"]), taken)
         return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
 
-    def _apply(self, p: torch.Tensor, ortho: torch.Tensor, group: dict) -> None:
+    def _apply(self, p: torch.Tensor, ortho: torch.Tensor, group: dict, taken: torch.Tensor | None) -> None:
         """Decay, then add this rank's rows of the orthogonalized update, with the LR adjusted to the
         whole matrix's shape."""
-        param = _local(p)
+        old = _local(p)
+        param = _candidate(old, taken)
         lr = group["lr"]
         param.mul_(1 - lr * group["weight_decay"])
         rows = param.shape[-2]
         if rows:  # a rank may hold no rows of a small matrix
             param[..., :rows, :].add_(ortho[..., :rows, :], alpha=-adjusted_lr(lr, p.shape[-2], p.shape[-1],
                                                                                group["lr_adjust"]))
+        _commit(old, param, taken)
 
-    def _adamw_step(self, group: dict) -> None:
-        """torch.optim.AdamW's single-tensor update, on local shards."""
+    def _adamw_step(self, group: dict, taken: torch.Tensor | None) -> None:
+        """torch.optim.AdamW's single-tensor update, on local shards, with the step counter and the bias
+        corrections on the device. They are float64 there and take the operations Python does on host
+        numbers (pow, including the ** 0.5 that torch would turn into sqrt, which rounds differently),
+        and are used as 0-dim tensors where torch's update uses numbers; on the CPU that rounds the same."""
         beta1, beta2 = group["betas"]
         lr, eps = group["lr"], group["eps"]
         for p in group["params"]:
@@ -209,20 +231,39 @@ class Muon(torch.optim.Optimizer):
                 continue
             state = self.state[p]
             if not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
-            param, grad = _local(p), _local(p.grad)
+            old, grad = _local(p), _local(p.grad)
             exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-            state["step"] += 1
-            step = state["step"].item()
-            param.mul_(1 - lr * group["weight_decay"])
-            exp_avg.lerp_(grad, 1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            bias_correction1 = 1 - beta1**step
-            bias_correction2 = 1 - beta2**step
-            denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
-            param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+            _commit(state["step"], _candidate(state["step"], taken).add_(1), taken)
+            # on a skipped step what follows is computed from the old state and then discarded
+            step = state["step"].double()
+            param = _candidate(old, taken).mul_(1 - lr * group["weight_decay"])
+            _commit(exp_avg, _candidate(exp_avg, taken).lerp_(grad, 1 - beta1), taken)
+            _commit(exp_avg_sq, _candidate(exp_avg_sq, taken).mul_(beta2).addcmul_(grad, grad, value=1 - beta2),
+                    taken)
+            bias_correction1 = 1 - torch.pow(beta1, step)
+            bias_correction2 = 1 - torch.pow(beta2, step)
+            half = torch.full((), 0.5, dtype=torch.float64, device=step.device)
+            denom = (exp_avg_sq.sqrt() / bias_correction2.pow(half)).add_(eps)
+            step_size = torch.full((), -lr, dtype=torch.float64, device=step.device).div_(bias_correction1)
+            # addcdiv's order: param + (step_size * exp_avg) / denom
+            param.add_(exp_avg.mul(step_size).div_(denom))
+            _commit(old, param, taken)
+
+
+def _candidate(t: torch.Tensor, taken: torch.Tensor | None) -> torch.Tensor:
+    """Where a step's new value of `t` is computed in place: `t` itself, or a copy when the step may be
+    skipped (then _commit chooses)."""
+    return t if taken is None else t.clone()
+
+
+def _commit(t: torch.Tensor, new: torch.Tensor, taken: torch.Tensor | None) -> None:
+    """t <- new where the step is taken; t keeps its value where it is not (nothing to do without a flag:
+    `new` is `t`)."""
+    if taken is not None:
+        torch.where(taken, new, t, out=t)
 
 
 def _orthogonalize(update: torch.Tensor, group: dict) -> torch.Tensor:

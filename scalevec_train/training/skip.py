@@ -6,11 +6,15 @@ step); a step that is not taken leaves parameters, optimizer state (step counter
 the model's buffers (MoE expert biases, which an optimizer post-hook updates) exactly as they were.
 
 Two ways, chosen by the optimizer:
-  - torch's fused optimizers (AdamW on CUDA) take the flag themselves: `found_inf`, as under
-    torch.amp.GradScaler, skips the kernel's update and undoes its step-counter increment;
-  - every other optimizer (the for-loop AdamW torch runs on CPU, Muon) steps as usual, and every tensor
-    the step may change is then chosen, element for element, between its value before and after
-    (torch.where). This keeps a copy of parameters and optimizer state.
+  - optimizers that take the flag themselves, as `found_inf` (a float tensor, nonzero: skip), as under
+    torch.amp.GradScaler: torch's fused optimizers (AdamW on CUDA; the kernel skips its update and undoes
+    its step-counter increment) and those that say `reads_found_inf = True` (Muon). Their step hooks
+    must honour the flag too (the `er` sites' log decay, the MoE expert-bias update do, and say so with
+    the same attribute); nothing is copied;
+  - every other optimizer (the for-loop AdamW torch runs on CPU), or one with a hook that does not
+    read the flag, steps as usual, and every tensor the step may change is then chosen, element for
+    element, between its value before and after (torch.where). This keeps a copy of parameters,
+    optimizer state and the model's buffers.
 """
 
 import torch
@@ -22,15 +26,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _takes_flag(optimizer: torch.optim.Optimizer) -> bool:
-    # A step pre-hook (the `er` sites' log decay) changes parameters outside the fused kernel.
-    fused = all(g.get("fused") for g in optimizer.param_groups)
-    return fused and not optimizer._optimizer_step_pre_hooks
+def takes_flag(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` and its step hooks skip a step themselves where `found_inf` says so."""
+    native = getattr(optimizer, "reads_found_inf", False) or all(g.get("fused") for g in optimizer.param_groups)
+    hooks = [*optimizer._optimizer_step_pre_hooks.values(), *optimizer._optimizer_step_post_hooks.values()]
+    return native and all(getattr(hook, "reads_found_inf", False) for hook in hooks)
 
 
 class ConditionalStep:
-    """Steps `optimizer` where a flag says; the copies of what a step may change are kept between steps
-    (allocated once: a fresh copy every step costs more than the copying)."""
+    """Steps `optimizer` where a flag says. Where the optimizer does not take the flag, the copies of what
+    a step may change are kept between steps (allocated once: a fresh copy every step costs more than the
+    copying)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module):
         self.optimizer, self.model = optimizer, model
@@ -50,23 +56,23 @@ class ConditionalStep:
         """optimizer.step() where the 0-dim bool tensor `taken` is true; nothing changes where it is
         false. Every rank must pass the same verdict (the step may hold collectives)."""
         optimizer = self.optimizer
-        kept = [self._keep(b) for b in self.model.buffers()]
-        if _takes_flag(optimizer):
+        if takes_flag(optimizer):
             optimizer.found_inf = (~taken).float()
             try:
                 optimizer.step()
             finally:
                 del optimizer.found_inf
-        else:
-            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            kept += [self._keep(p) for p in params]
-            had = {p: {k for k, v in optimizer.state[p].items() if isinstance(v, torch.Tensor)} for p in params}
-            kept += [self._keep(optimizer.state[p][k]) for p in params for k in had[p]]
-            optimizer.step()
-            for p in params:
-                for key, now in optimizer.state[p].items():
-                    if isinstance(now, torch.Tensor) and key not in had[p]:
-                        # created by this step: its value before is the optimizer's initial zeros
-                        kept.append((_local(now), torch.zeros_like(_local(now))))
+            return
+        kept = [self._keep(b) for b in self.model.buffers()]
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        kept += [self._keep(p) for p in params]
+        had = {p: {k for k, v in optimizer.state[p].items() if isinstance(v, torch.Tensor)} for p in params}
+        kept += [self._keep(optimizer.state[p][k]) for p in params for k in had[p]]
+        optimizer.step()
+        for p in params:
+            for key, now in optimizer.state[p].items():
+                if isinstance(now, torch.Tensor) and key not in had[p]:
+                    # created by this step: its value before is the optimizer's initial zeros
+                    kept.append((_local(now), torch.zeros_like(_local(now))))
         for now, before in kept:
             torch.where(taken.to(now.device), now, before, out=now)

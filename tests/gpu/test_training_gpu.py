@@ -127,3 +127,38 @@ def test_muon_on_cuda_equals_torch_muon():
         results.append(params)
     for theirs, ours in zip(*results, strict=True):
         assert torch.equal(ours, theirs)
+
+
+def test_muon_skips_a_step_on_the_device_without_waiting_for_it():
+    """found_inf on CUDA: the step synchronizes nothing (sync debug mode raises where it would), the
+    AdamW step counters live on the device, a skipped step (NaN gradients) changes nothing, and the
+    taken ones equal the unflagged step bit for bit."""
+    torch.manual_seed(0)
+    init = [torch.randn(256, 64, device="cuda"), torch.randn(64, device="cuda")]
+
+    def make():
+        params = [t.clone().requires_grad_() for t in init]
+        return params, Muon([{"params": params[:1]}, {"params": params[1:], "use_muon": False}], lr=0.02)
+
+    (ours, opt), (theirs, ref) = make(), make()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for taken in (True, True, False, True):
+        grads = [torch.randn(t.shape, generator=gen, device="cuda") for t in init]
+        before = [p.clone() for p in ours] + [v.clone() for s in opt.state.values() for v in s.values()]
+        for p, g in zip(ours, grads, strict=True):
+            p.grad = g if taken else g * float("nan")
+        opt.found_inf = torch.full((), 0.0 if taken else 1.0, device="cuda")
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if taken:
+            for p, g in zip(theirs, grads, strict=True):
+                p.grad = g
+            ref.step()
+            assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+        else:
+            after = [p.clone() for p in ours] + [v.clone() for s in opt.state.values() for v in s.values()]
+            assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert opt.state[ours[1]]["step"].is_cuda and opt.state[ours[1]]["step"].item() == 3

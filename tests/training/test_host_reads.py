@@ -1,7 +1,8 @@
 """A training step that does not log reads nothing back from the device (issue 28): counted with a
 TorchDispatchMode (tests/host_reads.py) over the steps between logs, for dense and MoE, AdamW and Muon,
 on 1 process and on 2 gloo ranks. Reads of the optimizer's host-side step counters (torch's for-loop
-AdamW on CPU, Muon's AdamW groups) are counted apart and not held against the framework."""
+AdamW on CPU) are counted apart and not held against the framework; Muon keeps its counters on the
+device and makes none."""
 
 import json
 import sys
@@ -42,6 +43,9 @@ def test_no_reads_between_logs_on_one_process(data_overrides, tmp_path, model, o
     count_reads(overrides(data_overrides, model, optim, tmp_path / "run"), out)
     counts = json.loads(out.read_text())
     assert counts["steps"] == 4 and counts["reads"] == 0, counts
+    assert (counts["copies"] == 0) == (optim == "muon"), counts  # copy-restore only for for-loop AdamW
+    if optim == "muon":
+        assert counts["step_counter_reads"] == 0, counts
 
 
 def test_no_reads_between_logs_on_two_ranks(data_overrides, processes, tmp_path):
@@ -54,6 +58,8 @@ def test_no_reads_between_logs_on_two_ranks(data_overrides, processes, tmp_path)
         for rank in (0, 1):
             counts = json.loads(Path(str(out).format(rank=rank)).read_text())
             assert counts["steps"] == 4 and counts["reads"] == 0, (model, optim, rank, counts)
+            if optim == "muon":
+                assert counts["step_counter_reads"] == counts["copies"] == 0, (model, optim, rank, counts)
 
 
 def test_a_skipped_step_between_logs_is_judged_and_logged_at_the_next_read_back(data_overrides, tmp_path,

@@ -1,20 +1,22 @@
 """training/skip.py: an optimizer step applied where a device flag says. A taken step equals the
 optimizer's own step bit for bit; a skipped one leaves parameters, optimizer state and the model's
 buffers (the MoE expert biases, which an optimizer post-hook updates) exactly as they were, so that the
-next step equals that of a run that never had it. For torch's for-loop AdamW, its fused AdamW (which
-takes the flag as found_inf; on CPU here, on CUDA in real runs), and Muon with its AdamW groups."""
+next step equals that of a run that never had it. For torch's for-loop AdamW (copies kept), its fused
+AdamW (which takes the flag as found_inf; on CPU here, on CUDA in real runs) and Muon with its AdamW
+groups (which takes it too), both with the `er` sites' log-decay pre-hook and the MoE bias post-hook,
+which read the flag: nothing copied."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from scalevec_train.model import Transformer
-from scalevec_train.optim.groups import build_optimizer
-from scalevec_train.training.skip import ConditionalStep
+from scalevec_train.optim.groups import build_optimizer, log_decay_hook
+from scalevec_train.training.skip import ConditionalStep, takes_flag
 from tests.helpers import make_config
 
 SHAPE = ["model=moe-tiny", "model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2",
-         "model.ffn_dim=32", "model.moe.expert_dim=16", "model.vocab_size=64", "scale=er"]
+         "model.ffn_dim=32", "model.moe.expert_dim=16", "model.vocab_size=64", "scale=er", "scale.weight_decay=all"]
 
 
 def setup(optim: str):
@@ -22,9 +24,11 @@ def setup(optim: str):
     model = Transformer(cfg.model, cfg.scale)
     model.init_weights(0)
     optimizer = build_optimizer(model, cfg.optim, cfg.scale)
-    if optim == "fused":  # without the er sites' pre-hook: the flag goes to the kernel as found_inf
-        groups = [{k: g[k] for k in ("params", "lr", "weight_decay", "betas", "eps")} for g in optimizer.param_groups]
+    if optim == "fused":
+        keys = ("params", "lr", "weight_decay", "betas", "eps", "log_weight_decay")
+        groups = [{k: g[k] for k in keys if k in g} for g in optimizer.param_groups]
         optimizer = torch.optim.AdamW(groups, fused=True)
+        optimizer.register_step_pre_hook(log_decay_hook)
     model.register_optimizer_hooks(optimizer)
     return model, optimizer, ConditionalStep(optimizer, model)
 
@@ -53,6 +57,7 @@ def assert_identical(a: dict, b: dict) -> None:
 def test_taken_steps_are_the_optimizers_own_and_skipped_ones_change_nothing(optim):
     model, optimizer, step_where = setup(optim)
     ref_model, ref_optimizer, _ = setup(optim)
+    assert optimizer._optimizer_step_pre_hooks and optimizer._optimizer_step_post_hooks  # er and MoE hooks
     for seed in (1, 2):  # taken: the same as optimizer.step()
         backward(model, seed)
         step_where(torch.tensor(True))
@@ -74,11 +79,14 @@ def test_taken_steps_are_the_optimizers_own_and_skipped_ones_change_nothing(opti
     backward(ref_model, 4)
     ref_optimizer.step()
     assert_identical(snapshot(model, optimizer), snapshot(ref_model, ref_optimizer))
+    assert takes_flag(optimizer) == (optim != "adamw")
+    assert bool(step_where.copies) == (optim == "adamw")  # copies kept only where the flag is not taken
 
 
-def test_a_skipped_first_step_leaves_the_state_as_new():
-    model, optimizer, step_where = setup("adamw")
-    ref_model, ref_optimizer, _ = setup("adamw")
+@pytest.mark.parametrize("optim", ["adamw", "muon"])
+def test_a_skipped_first_step_leaves_the_state_as_new(optim):
+    model, optimizer, step_where = setup(optim)
+    ref_model, ref_optimizer, _ = setup(optim)
     backward(model, 1, poison=True)
     step_where(torch.tensor(False))
     model.discard_step_state()
