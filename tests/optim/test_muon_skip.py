@@ -1,5 +1,5 @@
 """Muon's device-side skip (`found_inf`), on 1 process and on 2 gloo ranks under FSDP2 (row-sharded
-matrices orthogonalized on owner ranks, expert stacks, a split QKV, AdamW groups): a taken step equals
+matrices orthogonalized on owner ranks, expert stacks, AdamW groups): a taken step equals
 Muon's plain step bit for bit, a skipped one (NaN gradients) leaves every parameter and state tensor
 bit-identical, and the step after it equals that of a run that never had it. The host never reads the
 flag (tests/training/test_host_reads.py counts reads in whole runs)."""
