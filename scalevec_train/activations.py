@@ -9,9 +9,10 @@ precision and the kernels:
   Precision.cpu()   fp32 everywhere, PyTorch reference norms (they keep the fp32 normalized copy
                     as well as the input and 1/rms).
   Precision.gpu()   bf16 autocast (matmul inputs and outputs bf16), the Triton norm kernels (they
-                    keep only the input and 1/rms), the residual stream in bf16 under FSDP's bf16
-                    parameters and fp32 on one process (each matmul then keeps its own bf16 copy of
-                    its input).
+                    keep only the input and 1/rms), the residual stream in bf16 (one precision
+                    regime on one process and under FSDP: docs/architecture.md, "Precision"); the
+                    weights the forward reads are FSDP's bf16 copies, or the fp32 master weights on
+                    one process.
 
 Besides the per-token tensors, a forward keeps copies of weights (weight_copy_bytes): the bf16
 casts autocast makes of fp32 weights on one process, and the MoE expert weights with their sites
@@ -37,16 +38,19 @@ FP32 = 4
 class Precision:
     compute: int  # bytes of a matmul's inputs and outputs
     stream: int  # bytes of the residual stream and of the norms' inputs and outputs
+    weights: int  # bytes of the weights the forward reads (FSDP's compute-dtype copies, or fp32)
     fused: bool  # the Triton norm kernels (keep input and 1/rms) instead of the PyTorch reference
 
     @classmethod
-    def cpu(cls) -> "Precision":
-        return cls(compute=FP32, stream=FP32, fused=False)
+    def cpu(cls, bf16: bool = False) -> "Precision":
+        """One process on the CPU: fp32, or bf16 autocast (train.dtype=bf16) with the reference norms."""
+        compute = 2 if bf16 else FP32
+        return cls(compute=compute, stream=compute, weights=FP32, fused=False)
 
     @classmethod
     def gpu(cls, sharded: bool, bf16: bool = True, fused: bool = True) -> "Precision":
         compute = 2 if bf16 else FP32
-        return cls(compute=compute, stream=compute if sharded else FP32, fused=fused)
+        return cls(compute=compute, stream=compute, weights=compute if sharded else FP32, fused=fused)
 
 
 class _Saved:
@@ -322,9 +326,9 @@ def weight_copy_bytes(model: nn.Module, p: Precision) -> float:
             continue
         k = folded.get(id(t), 0)
         if k == -1:
-            total += t.numel() * FP32 if p.stream != FP32 else 0
+            total += t.numel() * FP32 if p.weights != FP32 else 0
         elif k > 0:
             total += t.numel() * (FP32 * (k - 1) + p.compute)
-        elif p.stream != p.compute:
+        elif p.weights != p.compute:
             total += t.numel() * p.compute
     return total

@@ -96,8 +96,7 @@ def shard_size(cfg: Config, world: int) -> int:
 
 def precision(cfg: Config, device: str, world: int) -> Precision:
     if device == "cpu":
-        # train.dtype=bf16 autocasts the matmuls; the stream and the reference norms stay fp32
-        return Precision(compute=2, stream=FP32, fused=False) if cfg.train.dtype == "bf16" else Precision.cpu()
+        return Precision.cpu(bf16=cfg.train.dtype == "bf16")
     bf16 = cfg.train.dtype in ("auto", "bf16")
     return Precision.gpu(sharded=world > 1, bf16=bf16, fused=cfg.model.kernels != "torch")
 
