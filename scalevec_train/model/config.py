@@ -10,6 +10,10 @@ from scalevec_train.errors import ScalevecError
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 EXPERT_BACKENDS = ("auto", "grouped_mm", "loop")
+ATTENTION_MASKS = ("causal", "document")
+ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
+# options that change how the model computes, not its weights
+COMPUTE_ONLY = ("kernels", "attention_mask", "rope_reset", "attention_backend")
 
 
 @dataclass
@@ -102,6 +106,17 @@ class ModelConfig:
     init_std: float = 0.02
     # null for a dense model; see MoEConfig for the options (model/moe.py documents the layer)
     moe: MoEConfig | None = None
+    # attention over the training window: causal (every earlier token, across document boundaries) |
+    # document (only the earlier tokens of the same document; the loader gives the boundaries, and the
+    # target after each EOS is not counted: docs/data.md). Changes no weight.
+    attention_mask: str = "causal"
+    # under attention_mask=document, RoPE positions restart at 0 at each document start (Megatron's
+    # reset_position_ids); false: positions count from the window's start
+    rope_reset: bool = False
+    # kernel of document-masked attention: auto (FlexAttention on CUDA, dense-mask SDPA elsewhere) |
+    # flex (block-sparse FlexAttention, compiled; CUDA only for training: torch has no CPU backward) |
+    # sdpa (SDPA with a dense [seq, seq] mask per sequence: the reference)
+    attention_backend: str = "auto"
     # normalization kernels, chosen when the layers are built: auto (Triton on CUDA, PyTorch
     # elsewhere) | triton | torch. Changes no weight: a checkpoint resumes under any backend.
     kernels: str = "auto"
@@ -126,9 +141,18 @@ class ModelConfig:
         if self.kernels not in BACKENDS:
             raise ScalevecError("model.kernels", f"unknown value {self.kernels!r}.",
                                 f"use one of: {', '.join(BACKENDS)}.")
+        for key, allowed in (("attention_mask", ATTENTION_MASKS), ("attention_backend", ATTENTION_BACKENDS)):
+            if getattr(self, key) not in allowed:
+                raise ScalevecError(f"model.{key}", f"unknown value {getattr(self, key)!r}.",
+                                    f"use one of: {', '.join(allowed)}.")
+        if self.rope_reset and self.attention_mask != "document":
+            raise ScalevecError("model.rope_reset", "resets positions at document starts, which only "
+                                "attention_mask=document knows.", "set model.attention_mask=document, or "
+                                "model.rope_reset=false.")
         if self.moe is not None:
             self.moe.validate(self.dim)
 
     def architecture(self) -> dict:
-        """The options that decide the weights (what a checkpoint must match): all but the kernels."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "kernels"}
+        """The options that decide the weights (what a checkpoint must match): all but the kernels and
+        the attention mask (the same weights serve either mask)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in COMPUTE_ONLY}
