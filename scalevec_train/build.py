@@ -77,6 +77,10 @@ def build(cfg: Config) -> Run:
         check_backend(cfg.model.kernels, device.type)
     except KernelError as e:
         raise ScalevecError("model.kernels", e.problem, e.fix) from None
+    documents = cfg.model.attention_mask == "document"
+    if documents and cfg.model.attention_backend == "flex" and device.type != "cuda":
+        raise ScalevecError("model.attention_backend", "flex trains on CUDA only: torch has no FlexAttention "
+                            "backward on CPU.", "use model.attention_backend=auto or sdpa.")
     faults = FaultInjection.from_env(cross_entropy, rank())
     # Every rank uses rank 0's run_dir and checkpoint choice.
     run_dir = Path(broadcast_object(cfg.run_dir))
@@ -98,10 +102,6 @@ def build(cfg: Config) -> Run:
     check_vocab(data, cfg.model.vocab_size)
 
     rank_, world = rank(), world_size()
-    documents = cfg.model.attention_mask == "document"
-    if documents and cfg.model.attention_backend == "flex" and device.type != "cuda":
-        raise ScalevecError("model.attention_backend", "flex trains on CUDA only: torch has no FlexAttention "
-                            "backward on CPU.", "use model.attention_backend=auto or sdpa.")
     train_loader = TokenLoader(data, "train", cfg.train.seq_len, cfg.train.micro_batch, cfg.seed, rank_, world,
                                documents)
     # The validation set is the first eval_batches * global_batch sequences of the val split in a fixed

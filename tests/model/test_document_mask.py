@@ -104,3 +104,14 @@ def test_checkpointing_and_compile_keep_document_masking(ac, compiled):
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
     for name, g in want.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_flex_training_on_cpu_is_refused_before_any_work(tmp_path):
+    from scalevec_train.build import build
+    from scalevec_train.errors import ScalevecError
+
+    cfg = make_config("model.attention_mask=document", "model.attention_backend=flex", "device=cpu",
+                      f"run_dir={tmp_path / 'run'}")
+    with pytest.raises(ScalevecError, match="model.attention_backend: flex trains on CUDA only"):
+        build(cfg)
+    assert not (tmp_path / "run").exists()

@@ -1,9 +1,10 @@
 """The whole model through the Triton kernels (model.kernels=triton, under triton's CPU interpreter, in
 fp32) against the same model on the PyTorch path (model.kernels=torch): the same logits and gradients,
 and the same losses over a few optimizer steps, for dense and MoE models under baseline and unified in
-both placement readings, and under document masking. This covers every fused path the model takes: the pre-norms with the residual
-add of the previous sub-layer (and the final norm), the per-head norms behind q, k, v, and the fused
-normalization + SwiGLU of the dense FFN, the shared expert and the routed experts (per-expert scales).
+both placement readings, and under document masking. This covers every fused path the model takes: the
+pre-norms with the residual add of the previous sub-layer (and the final norm), the per-head norms behind
+q, k, v, and the fused normalization + SwiGLU of the dense FFN, the shared expert and the routed experts
+(per-expert scales).
 
 The interpreter runs in a child process (tests/kernels/helpers.py says why).
 """
