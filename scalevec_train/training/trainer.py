@@ -196,6 +196,7 @@ class Trainer:
                 loss = self.loss_fn(logits, targets)
                 if z_total is not None:  # trains the logits' scale; logged apart from the loss
                     z = self.z_loss_coef * z_loss(logits, targets)
+            del logits  # not kept alive through the next micro-batch's forward
             total += loss.detach() if weights is None else loss.detach() * weights[micro]
             if z_total is not None:
                 z_total += z.detach() if weights is None else z.detach() * weights[micro]

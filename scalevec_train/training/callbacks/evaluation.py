@@ -29,8 +29,8 @@ class Evaluator(Callback):
                 if doc_ids is None:
                     total += cross_entropy(model(inputs.to(trainer.device)), targets.to(trainer.device))
                 else:
-                    logits = model(inputs.to(trainer.device), doc_ids=doc_ids.to(trainer.device))
-                    total += cross_entropy(logits, targets.to(trainer.device)) * weights[i]
+                    total += cross_entropy(model(inputs.to(trainer.device), doc_ids=doc_ids.to(trainer.device)),
+                                           targets.to(trainer.device)) * weights[i]
         model.train()
         return all_reduce_mean(total / len(self.batches) if weights is None else total)
 
