@@ -115,3 +115,22 @@ def test_flex_training_on_cpu_is_refused_before_any_work(tmp_path):
     with pytest.raises(ScalevecError, match="model.attention_backend: flex trains on CUDA only"):
         build(cfg)
     assert not (tmp_path / "run").exists()
+
+
+def test_describe_and_flops_count_the_attention_the_mask_leaves():
+    """Attention FLOPs per token: 12 * layers * width * 2 * (mean keys a query attends) under document
+    masking, in place of 12 * layers * width * seq_len; the rest unchanged."""
+    from scalevec_train.accounting import matmul_params_per_token, train_flops_per_token
+    from scalevec_train.describe import describe
+
+    causal = make_config("train.seq_len=128")
+    document = make_config("train.seq_len=128", "model.attention_mask=document")
+    model = Transformer(causal.model, causal.scale)
+    width = causal.model.n_heads * causal.model.head_dim
+    matmuls = 6 * matmul_params_per_token(model)
+    assert train_flops_per_token(model, 128) == matmuls + 12 * causal.model.n_layers * width * 128
+    assert train_flops_per_token(model, 128, 20.0) == matmuls + 12 * causal.model.n_layers * width * 40
+    assert describe(document, 20.0)["train_flops_per_token"] == train_flops_per_token(model, 128, 20.0)
+    assert describe(document, 20.0)["attended_keys"] == 20.0
+    assert describe(causal, 20.0)["train_flops_per_token"] == train_flops_per_token(model, 128)
+    assert "attention_mask" not in describe(causal)
