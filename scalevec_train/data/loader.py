@@ -80,7 +80,7 @@ class TokenLoader:
             return Batch(inputs, targets, None)
         return Batch(inputs, targets.masked_fill(inputs == self.eos_id, IGNORE), document_ids(inputs, self.eos_id))
 
-    def attended_keys(self, samples: int = 64) -> float:
+    def attended_keys(self, samples: int = 1024) -> float:
         """The mean number of keys a query attends to under document masking, over the first `samples`
         windows of the sample order: what attention costs per token (accounting.train_flops_per_token)."""
         doc_ids = self.read(np.arange(min(samples, self.num_windows), dtype=np.int64)).doc_ids

@@ -39,7 +39,7 @@ def test_document_ids_and_uncounted_targets_follow_the_eos_tokens(prepared):  # 
 
 def test_attended_keys_counts_the_block_causal_mask(prepared):  # noqa: F811
     loader = TokenLoader(prepared, "train", 64, 4, seed=0, documents=True)
-    windows = min(64, loader.num_windows)
+    windows = min(1024, loader.num_windows)
     doc_ids = loader.read(np.arange(windows)).doc_ids
     want = dense_mask(doc_ids).sum().item() / doc_ids.numel()
     assert loader.attended_keys() == want
