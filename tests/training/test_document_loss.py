@@ -1,7 +1,8 @@
 """The loss under document masking: targets after an EOS are not counted, so micro-batches and ranks
 count different numbers of targets; the step's loss and gradients must still be the mean over every
 counted target of the global batch (against autograd of that mean over the whole batch at once), for
-1 and 4 micro-batches and for 2 ranks of 2; and the z-loss against its closed form and autograd."""
+1 and 4 micro-batches and for 2 ranks of 2; and the z-loss against its closed form and autograd, and
+added to the causal loss and logged apart."""
 
 from contextlib import nullcontext
 
@@ -78,7 +79,9 @@ def train_step(m, batches: list[Batch], coef: float):
 
 
 def split(batch: Batch, parts: int) -> list[Batch]:
-    return [Batch(*fields) for fields in zip(*(t.chunk(parts) for t in batch), strict=True)]
+    inputs, targets = batch.inputs.chunk(parts), batch.targets.chunk(parts)
+    doc_ids = [None] * parts if batch.doc_ids is None else batch.doc_ids.chunk(parts)
+    return [Batch(*fields) for fields in zip(inputs, targets, doc_ids, strict=True)]
 
 
 @pytest.mark.parametrize("coef", [0.0, 1e-2])
@@ -146,3 +149,31 @@ def test_z_loss_against_its_closed_form_and_autograd():
     # d/dlogits mean(log Z^2) = 2 log Z softmax(logits) / count, zero where not counted
     closed = 2 * log_z[..., None] * torch.softmax(logits.detach(), -1) * counted[..., None] / counted.sum()
     torch.testing.assert_close(logits.grad, closed, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("accum", [1, 4])
+def test_z_loss_under_causal_attention_is_added_and_logged_apart(accum):
+    """Every target counts: the step's loss stays the cross-entropy, z_loss is coef * mean(log Z^2),
+    and the gradient is that of their sum."""
+    cfg = make_config(*MODEL, "model.attention_mask=causal", "model.rope_reset=false")
+    m = Transformer(cfg.model, cfg.scale)
+    m.init_weights(0)
+    batch = rows()
+    batch = Batch(batch.inputs, torch.cat([batch.inputs[:, 1:], batch.inputs[:, :1]], 1), None)
+    logits = m(batch.inputs).flatten(0, 1)
+    ce = F.cross_entropy(logits, batch.targets.flatten())
+    z = 1e-2 * logits.logsumexp(-1).square().mean()
+    (ce + z).backward()
+    want = {n: p.grad.clone() for n, p in m.named_parameters()}
+    m.zero_grad(set_to_none=True)
+    optimizer = torch.optim.SGD(m.parameters(), lr=0.0)
+    optimizer.param_groups[0]["base_lr"] = 0.0
+    capture = Capture()
+    trainer = Trainer(m, optimizer, ListLoader(split(batch, accum)), lambda step: 1.0, steps=1, accum=accum,
+                      grad_clip=0.0, device=torch.device("cpu"), autocast=nullcontext, log_every=1,
+                      tokens_per_step=4 * SEQ, callbacks=[capture], z_loss_coef=1e-2)
+    result = trainer.train_step()
+    torch.testing.assert_close(result.loss, ce.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(result.z_loss, z.detach(), rtol=1e-5, atol=1e-8)
+    for name, g in want.items():
+        torch.testing.assert_close(capture.grads[name], g, rtol=1e-4, atol=1e-7, msg=name)
