@@ -4,7 +4,10 @@ Training FLOPs per token = 6 * (parameters in matrix multiplies that a token pas
 12 * n_layers * seq_len * attention width: the forward pass does 2 FLOPs per weight per token
 (multiply and add) and the backward pass twice that; causal attention's QK^T and AV products cost
 2 * 2 * seq * width per token forward, halved by the causal mask in real kernels but counted whole,
-as PaLM and Megatron do, so MFU figures compare with theirs. Embedding lookups are free; the output
+as PaLM and Megatron do, so MFU figures compare with theirs. Under document masking a query attends
+only to its document's earlier tokens: attention counts 2 * (the mean keys a query attends, measured
+on the data: TokenLoader.attended_keys) in place of seq_len, the same convention, and what the
+block-sparse kernel (FlexAttention) spends up to its block granularity. Embedding lookups are free; the output
 head counts. MoE layers count only the experts a token is routed to.
 
 Normalizations and scale sites are counted apart (norm_flops_per_token): per element and token,
@@ -72,9 +75,11 @@ def non_embedding_params(model: nn.Module) -> int:
     return matmul_params_per_token(model) - model.cfg.vocab_size * model.cfg.dim
 
 
-def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
+def train_flops_per_token(model: nn.Module, seq_len: int, attended: float | None = None) -> float:
+    """attended: the mean keys a query attends under document masking (None: causal)."""
     cfg = model.cfg
-    attention = 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    context = seq_len if attended is None else 2 * attended
+    attention = 12 * cfg.n_layers * context * cfg.n_heads * cfg.head_dim
     return 6 * matmul_params_per_token(model) + attention
 
 

@@ -51,6 +51,7 @@ class Run:
     run_dir: Path
     checkpointer: Checkpointer
     branched_from: Path | None  # the trunk's checkpoint when this run starts a branch (branch_from)
+    attended: float | None = None  # mean keys a query attends under document masking (None: causal)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -76,6 +77,10 @@ def build(cfg: Config) -> Run:
         check_backend(cfg.model.kernels, device.type)
     except KernelError as e:
         raise ScalevecError("model.kernels", e.problem, e.fix) from None
+    documents = cfg.model.attention_mask == "document"
+    if documents and cfg.model.attention_backend == "flex" and device.type != "cuda":
+        raise ScalevecError("model.attention_backend", "flex trains on CUDA only: torch has no FlexAttention "
+                            "backward on CPU.", "use model.attention_backend=auto or sdpa.")
     loss_fn = training_loss(cfg.distributed.compile)
     faults = FaultInjection.from_env(loss_fn, rank())
     # Every rank uses rank 0's run_dir and checkpoint choice.
@@ -98,11 +103,12 @@ def build(cfg: Config) -> Run:
     check_vocab(data, cfg.model.vocab_size)
 
     rank_, world = rank(), world_size()
-    train_loader = TokenLoader(data, "train", cfg.train.seq_len, cfg.train.micro_batch, cfg.seed, rank_, world)
+    train_loader = TokenLoader(data, "train", cfg.train.seq_len, cfg.train.micro_batch, cfg.seed, rank_, world,
+                               documents)
     # The validation set is the first eval_batches * global_batch sequences of the val split in a fixed
     # order (seed 0, whatever the run's seed), split over the ranks: the same sequences, and so a
     # comparable val_loss, for every seed, world size and micro-batch.
-    val_loader = TokenLoader(data, "val", cfg.train.seq_len, cfg.train.micro_batch, 0, rank_, world)
+    val_loader = TokenLoader(data, "val", cfg.train.seq_len, cfg.train.micro_batch, 0, rank_, world, documents)
     val_batches = cfg.train.eval_batches * cfg.train.global_batch // (cfg.train.micro_batch * world)
     val_data = [val_loader.next_batch() for _ in range(val_batches)]
     if train_state is not None:
@@ -115,11 +121,13 @@ def build(cfg: Config) -> Run:
     model.register_optimizer_hooks(optimizer)
 
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+    attended = train_loader.attended_keys() if documents else None
     callbacks = [
         *([faults] if faults else []),
         StabilityGuard(cfg.train.max_bad_steps, cfg.train.spike_factor),
         SigtermStop(),
-        SpeedMonitor(tokens_per_step, train_flops_per_token(model, cfg.train.seq_len), peak_flops(device), world),
+        SpeedMonitor(tokens_per_step, train_flops_per_token(model, cfg.train.seq_len, attended), peak_flops(device),
+                     world),
         ScaleMonitor(),
         ModelMetrics(),
         EpochMonitor(),
@@ -140,8 +148,8 @@ def build(cfg: Config) -> Run:
         steps=cfg.train.steps, accum=cfg.train.global_batch // (cfg.train.micro_batch * world),
         grad_clip=cfg.train.grad_clip, device=device, autocast=autocast_for(cfg.train.dtype, device),
         log_every=cfg.train.log_every, tokens_per_step=tokens_per_step, callbacks=callbacks,
-        start_step=start_step, loss_fn=faults or loss_fn)
-    return Run(trainer, data, run_dir, checkpointer, branched_from)
+        start_step=start_step, loss_fn=faults or loss_fn, z_loss_coef=cfg.train.z_loss, documents=documents)
+    return Run(trainer, data, run_dir, checkpointer, branched_from, attended)
 
 
 def check_run_dir(run_dir: Path) -> None:

@@ -39,7 +39,9 @@ def build_meta(model_cfg, scale_cfg) -> Transformer:
         return Transformer(model_cfg, scale_cfg)
 
 
-def describe(cfg) -> dict:
+def describe(cfg, attended: float | None = None) -> dict:
+    """attended: under model.attention_mask=document, the mean keys a query attends on the run's data
+    (TokenLoader.attended_keys); without it attention is counted at its causal bound, seq_len."""
     model = build_meta(cfg.model, cfg.scale)
     baseline = build_meta(cfg.model, ScaleConfig(name="baseline"))
     total = total_params(model)
@@ -56,7 +58,8 @@ def describe(cfg) -> dict:
         })
     scale_params = sum(s["params"] for s in sites)
     extra = 3 * (norm_flops_per_token(model) - norm_flops_per_token(baseline))
-    model_flops = train_flops_per_token(model, cfg.train.seq_len)
+    documents = cfg.model.attention_mask == "document"
+    model_flops = train_flops_per_token(model, cfg.train.seq_len, attended if documents else None)
     out = {
         "model": cfg.model.name, "scale": cfg.scale.name, "total_params": total,
         "non_embedding_params": non_embedding_params(model),
@@ -66,6 +69,9 @@ def describe(cfg) -> dict:
     }
     if cfg.model.moe is not None:
         out["active_params"] = active_params(model)
+    if documents:
+        out["attention_mask"] = "document"
+        out["attended_keys"] = attended  # None: not measured, attention counted at seq_len
     return out
 
 
@@ -84,6 +90,10 @@ def format_table(d: dict) -> str:
     lines.append(f"scale parameters: {d['scale_params']:,} ({100 * d['scale_share']:.4f}% of the model)")
     lines.append(f"extra training FLOPs per token against baseline: {d['extra_train_flops_per_token']:,} "
                  f"({100 * d['extra_flops_share']:.4f}% of {d['train_flops_per_token']:,.0f})")
+    if d.get("attention_mask") == "document":
+        lines.append("attention within documents: " + (
+            f"{d['attended_keys']:,.1f} keys per query on the data" if d["attended_keys"] is not None else
+            "counted at seq_len, its causal bound (the run measures it on the data: describe.json)"))
     return "\n".join(lines)
 
 

@@ -24,11 +24,12 @@ from scalevec_train.parallel import process_group
 from scalevec_train.training.logger import MetricsLogger, wandb_init_args
 
 
-def write_run_files(cfg: Config, run_dir: Path, tokenizer_path: Path) -> None:
-    """The resolved config, the model description and the tokenizer: a run directory is self-contained."""
+def write_run_files(cfg: Config, run_dir: Path, tokenizer_path: Path, attended: float | None = None) -> None:
+    """The resolved config, the model description and the tokenizer: a run directory is self-contained.
+    attended: see describe()."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    (run_dir / "describe.json").write_text(json.dumps(describe(cfg), indent=1))
+    (run_dir / "describe.json").write_text(json.dumps(describe(cfg, attended), indent=1))
     tokenizer.install(tokenizer_path, run_dir)  # as tokenizer.model, or tokenizer.json
 
 
@@ -41,7 +42,7 @@ def run(cfg: Config) -> Path:
     main = process_group.is_main()
     wandb_init = None
     if main:
-        write_run_files(cfg, run_dir, built.data.tokenizer_path)
+        write_run_files(cfg, run_dir, built.data.tokenizer_path, built.attended)
         if built.branched_from is not None:
             copy_trunk_metrics(built.branched_from, run_dir)
         print(f"run_dir: {run_dir}  params: {total_params(trainer.model):,}  "

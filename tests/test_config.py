@@ -31,6 +31,10 @@ CASES = [
     (["data.source=text_dir"], "data.path: data.source=text_dir needs a path"),
     (["device=tpu"], "device: unknown value 'tpu'. Fix: use one of: auto, cpu, cuda."),
     (["model.kernels=cuda"], "model.kernels: unknown value 'cuda'"),
+    (["model.attention_mask=packed"], "model.attention_mask: unknown value 'packed'"),
+    (["model.attention_backend=xformers"], "model.attention_backend: unknown value 'xformers'"),
+    (["model.rope_reset=true"], "model.rope_reset: resets positions at document starts"),
+    (["train.z_loss=-1e-4"], "train.z_loss: must not be negative"),
     (["train.dtype=fp8"], "train.dtype: unknown value 'fp8'"),
 ]
 

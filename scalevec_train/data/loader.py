@@ -5,7 +5,14 @@ one token, so every token is a target once per epoch). Global sample i, counted 
 window permute(i mod n, seed, epoch = i div n). A step of the whole job takes world_size * batch_size
 consecutive samples, rank r the r-th block of batch_size of them. The state is just the global sample
 position, so a run resumes on any world size with exactly the samples it would have drawn next.
+
+With `documents` (model.attention_mask=document) each batch also gives the rows' document ids, read
+from the EOS tokens the stream holds after every document: an EOS belongs to the document it ends, and
+the next token starts a new one. The target at an input EOS (the next document's first token, which
+nothing its position may attend to predicts) is IGNORE, so it is not counted in the loss.
 """
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -15,10 +22,24 @@ from scalevec_train.data.prepare import PreparedData
 from scalevec_train.data.shards import TokenStream
 from scalevec_train.errors import ScalevecError
 
+IGNORE = -100  # a target the loss does not count (F.cross_entropy's default ignore_index)
+
+
+class Batch(NamedTuple):
+    inputs: torch.Tensor  # int64 [batch, seq]
+    targets: torch.Tensor  # the inputs shifted by one token; IGNORE where not counted
+    doc_ids: torch.Tensor | None  # int64 [batch, seq], each row's documents numbered from 0; None: causal
+
+
+def document_ids(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Each input's document within its row: the number of EOS tokens before it."""
+    ends = (inputs == eos_id).long()
+    return ends.cumsum(-1) - ends
+
 
 class TokenLoader:
     def __init__(self, data: PreparedData, split: str, seq_len: int, batch_size: int, seed: int,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, documents: bool = False):
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("world_size", world_size)):
             if value < 1:
                 raise ScalevecError(name, f"{value} is not positive.")
@@ -34,6 +55,7 @@ class TokenLoader:
                                 "use a shorter seq_len, more text, or a larger data.val_fraction.")
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         self.rank, self.world_size = rank, world_size
+        self.eos_id = data.eos_id if documents else None
         self.position = 0  # global samples taken by all ranks so far
         # What a saved position is only meaningful with.
         self._identity = {"split": split, "seq_len": seq_len, "seed": seed, "num_windows": self.num_windows,
@@ -43,14 +65,29 @@ class TokenLoader:
     def epoch(self) -> int:
         return self.position // self.num_windows
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), int64 [batch_size, seq_len]; targets are the inputs shifted by one token."""
+    def next_batch(self) -> Batch:
+        """This rank's next batch_size rows (and with `documents`, their document ids)."""
         first = self.position + self.rank * self.batch_size
-        windows = self.windows(np.arange(first, first + self.batch_size, dtype=np.int64))
-        rows = np.stack([self.stream.read(int(w) * self.seq_len, self.seq_len + 1) for w in windows])
         self.position += self.world_size * self.batch_size
+        return self.read(np.arange(first, first + self.batch_size, dtype=np.int64))
+
+    def read(self, samples: np.ndarray) -> Batch:
+        """The batch of global sample indices `samples`."""
+        rows = np.stack([self.stream.read(int(w) * self.seq_len, self.seq_len + 1) for w in self.windows(samples)])
         tokens = torch.from_numpy(rows)
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        if self.eos_id is None:
+            return Batch(inputs, targets, None)
+        return Batch(inputs, targets.masked_fill(inputs == self.eos_id, IGNORE), document_ids(inputs, self.eos_id))
+
+    def attended_keys(self, samples: int = 1024) -> float:
+        """The mean number of keys a query attends to under document masking, over the first `samples`
+        windows of the sample order: what attention costs per token (accounting.train_flops_per_token)."""
+        doc_ids = self.read(np.arange(min(samples, self.num_windows), dtype=np.int64)).doc_ids
+        if doc_ids is None:
+            raise ValueError("attended_keys needs a loader made with documents=True")
+        lengths = torch.stack([torch.bincount(row, minlength=self.seq_len) for row in doc_ids]).double()
+        return float((lengths * (lengths + 1) / 2).sum() / doc_ids.numel())
 
     def windows(self, samples: np.ndarray) -> np.ndarray:
         """The window index of each global sample index."""

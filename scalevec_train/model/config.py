@@ -10,6 +10,9 @@ import torch
 from scalevec_kernels import BACKENDS
 from scalevec_train.errors import ScalevecError, check_choices, choice
 
+# options that change how the model computes, not its weights
+COMPUTE_ONLY = ("kernels", "attention_mask", "rope_reset", "attention_backend")
+
 
 @dataclass
 class MoEConfig:
@@ -96,6 +99,17 @@ class ModelConfig:
     init_std: float = 0.02
     # null for a dense model; see MoEConfig for the options (model/moe.py documents the layer)
     moe: MoEConfig | None = None
+    # attention over the training window: causal (every earlier token, across document boundaries) |
+    # document (only the earlier tokens of the same document; the loader gives the boundaries, and the
+    # target after each EOS is not counted: docs/data.md). Changes no weight.
+    attention_mask: str = choice("causal", Literal["causal", "document"])
+    # under attention_mask=document, RoPE positions restart at 0 at each document start (Megatron's
+    # reset_position_ids); false: positions count from the window's start
+    rope_reset: bool = False
+    # kernel of document-masked attention: auto (FlexAttention on CUDA, dense-mask SDPA elsewhere) |
+    # flex (block-sparse FlexAttention, compiled; CUDA only for training: torch has no CPU backward) |
+    # sdpa (SDPA with a dense [seq, seq] mask per sequence: the reference)
+    attention_backend: str = choice("auto", Literal["auto", "flex", "sdpa"])
     # normalization kernels, chosen when the layers are built: auto (Triton on CUDA, PyTorch
     # elsewhere) | triton | torch. Changes no weight: a checkpoint resumes under any backend.
     kernels: str = choice("auto", Literal[BACKENDS])
@@ -118,12 +132,17 @@ class ModelConfig:
         if self.n_heads % self.n_kv_heads:
             raise ScalevecError("model.n_kv_heads", f"{self.n_kv_heads} does not divide "
                                 f"n_heads={self.n_heads}.", "use a divisor of n_heads.")
+        if self.rope_reset and self.attention_mask != "document":
+            raise ScalevecError("model.rope_reset", "resets positions at document starts, which only "
+                                "attention_mask=document knows.", "set model.attention_mask=document, or "
+                                "model.rope_reset=false.")
         if self.moe is not None:
             self.moe.validate(self.dim)
 
     def architecture(self) -> dict:
-        """The options that decide the weights (what a checkpoint must match): all but the kernels."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "kernels"}
+        """The options that decide the weights (what a checkpoint must match): all but the kernels and
+        the attention mask (the same weights serve either mask)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in COMPUTE_ONLY}
 
 
 Param = Literal["plain", "or", "er", "fixed"]

@@ -134,9 +134,12 @@ class Rotary(nn.Module):
         self.cos.copy_(angles.cos())
         self.sin.copy_(angles.sin())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [batch, heads, seq, head_dim]."""
-        seq = x.shape[-2]
-        cos, sin = self.cos[:seq].to(x.dtype), self.sin[:seq].to(x.dtype)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [batch, heads, seq, head_dim]; positions [batch, seq] (default: 0..seq-1 in every row)."""
+        if positions is None:
+            seq = x.shape[-2]
+            cos, sin = self.cos[:seq].to(x.dtype), self.sin[:seq].to(x.dtype)
+        else:
+            cos, sin = self.cos[positions].to(x.dtype).unsqueeze(1), self.sin[positions].to(x.dtype).unsqueeze(1)
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin

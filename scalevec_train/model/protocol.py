@@ -1,8 +1,9 @@
 """What the training, parallel and checkpoint code call on a model, written as a type.
 
-A model is an nn.Module mapping tokens [batch, seq] to logits [batch, seq, vocab] that also offers the
-methods below; model.Transformer is one, dense or MoE. The trainer types its model argument with
-TrainableModel, so that a model that lacks one of these fails the type check rather than the run, and
+A model is an nn.Module mapping tokens [batch, seq] (and, as a keyword, the loader's document ids
+[batch, seq] or None: docs/data.md) to logits [batch, seq, vocab] that also offers the methods below;
+model.Transformer is one, dense or MoE. The trainer types its model argument with TrainableModel, so
+that a model that lacks one of these fails the type check rather than the run, and
 tests/model/test_protocol.py checks that every preset's model satisfies it.
 """
 
@@ -17,7 +18,8 @@ class TrainableModel(Protocol):
     # The transformer blocks, in order: what activation checkpointing, compilation and FSDP wrap.
     layers: nn.ModuleList
 
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits; doc_ids confine attention to documents where the model's config asks for it."""
 
     def auxiliary_loss(self) -> torch.Tensor | None:
         """A loss of the last forward to add to the training loss (MoE routers), or None."""

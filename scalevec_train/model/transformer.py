@@ -5,7 +5,8 @@ layers are built.
 
     a = N(x) scaled per branch             (attn_norm: one site, or q/k/v sites under HG)
     q, k, v = Wq a_q, Wk a_k, Wv a_v       (each map may have an output norm and site: QK-norm, DNP)
-    h = x + Wo SDPA(rope(q), rope(k), v)   (Wo may have input/output sites and a post-norm)
+    h = x + Wo SDPA(rope(q), rope(k), v)   (Wo may have input/output sites and a post-norm; causal, or
+                                            within documents: masking.py)
     b = N(h) scaled per branch             (ffn_norm)
     y = h + Wdown (silu(Wgate b_g) * Wup b_u)
     logits = Whead (s_final * N(x_L))
@@ -24,6 +25,7 @@ from torch import nn
 
 from scalevec_train.model.config import ModelConfig, ScaleConfig
 from scalevec_train.model.layers import Linear, PreNorm, Rotary
+from scalevec_train.model.masking import attend, backend_for, document_mask, positions
 from scalevec_train.model.moe import MoEFeedForward
 from scalevec_train.model.strategies import ScaledMap, ScaleSite, SiteMaps, input_branches
 from scalevec_train.model.swiglu import swiglu
@@ -47,7 +49,9 @@ class Attention(nn.Module):
     def site_maps(self) -> list[SiteMaps]:
         return [entry for m in (self.wq, self.wk, self.wv, self.wo) for entry in m.site_maps()]
 
-    def forward(self, a: dict[str, torch.Tensor], rope: Rotary) -> torch.Tensor:
+    def forward(self, a: dict[str, torch.Tensor], rope: Rotary, mask=None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """mask: None (causal) or document_mask's; positions: RoPE positions (None: 0..seq-1)."""
         shared = a.get("attn")
         q = self.wq(a.get("q", shared))
         k = self.wk(a.get("k", shared))
@@ -56,8 +60,7 @@ class Attention(nn.Module):
         q = q.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True,
-                                             enable_gqa=self.n_kv_heads != self.n_heads)
+        out = attend(rope(q, positions), rope(k, positions), v, mask, self.n_kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -94,12 +97,13 @@ class Block(nn.Module):
         self.ffn_norm = PreNorm(cfg, input_branches(scale, "ffn", moe), scale)
         self.ffn = MoEFeedForward(cfg, scale) if moe else FeedForward(cfg, scale, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, rope: Rotary, delta: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, rope: Rotary, delta: torch.Tensor | None = None, mask=None,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream is x + delta (the previous block's last update, added by this block's
-        first norm); returns (h, the FFN's update) for the next norm to add."""
+        first norm); returns (h, the FFN's update) for the next norm to add. mask, positions: see
+        Attention.forward."""
         a, x = self.attn_norm(x, delta)
-        b, h = self.ffn_norm(x, self.attn(a, rope))
+        b, h = self.ffn_norm(x, self.attn(a, rope, mask, positions))
         return h, self.ffn(b)
 
     def site_maps(self) -> list[SiteMaps]:
@@ -121,17 +125,24 @@ class Transformer(nn.Module):
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self._moe = {i: b.ffn for i, b in enumerate(self.layers) if isinstance(b.ffn, MoEFeedForward)}
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of `tokens` [batch, seq]. doc_ids [batch, seq] (the loader's, docs/data.md) confine
+        attention to documents under model.attention_mask=document; without them (or under causal)
+        attention is causal over the row, which is the same for a row of one document."""
         if tokens.shape[-1] > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {tokens.shape[-1]} tokens exceeds model.max_seq_len="
                              f"{self.cfg.max_seq_len}")
+        mask = pos = None
+        if doc_ids is not None and self.cfg.attention_mask == "document":
+            mask = document_mask(doc_ids, backend_for(self.cfg.attention_backend, doc_ids.device))
+            pos = positions(doc_ids) if self.cfg.rope_reset else None
         x, delta = self.tok_emb(tokens), None
         if torch.is_autocast_enabled(x.device.type):
             # The residual stream in the autocast dtype, as FSDP's bf16 parameters give it: one precision
             # regime on one process and on many (docs/architecture.md, "Precision").
             x = x.to(torch.get_autocast_dtype(x.device.type))
         for layer in self.layers:
-            x, delta = layer(x, self.rope, delta)
+            x, delta = layer(x, self.rope, delta, mask, pos)
         x = self.final_norm(x, delta)[0]["final"]
         weight = self.tok_emb.weight if self.head is None else self.head.weight
         return F.linear(x, weight)

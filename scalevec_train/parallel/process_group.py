@@ -104,6 +104,13 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        t = t.clone()
+        dist.all_reduce(t)
+    return t
+
+
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank if `flag` is true on any rank (e.g. a signal that reached only some)."""
     if not dist.is_initialized():

@@ -35,6 +35,9 @@ class TrainConfig:
     # first of the val split in a fixed order), split over the ranks and run micro_batch at a time: the
     # same sequences every time, for every seed, world size and micro-batch
     eval_batches: int = 8
+    # weight of the z-loss z_loss * mean(log Z^2) on the output logits (Z: their partition function;
+    # OLMo 2 uses 1e-5), added to the training loss and logged apart as z_loss; 0 disables
+    z_loss: float = 0.0
     # compute precision: auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16. bf16 is one regime on one process
     # and on many: fp32 master weights, gradient reduction and optimizer states; bf16 activations and
     # residual stream (autocast, plus FSDP's bf16 copies of the weights when sharded); fp32 scale sites and
@@ -72,6 +75,9 @@ class TrainConfig:
         if self.tokens_per_param is not None and self.tokens_per_param <= 0:
             raise ScalevecError("train.tokens_per_param", f"must be positive, got {self.tokens_per_param}.",
                                 "use a number above 0, or null to train for train.steps.")
+        if self.z_loss < 0:
+            raise ScalevecError("train.z_loss", f"must not be negative, got {self.z_loss}.",
+                                "use a small weight (e.g. 1e-5), or 0 to turn it off.")
         if self.eval_every < 0 or self.grad_clip < 0:
             raise ScalevecError("train.eval_every" if self.eval_every < 0 else "train.grad_clip",
                                 "must not be negative.", "use 0 to turn it off.")

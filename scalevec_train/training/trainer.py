@@ -8,6 +8,12 @@ taken changes nothing (its gradients are dropped, the model forgets its step sta
 count as used and the step counter (and with it the learning-rate schedule) advances. Every rank
 reaches the same verdict: the loss is averaged over the ranks and the gradient norm is global.
 
+Under document masking some targets are not counted (data/loader.py) and the micro-batches and ranks
+count different numbers of them: each micro-batch's mean loss is then weighted by its count over the
+step's global count, so that the step's loss and gradient are the mean over every counted target of
+the global batch, whatever the accumulation and world size (as torchtitan and OLMo-core normalize).
+Causal runs count every target and keep the plain mean over micro-batches.
+
 The host never waits for the device within a step: the loss, the gradient norm and the verdict stay on
 the device (skip.py applies the step where the verdict says so), and the host reads them only on the
 steps that read back: log steps, and steps a callback asked to read back (a checkpoint).
@@ -23,15 +29,33 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
 
+from scalevec_train.data.loader import IGNORE
 from scalevec_train.model.protocol import TrainableModel
 from scalevec_train.parallel.fsdp import clip_grad_norm, reduce_replicated_grads, replicated_params, set_gradient_sync
-from scalevec_train.parallel.process_group import all_reduce_mean
+from scalevec_train.parallel.process_group import all_reduce_mean, all_reduce_sum, world_size
 from scalevec_train.training.logger import MetricsLogger
 from scalevec_train.training.skip import ConditionalStep
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    """The mean over the counted targets (those not IGNORE)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+
+
+def z_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """mean(log Z^2) over the counted targets' positions, Z = sum(exp(logits)) (OLMo 2, PaLM): pulls
+    the log-partition towards 0, and with it the logits' magnitude that the final norm's scale sets."""
+    counted = targets != IGNORE
+    log_z = logits.float().logsumexp(-1)
+    return (log_z.square() * counted).sum() / counted.sum()
+
+
+def micro_weights(batches: list, device: torch.device) -> torch.Tensor:
+    """Each micro-batch's share of the step's counted targets, times the world size (the ranks' gradients
+    are averaged), on the device: sum over ranks and micro-batches of weight * mean loss = the mean over
+    all counted targets. Counted on the host from the loader's tensors: no read of the device."""
+    counts = torch.stack([(b.targets != IGNORE).sum() for b in batches]).to(device, torch.float64)
+    return (counts * world_size() / all_reduce_sum(counts.sum())).float()
 
 
 def training_loss(compiled: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -48,6 +72,7 @@ class StepResult:
     grad_norm: torch.Tensor  # global, before clipping
     taken: torch.Tensor  # bool; False: not finite, so nothing changed
     seconds: float  # wall time of the step; the steps since the last read-back add up to the device's
+    z_loss: torch.Tensor | None = None  # z_loss_coef * mean log Z^2, the part of the training loss not in `loss`
 
 
 class Callback:
@@ -93,18 +118,21 @@ class Trainer:
     """Trains `model` from step `start_step` to `steps` (or an earlier requested stop).
 
     lr_at(step) is the schedule's multiplier of each group's `base_lr`; `autocast` returns the precision
-    context of a forward; loss_fn(logits, targets) is the training loss (fault injection wraps it:
-    guards.FaultInjection)."""
+    context of a forward; loss_fn(logits, targets) is the training loss, a mean over the counted
+    targets (fault injection wraps it: guards.FaultInjection); z_loss_coef weights z_loss() in it;
+    `documents`: the loader's batches have document ids (model.attention_mask=document)."""
 
     def __init__(self, model: TrainableModel, optimizer: torch.optim.Optimizer, loader,
                  lr_at: Callable[[int], float], steps: int, accum: int, grad_clip: float, device: torch.device,
                  autocast: Callable[[], AbstractContextManager], log_every: int, tokens_per_step: int,
                  callbacks: list[Callback], start_step: int = 0,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy):
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy,
+                 z_loss_coef: float = 0.0, documents: bool = False):
         self.model, self.optimizer, self.loader, self.lr_at = model, optimizer, loader, lr_at
         self.steps, self.accum, self.grad_clip, self.device = steps, accum, grad_clip, device
         self.autocast, self.log_every, self.tokens_per_step = autocast, log_every, tokens_per_step
         self.callbacks, self.step, self.loss_fn = callbacks, start_step, loss_fn
+        self.z_loss_coef, self.documents = z_loss_coef, documents
         self.logger: MetricsLogger | None = None  # set by fit()
         self.replicated = replicated_params(model)
         self.optimizer_step = ConditionalStep(optimizer, model)
@@ -161,20 +189,36 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = group["base_lr"] * multiplier
         total = torch.zeros((), device=self.device)
-        for micro in range(self.accum):
-            inputs, targets = (t.to(self.device, non_blocking=True) for t in self.loader.next_batch())
+        z_total = torch.zeros((), device=self.device) if self.z_loss_coef else None
+        batches = [self.loader.next_batch() for _ in range(self.accum)]
+        # the mean over micro-batches (1 / accum each), or each one's share of the counted targets
+        weights = micro_weights(batches, self.device) if self.documents else None
+        for micro, batch in enumerate(batches):
+            inputs, targets = (t.to(self.device, non_blocking=True) for t in batch[:2])
+            doc_ids = None if batch.doc_ids is None else batch.doc_ids.to(self.device, non_blocking=True)
             set_gradient_sync(self.model, micro == self.accum - 1)
             with self.autocast():
-                loss = self.loss_fn(self.model(inputs), targets)
-            total += loss.detach()
+                logits = self.model(inputs, doc_ids=doc_ids)
+                loss = self.loss_fn(logits, targets)
+                if z_total is not None:  # trains the logits' scale; logged apart from the loss
+                    z = self.z_loss_coef * z_loss(logits, targets)
+            del logits  # not kept alive through the next micro-batch's forward
+            total += loss.detach() if weights is None else loss.detach() * weights[micro]
+            if z_total is not None:
+                z_total += z.detach() if weights is None else z.detach() * weights[micro]
+                loss = loss + z
             aux = self.model.auxiliary_loss()
             if aux is not None:  # trains the router; not part of the logged loss
                 loss = loss + aux
-            (loss / self.accum).backward()
+            if weights is None:
+                (loss / self.accum).backward()
+            else:  # the router's loss too is weighted by the micro-batch's share of tokens
+                (loss * weights[micro]).backward()
         reduce_replicated_grads(self.replicated)
         self._hooks("on_backward_end")
         grad_norm = clip_grad_norm(self.model, self.grad_clip if self.grad_clip > 0 else float("inf"))
-        mean_loss = all_reduce_mean(total / self.accum)
+        mean_loss = all_reduce_mean(total / self.accum if weights is None else total)
+        z_mean = None if z_total is None else all_reduce_mean(z_total / self.accum if weights is None else z_total)
         taken = torch.isfinite(mean_loss) & torch.isfinite(grad_norm)
         self.optimizer_step(taken)
         self.model.discard_step_state()
@@ -182,7 +226,7 @@ class Trainer:
         if self.device.type == "cuda" and (self.is_log_step(self.step + 1) or self._read_back_requested):
             # the host reads back after this step anyway: the wait for the device belongs to its time
             torch.cuda.synchronize(self.device)
-        return StepResult(mean_loss, grad_norm, taken, time.perf_counter() - start)
+        return StepResult(mean_loss, grad_norm, taken, time.perf_counter() - start, z_mean)
 
     def fit(self, logger: MetricsLogger) -> str | None:
         """Train to `steps`, writing records to `logger`; returns the reason of an early stop (None when
@@ -213,6 +257,8 @@ class Trainer:
             if math.isfinite(loss) and math.isfinite(grad_norm):  # NaN and Infinity are not JSON
                 self.record("loss", loss)
                 self.record("grad_norm", grad_norm)
+            if result.z_loss is not None:
+                self.record("z_loss", result.z_loss)
             self._hooks("on_log")
         if self.stop_reason:
             self.record("stopped", self.stop_reason)

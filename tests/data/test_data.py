@@ -313,7 +313,7 @@ def test_loader_rows_are_permuted_windows_of_the_stream(prepared):
     assert loader.num_windows == n
     first_epoch = []
     for step in range(n // batch + 3):
-        inputs, targets = loader.next_batch()
+        inputs, targets, _ = loader.next_batch()
         assert inputs.dtype == targets.dtype == torch.int64
         assert inputs.shape == targets.shape == (batch, seq_len)
         for row in range(batch):
@@ -344,7 +344,7 @@ def test_resume_continues_with_exactly_the_next_batches(prepared):
     expected = [loader.next_batch() for _ in range(5)]
     resumed = TokenLoader(prepared, "train", 16, 4, seed=0)
     resumed.load_state_dict(state)
-    for (x, y), (rx, ry) in zip(expected, (resumed.next_batch() for _ in range(5)), strict=True):
+    for (x, y, _), (rx, ry, _) in zip(expected, (resumed.next_batch() for _ in range(5)), strict=True):
         assert torch.equal(x, rx) and torch.equal(y, ry)
 
 
@@ -397,7 +397,7 @@ def test_stdlib_default_preparation(tmp_path):
     assert data.vocab_size == 4096 and data.manifest["train"]["dtype"] == "uint16"
     assert val and set(val) <= texts
     assert data.manifest["train"]["num_documents"] + len(val) > 0.9 * len(texts)
-    inputs, targets = TokenLoader(data, "train", 128, 2, seed=0).next_batch()
+    inputs, targets, _ = TokenLoader(data, "train", 128, 2, seed=0).next_batch()
     assert torch.equal(inputs[:, 1:], targets[:, :-1])
 
 

@@ -2,7 +2,8 @@
 without CUDA): the trainer in bf16 (autocast, fused AdamW, the Triton kernels chosen by model.kernels=auto)
 for dense and MoE models under baseline and unified, eager and compiled; a compiled block on the fused
 kernels against the eager PyTorch path; MoE grouped_mm against the per-expert loop in bf16; Muon on CUDA
-against torch.optim.Muon; and a resume on CUDA against the uninterrupted run."""
+against torch.optim.Muon; a resume on CUDA against the uninterrupted run; document masking through
+FlexAttention against the dense-mask reference, and a document-masked run with the z-loss."""
 
 import math
 import shutil
@@ -162,3 +163,38 @@ def test_muon_skips_a_step_on_the_device_without_waiting_for_it():
             after = [p.clone() for p in ours] + [v.clone() for s in opt.state.values() for v in s.values()]
             assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert opt.state[ours[1]]["step"].is_cuda and opt.state[ours[1]]["step"].item() == 3
+
+
+def test_flex_attention_equals_the_dense_mask_reference_forward_and_backward():
+    """Document masking on CUDA: compiled FlexAttention (the auto choice) against dense-mask SDPA, fp32,
+    a unified model with RoPE reset, logits and gradients; then both compiled blocks on the fused kernels."""
+    doc_ids = torch.cumsum(torch.rand(4, 128, generator=torch.Generator().manual_seed(0)) < 0.05, -1).cuda()
+    outs = {}
+    for backend, compiled in (("sdpa", False), ("flex", False), ("flex", True)):
+        cfg = make_config("scale=unified", *FAST, "model.attention_mask=document", "model.rope_reset=true",
+                          f"model.attention_backend={backend}")
+        model = Transformer(cfg.model, cfg.scale).cuda()
+        model.init_weights(0)
+        for block in model.layers:
+            wrap_block(block, "none", compiled)
+        tokens = torch.randint(0, cfg.model.vocab_size, (4, 128), generator=torch.Generator().manual_seed(1)).cuda()
+        logits = model(tokens, doc_ids=doc_ids)
+        logits.logsumexp(-1).mean().backward()
+        outs[backend, compiled] = logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+    want, want_grads = outs["sdpa", False]
+    for key in (("flex", False), ("flex", True)):
+        got, grads = outs[key]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=str(key))
+        for name, g in want_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=1e-3, atol=1e-5, msg=f"{key} {name}")
+
+
+def test_document_masked_training_with_z_loss_on_cuda(data_overrides, tmp_path):
+    cfg = make_config(*data_overrides, *FAST, "scale=unified", "model.attention_mask=document",
+                      "model.rope_reset=true", "train.z_loss=1e-4", "train.steps=40", "distributed.compile=true",
+                      f"run_dir={tmp_path / 'r'}")
+    logged = [r for r in records(run(cfg)) if "loss" in r]
+    losses = [r["loss"] for r in logged]
+    assert all(math.isfinite(v) for v in losses) and logged[-1]["skipped_steps"] == 0
+    assert sum(losses[-2:]) / 2 < losses[0] - 0.3
+    assert all(0 < r["z_loss"] for r in logged)

@@ -1,9 +1,10 @@
 """The whole model through the Triton kernels (model.kernels=triton, under triton's CPU interpreter, in
 fp32) against the same model on the PyTorch path (model.kernels=torch): the same logits and gradients,
 and the same losses over a few optimizer steps, for dense and MoE models under baseline and unified in
-both placement readings. This covers every fused path the model takes: the pre-norms with the residual
-add of the previous sub-layer (and the final norm), the per-head norms behind q, k, v, and the fused
-normalization + SwiGLU of the dense FFN, the shared expert and the routed experts (per-expert scales).
+both placement readings, and under document masking. This covers every fused path the model takes: the
+pre-norms with the residual add of the previous sub-layer (and the final norm), the per-head norms behind
+q, k, v, and the fused normalization + SwiGLU of the dense FFN, the shared expert and the routed experts
+(per-expert scales).
 
 The interpreter runs in a child process (tests/kernels/helpers.py says why).
 """
@@ -29,7 +30,10 @@ CASES = {
     "moe-baseline": [*MOE, "scale=baseline"],
     "moe-unified": [*MOE, "scale=unified"],
     "moe-unified-rev1": [*MOE, "scale=unified", REV1],
+    "dense-unified-document": ["scale=unified", "model.attention_mask=document", "model.rope_reset=true"],
 }
+# the document ids of the 16 inputs of each row (the causal models ignore them)
+DOC_IDS = torch.tensor([[0] * 5 + [1] * 11, [0] * 9 + [1] * 4 + [2] * 3])
 STEPS = 2
 
 
@@ -51,7 +55,7 @@ def losses_and_first_grads(case: str, kernels: str):
     tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(2))
     losses, first = [], None
     for _ in range(STEPS):
-        logits = model(tokens[:, :-1])
+        logits = model(tokens[:, :-1], doc_ids=DOC_IDS)
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         aux = model.auxiliary_loss()
         (loss if aux is None else loss + aux).backward()

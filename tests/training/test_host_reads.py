@@ -1,8 +1,8 @@
 """A training step that does not log reads nothing back from the device (issue 28): counted with a
-TorchDispatchMode (tests/host_reads.py) over the steps between logs, for dense and MoE, AdamW and Muon,
-on 1 process and on 2 gloo ranks. Reads of the optimizer's host-side step counters (torch's for-loop
-AdamW on CPU) are counted apart and not held against the framework; Muon keeps its counters on the
-device and makes none."""
+TorchDispatchMode (tests/host_reads.py) over the steps between logs, for dense and MoE, AdamW and Muon
+(and document masking with the z-loss), on 1 process and on 2 gloo ranks. Reads of the optimizer's
+host-side step counters (torch's for-loop AdamW on CPU) are counted apart and not held against the
+framework; Muon keeps its counters on the device and makes none."""
 
 import json
 import sys
@@ -18,8 +18,11 @@ from tests.host_reads import ReadCounter, count_reads
 SHAPE = ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2", "model.ffn_dim=64",
          "train.seq_len=32", "train.global_batch=4", "train.micro_batch=2", "train.eval_batches=1",
          "train.eval_every=0", "train.steps=6", "train.log_every=3", "schedule.warmup_steps=2"]
-MODELS = {"dense": ["model=dense-tiny"], "moe": ["model=moe-tiny", "model.moe.expert_dim=32"]}
-CASES = [(model, optim) for model in MODELS for optim in ("adamw", "muon")]
+MODELS = {"dense": ["model=dense-tiny"], "moe": ["model=moe-tiny", "model.moe.expert_dim=32"],
+          # counts of counted targets normalize the loss, and the z-loss is recorded on log steps
+          "document": ["model=dense-tiny", "model.attention_mask=document", "model.rope_reset=true",
+                       "train.z_loss=1e-4"]}
+CASES = [(model, optim) for model in ("dense", "moe") for optim in ("adamw", "muon")] + [("document", "adamw")]
 
 
 def overrides(data_overrides, model: str, optim: str, run_dir) -> list[str]:

@@ -3,15 +3,17 @@ size compare."""
 
 import torch
 
+from scalevec_train.data.loader import Batch
 from scalevec_train.parallel.process_group import all_reduce_mean
-from scalevec_train.training.trainer import Callback, StepResult, Trainer, cross_entropy
+from scalevec_train.training.trainer import Callback, StepResult, Trainer, cross_entropy, micro_weights
 
 
 class Evaluator(Callback):
     """val_loss at step 0 of a fresh run, every `every` steps (0: never in between) and at the last
-    step. `batches`: this rank's share of the validation batches, (inputs, targets) each."""
+    step. `batches`: this rank's share of the validation batches. With document ids, the loss is the
+    mean over the counted targets of all batches and ranks (as the training loss)."""
 
-    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], every: int):
+    def __init__(self, batches: list[Batch], every: int):
         self.batches, self.every = batches, every
 
     @torch.no_grad()
@@ -20,11 +22,17 @@ class Evaluator(Callback):
         model = trainer.model
         model.eval()
         total = torch.zeros((), device=trainer.device)
-        for inputs, targets in self.batches:
+        documents = self.batches[0].doc_ids is not None
+        weights = micro_weights(self.batches, trainer.device) if documents else None
+        for i, (inputs, targets, doc_ids) in enumerate(self.batches):
             with trainer.autocast():
-                total += cross_entropy(model(inputs.to(trainer.device)), targets.to(trainer.device))
+                if doc_ids is None:
+                    total += cross_entropy(model(inputs.to(trainer.device)), targets.to(trainer.device))
+                else:
+                    total += cross_entropy(model(inputs.to(trainer.device), doc_ids=doc_ids.to(trainer.device)),
+                                           targets.to(trainer.device)) * weights[i]
         model.train()
-        return all_reduce_mean(total / len(self.batches))
+        return all_reduce_mean(total / len(self.batches) if weights is None else total)
 
     def on_fit_start(self, trainer: Trainer) -> None:
         if trainer.step == 0:
