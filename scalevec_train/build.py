@@ -26,7 +26,7 @@ from scalevec_train.interop.hf_import import check_init_from, init_from_hf
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.optim.groups import build_optimizer
 from scalevec_train.optim.schedules import lr_multiplier
-from scalevec_train.parallel.fsdp import parallelize, uses_bf16
+from scalevec_train.parallel.data_parallel import parallelize, uses_bf16
 from scalevec_train.parallel.process_group import broadcast_object, local_rank, rank, world_size
 from scalevec_train.training.callbacks import (
     Checkpointer,

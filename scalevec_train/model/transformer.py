@@ -198,7 +198,7 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Initialize every parameter and buffer in place (single device; parallel/fsdp.py initializes
+        """Initialize every parameter and buffer in place (single device; parallel/data_parallel.py initializes
         sharded models with initial_value too)."""
         for name, p in self.named_parameters():
             p.copy_(self.initial_value(name, p.shape, seed))

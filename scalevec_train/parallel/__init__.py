@@ -3,6 +3,6 @@ mixed precision, activation checkpointing and compilation.
 
     config.py         DistributedConfig
     process_group.py  joining the group under torchrun, rank and world size, small collectives
-    fsdp.py           sharding, initialization of shards, gradient sync and clipping
+    data_parallel.py  one process or FSDP2/HSDP shards, initialization, replicated gradients, clipping
     wrap.py           activation checkpointing and torch.compile of each block
 """

@@ -31,7 +31,12 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from scalevec_train.data.loader import IGNORE
 from scalevec_train.model.protocol import TrainableModel
-from scalevec_train.parallel.fsdp import clip_grad_norm, reduce_replicated_grads, replicated_params, set_gradient_sync
+from scalevec_train.parallel.data_parallel import (
+    clip_grad_norm,
+    reduce_replicated_grads,
+    replicated_params,
+    set_gradient_sync,
+)
 from scalevec_train.parallel.process_group import all_reduce_mean, all_reduce_sum, world_size
 from scalevec_train.training.logger import MetricsLogger
 from scalevec_train.training.skip import ConditionalStep

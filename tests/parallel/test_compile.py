@@ -19,7 +19,7 @@ import torch
 from scalevec_kernels.backend import INTERPRETED
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.optim.groups import build_optimizer
-from scalevec_train.parallel.fsdp import parallelize
+from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.parallel.wrap import wrap_block
 from scalevec_train.training.trainer import training_loss
 from tests.helpers import REPO, make_config

@@ -17,7 +17,7 @@ from scalevec_train.errors import ScalevecError
 from scalevec_train.model import ModelConfig, Transformer
 from scalevec_train.model.config import ScaleConfig
 from scalevec_train.parallel.config import DistributedConfig
-from scalevec_train.parallel.fsdp import mesh_shape
+from scalevec_train.parallel.data_parallel import mesh_shape
 from scalevec_train.parallel.wrap import wrap_block
 
 

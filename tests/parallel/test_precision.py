@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from scalevec_train.model.layers import Linear
 from scalevec_train.model.strategies import ScaleSite, scale_sites
 from scalevec_train.model.transformer import Transformer
-from scalevec_train.parallel.fsdp import parallelize
+from scalevec_train.parallel.data_parallel import parallelize
 from tests.helpers import make_config
 
 OVERRIDES = ["scale=unified", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=96",

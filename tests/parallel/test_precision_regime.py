@@ -19,7 +19,7 @@ import scalevec_train.model.moe as moe
 import scalevec_train.model.transformer as transformer
 from scalevec_train.build import autocast_for
 from scalevec_train.model.transformer import Transformer
-from scalevec_train.parallel.fsdp import parallelize
+from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.training.trainer import cross_entropy
 from tests.helpers import make_config
 from tests.parallel.test_precision import site_values

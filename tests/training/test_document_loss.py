@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from scalevec_train.data.loader import IGNORE, Batch, document_ids
 from scalevec_train.model import Transformer
-from scalevec_train.parallel.fsdp import parallelize
+from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.parallel.process_group import full_value
 from scalevec_train.training.trainer import Callback, Trainer, z_loss
 from tests.helpers import make_config
