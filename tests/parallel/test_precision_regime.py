@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 import scalevec_train.model.layers as layers
 import scalevec_train.model.moe as moe
-import scalevec_train.model.transformer as transformer
+import scalevec_train.model.swiglu as swiglu
 from scalevec_train.build import autocast_for
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.parallel.data_parallel import parallelize
@@ -34,8 +34,7 @@ CASES = {
     "moe-unified": [*MOE, "scale=unified"],
 }
 # Where the model looks each fused op up.
-FUSED = [(layers, "rms_norm_scales"), (layers, "head_rms_norm"), (transformer, "swiglu_norm"),
-         (moe, "rms_norm_scales"), (moe, "swiglu_norm")]
+FUSED = [(layers, "rms_norm_scales"), (layers, "head_rms_norm"), (swiglu, "swiglu_norm"), (moe, "rms_norm_scales")]
 # Which arguments of each op are scales (the others that are floating point are activations).
 SCALE_ARGS = {"rms_norm_scales": {1}, "head_rms_norm": {1}, "swiglu_norm": {2, 3}}
 BF16, FP32 = torch.bfloat16, torch.float32
