@@ -22,8 +22,7 @@ from scalevec_train.model.config import ModelConfig, ScaleConfig
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.optim.config import OptimConfig, ScheduleConfig
 from scalevec_train.parallel.config import DistributedConfig
-from scalevec_train.training.config import CheckpointConfig, TrainConfig
-from scalevec_train.training.logger import LoggerConfig
+from scalevec_train.training.config import CheckpointConfig, LoggerConfig, TrainConfig
 
 # configs/ at the repository root (the package is installed in editable mode next to it).
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")

@@ -75,7 +75,8 @@ def test_every_choice_refuses_an_unknown_value_naming_the_choices(key):
 def test_choices_cover_the_options_that_name_a_mode():
     assert {"scale.placement", "scale.reparam", "model.moe.backend", "model.kernels", "optim.name",
             "optim.ns_dtype", "schedule.decay_shape", "data.source", "train.dtype",
-            "distributed.activation_checkpointing", "device"} <= set(choice_keys(MOE_CONFIG))
+            "distributed.activation_checkpointing", "device", "logger.name", "logger.mode",
+            "model.attention_mask", "model.attention_backend"} <= set(choice_keys(MOE_CONFIG))
 
 
 def test_global_batch_must_divide_by_world_size():

@@ -10,7 +10,8 @@ from hydra import compose, initialize_config_dir
 
 from scalevec_train.config import CONFIG_DIR
 from scalevec_train.train import run
-from scalevec_train.training.logger import LoggerConfig, wandb_init_args
+from scalevec_train.training.config import LoggerConfig
+from scalevec_train.training.logger import wandb_init_args
 from tests.helpers import make_config
 
 # study_base holds the study's shared settings; it is not a sweep by itself.

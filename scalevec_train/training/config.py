@@ -1,6 +1,7 @@
-"""The training loop's options (`train.*`) and the checkpoint options (`checkpoint.*`)."""
+"""The training loop's options (`train.*`), the checkpoint options (`checkpoint.*`) and the logger's
+(`logger.*`)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from scalevec_train.errors import ScalevecError, check_choices, choice
@@ -117,3 +118,24 @@ class CheckpointConfig:
         if self.every_tokens_per_param is not None and self.every_tokens_per_param <= 0:
             raise ScalevecError("checkpoint.every_tokens_per_param", f"must be positive, got "
                                 f"{self.every_tokens_per_param}.", "use a number above 0, or null.")
+
+
+@dataclass
+class LoggerConfig:
+    # console (metrics.jsonl + progress bar) | wandb (the same, plus a wandb run)
+    name: str = choice("console", Literal["console", "wandb"])
+    # show a progress bar with loss, tokens/s and ETA
+    progress_bar: bool = True
+    # wandb project
+    project: str = "scalevec"
+    # wandb entity (team or user); empty: your default
+    entity: str = ""
+    # wandb group; empty: derived from the config (everything but the seed)
+    group: str = ""
+    # extra wandb tags, added to those derived from the config
+    tags: list[str] = field(default_factory=list)
+    # auto (offline when no WANDB_API_KEY is set) | online | offline
+    mode: str = choice("auto", Literal["auto", "online", "offline"])
+
+    def validate(self) -> None:
+        check_choices(self, "logger.")

@@ -8,37 +8,12 @@ import hashlib
 import json
 import os
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
 from scalevec_train.errors import ScalevecError
-
-
-@dataclass
-class LoggerConfig:
-    # console (metrics.jsonl + progress bar) | wandb (the same, plus a wandb run)
-    name: str = "console"
-    # show a progress bar with loss, tokens/s and ETA
-    progress_bar: bool = True
-    # wandb project
-    project: str = "scalevec"
-    # wandb entity (team or user); empty: your default
-    entity: str = ""
-    # wandb group; empty: derived from the config (everything but the seed)
-    group: str = ""
-    # extra wandb tags, added to those derived from the config
-    tags: list[str] = field(default_factory=list)
-    # auto (offline when no WANDB_API_KEY is set) | online | offline
-    mode: str = "auto"
-
-    def validate(self) -> None:
-        if self.name not in ("console", "wandb"):
-            raise ScalevecError("logger.name", f"unknown logger {self.name!r}.",
-                                "use logger=console or logger=wandb.")
-        if self.mode not in ("auto", "online", "offline"):
-            raise ScalevecError("logger.mode", f"unknown mode {self.mode!r}.", "use auto, online or offline.")
+from scalevec_train.training.config import LoggerConfig
 
 
 def wandb_mode(cfg: LoggerConfig) -> str:

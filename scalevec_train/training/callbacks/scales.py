@@ -1,6 +1,6 @@
-"""The scale sites' statistics (spec, "What to log"): every log step, mean, std, min and max of each
-site's s (and of its magnitude beta under or/er) and the norm of its parameters' gradient, per layer
-and over layers by site name."""
+"""The scale sites' statistics (docs/scale-vectors.md, "What is logged"): every log step, mean, std,
+min and max of each site's s (and of its magnitude beta under or/er) and the norm of its parameters'
+gradient, per layer and over layers by site name."""
 
 import torch
 from torch import nn
