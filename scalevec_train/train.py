@@ -65,17 +65,19 @@ def run(cfg: Config) -> Path:
 def main(raw: DictConfig) -> None:
     """Exit codes: 0 done, or stopped by SIGTERM with a checkpoint; 1 a bug (with its traceback) or a
     Hydra error; 2 bad input (one line naming the key or file and the fix); 3 diverged (see run())."""
+    finished = False
     try:
         # Checked before joining the process group: a bad config fails at once, on every rank.
         cfg = to_config(raw, process_group.world_size())
         process_group.init()
         run(cfg)
+        finished = True
     except ScalevecError as e:
         rank = f"[rank {os.environ.get('RANK', 0)}] " if process_group.world_size() > 1 else ""
         print(f"{rank}error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
     finally:
-        process_group.shutdown()
+        process_group.shutdown(finished)
 
 
 if __name__ == "__main__":

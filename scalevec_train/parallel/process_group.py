@@ -61,8 +61,12 @@ def _attempt_store(rank: int, world: int) -> dist.Store:
     return dist.PrefixStore(f"scalevec/{token}/", store)
 
 
-def shutdown() -> None:
+def shutdown(finished: bool = False) -> None:
+    """Leave the process group. After a run every rank finished, the ranks leave together: a rank that
+    tore its gloo group down while a peer was still leaving was seen to make the peer abort at exit."""
     if dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 
@@ -96,18 +100,17 @@ def broadcast_object(value):
     return box[0]
 
 
-def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        t = t.clone()
-        dist.all_reduce(t)
-        t /= dist.get_world_size()
-    return t
-
-
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         t = t.clone()
         dist.all_reduce(t)
+    return t
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        t = all_reduce_sum(t)
+        t /= dist.get_world_size()
     return t
 
 
