@@ -12,16 +12,21 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
+from scalevec_analysis.groups import group_runs
+from scalevec_analysis.runs import load_run_dir
 from scalevec_train import average as average_cli
+from scalevec_train import evaluate as evaluate_cli
 from scalevec_train.checkpoint.average import average
 from scalevec_train.checkpoint.files import COMPLETE, STATE_FILE, SafeReader, find_resume, step_dir
 from scalevec_train.checkpoint.manager import ModelState
 from scalevec_train.errors import ScalevecError
+from scalevec_train.evaluate import evaluate
 from scalevec_train.interop.api import load, read_config
 from scalevec_train.interop.export import export
 from scalevec_train.model import Transformer
 from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.train import run
+from scalevec_train.training.logger import read_records
 from tests.helpers import SHORT_RUN, TINY_MODEL, make_config
 from tests.launch import checkpoint_state
 
@@ -140,3 +145,20 @@ def test_bad_inputs_fail_with_their_own_messages(runs, averaged, tmp_path):
 def test_resume_refuses_an_averaged_checkpoint(runs, averaged):
     with pytest.raises(ScalevecError, match="is an averaged checkpoint: it holds the model only"):
         find_resume(runs["dense"], str(averaged["dense"]))
+
+
+def test_evaluate_records_the_average_for_compare_runs(runs, averaged, capsys):
+    """The evaluator's val_loss of the run's last checkpoint is the trainer's own val_loss of that
+    step (a second code path); an averaged folder gets a metrics record that compare_runs reads as a
+    run of its own, labelled by its steps."""
+    trained = [r for r in read_records(runs["dense"] / "metrics.jsonl") if "val_loss" in r]
+    loss, written = evaluate(step_dir(runs["dense"], 6))
+    assert written is None and trained[-1]["step"] == 6
+    assert loss == pytest.approx(trained[-1]["val_loss"], rel=1e-6)
+    assert evaluate_cli.main([str(averaged["dense"])]) == 0
+    assert "val_loss" in capsys.readouterr().out
+    source, average_run = load_run_dir(runs["dense"]), load_run_dir(averaged["dense"])
+    assert [r["step"] for r in average_run.records] == [6]
+    assert 0 < average_run.records[0]["val_loss"] < trained[0]["val_loss"]
+    groups = group_runs([source, average_run])
+    assert [g.label for g in groups] == ["averaged=(unset)", "averaged=2,4,6"]
