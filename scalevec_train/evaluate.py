@@ -2,9 +2,9 @@
 run's validation set (the same batches as the trainer's val_loss, so the numbers compare), in one process.
 
 For an averaged checkpoint (checkpoint/average.py) it also writes metrics.jsonl into that folder, one
-record {"step": the step it stands for, "val_loss": ...}: with the config.yaml the folder already holds,
-scripts/compare_runs.py reads it as a run of its own (scalevec_analysis marks it as averaged), beside the
-run and its WSD cooldown branches.
+record {"step": the step it stands for, "tokens": trained by then, "val_loss": ...}: with the
+config.yaml the folder already holds, scripts/compare_runs.py reads it as a run of its own
+(scalevec_analysis marks it as averaged), beside the run and its WSD cooldown branches.
 """
 
 import json
@@ -35,7 +35,9 @@ def evaluate(path: str | Path) -> tuple[float, Path | None]:
     state = read_train_state(checkpoint)
     if AVERAGED not in state:
         return loss, None
-    record = {"step": state["step"], "val_loss": loss}
+    # tokens: compare_runs' x axis; every step of a run takes the same number of tokens
+    record = {"step": state["step"], "tokens": state["step"] * cfg.train.global_batch * cfg.train.seq_len,
+              "val_loss": loss}
     (checkpoint / METRICS_FILE).write_text(json.dumps(record) + "\n")
     return loss, checkpoint / METRICS_FILE
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
-from scalevec_analysis.groups import group_runs
+from scalevec_analysis.groups import group_runs, summarize
 from scalevec_analysis.runs import load_run_dir
 from scalevec_train import average as average_cli
 from scalevec_train import evaluate as evaluate_cli
@@ -159,6 +159,10 @@ def test_evaluate_records_the_average_for_compare_runs(runs, averaged, capsys):
     assert "val_loss" in capsys.readouterr().out
     source, average_run = load_run_dir(runs["dense"]), load_run_dir(averaged["dense"])
     assert [r["step"] for r in average_run.records] == [6]
+    assert average_run.records[0]["tokens"] == trained[-1]["tokens"]
     assert 0 < average_run.records[0]["val_loss"] < trained[0]["val_loss"]
     groups = group_runs([source, average_run])
     assert [g.label for g in groups] == ["averaged=(unset)", "averaged=2,4,6"]
+    summary = summarize(groups, groups[0])
+    assert summary[1].terminal == average_run.records[0]["val_loss"]
+    assert summary[1].delta == pytest.approx(average_run.records[0]["val_loss"] - trained[-1]["val_loss"])
