@@ -57,8 +57,8 @@ def choose(run_dir: Path, last: int | None = None, steps: list[int] | None = Non
     found = complete_checkpoints(run_dir)
     if last is not None:
         if last < 2 or last > len(found):
-            raise ScalevecError("last", f"is {last}, but {run_dir} holds {len(found)} complete checkpoints "
-                                f"(steps {[checkpoint_step(p) for p in found]}).",
+            raise ScalevecError("last", f"is {last}: averaging takes 2 up to the {len(found)} complete "
+                                f"checkpoints {run_dir} holds (steps {[checkpoint_step(p) for p in found]}).",
                                 "pass last=2 up to that count, or save more often (checkpoint.every, "
                                 "checkpoint.keep_last).")
         return found[-last:]
