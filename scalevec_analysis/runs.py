@@ -19,6 +19,8 @@ from omegaconf import OmegaConf
 from scalevec_train.errors import ScalevecError
 from scalevec_train.training.logger import flatten, read_records
 
+AVERAGED_KEY = "averaged"
+
 
 @dataclass
 class Run:
@@ -119,7 +121,22 @@ def load_run_dir(path: str | Path) -> Run:
         if described.get("total_params") is not None:
             params = float(described["total_params"])
         flops = described.get("train_flops_per_token")
-    return Run(str(run_dir), with_current_defaults(flatten_config(config)), records, params, flops)
+    config = with_current_defaults(flatten_config(config))
+    averaged = averaged_steps(run_dir)
+    if averaged is not None:
+        config[AVERAGED_KEY] = averaged
+    return Run(str(run_dir), config, records, params, flops)
+
+
+def averaged_steps(folder: Path) -> str | None:
+    """For an averaged checkpoint folder (scalevec_train/checkpoint/average.py, evaluated by
+    scalevec_train.evaluate), the steps it averages, e.g. "200,300,400"; else None. It carries its run's
+    config.yaml, so this key is what sets it apart from the run in the grouping."""
+    state = folder / "train_state.json"
+    if not state.is_file():
+        return None
+    source = json.loads(state.read_text()).get("averaged_from")
+    return None if source is None else ",".join(str(s) for s in source["steps"])
 
 
 def _unwrap_wandb_config(config: dict) -> dict:

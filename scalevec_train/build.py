@@ -108,9 +108,7 @@ def build(cfg: Config) -> Run:
     # The validation set is the first eval_batches * global_batch sequences of the val split in a fixed
     # order (seed 0, whatever the run's seed), split over the ranks: the same sequences, and so a
     # comparable val_loss, for every seed, world size and micro-batch.
-    val_loader = TokenLoader(data, "val", cfg.train.seq_len, cfg.train.micro_batch, 0, rank_, world, documents)
-    val_batches = cfg.train.eval_batches * cfg.train.global_batch // (cfg.train.micro_batch * world)
-    val_data = [val_loader.next_batch() for _ in range(val_batches)]
+    val_data = validation_batches(cfg, data, rank_, world)
     if train_state is not None:
         train_loader.load_state_dict(train_state["loader"])
 
@@ -150,6 +148,14 @@ def build(cfg: Config) -> Run:
         log_every=cfg.train.log_every, tokens_per_step=tokens_per_step, callbacks=callbacks,
         start_step=start_step, loss_fn=faults or loss_fn, z_loss_coef=cfg.train.z_loss, documents=documents)
     return Run(trainer, data, run_dir, checkpointer, branched_from, attended)
+
+
+def validation_batches(cfg: Config, data: PreparedData, rank_: int, world: int) -> list:
+    """This rank's share of the validation set (see build)."""
+    loader = TokenLoader(data, "val", cfg.train.seq_len, cfg.train.micro_batch, 0, rank_, world,
+                         cfg.model.attention_mask == "document")
+    return [loader.next_batch() for _ in range(cfg.train.eval_batches * cfg.train.global_batch
+                                               // (cfg.train.micro_batch * world))]
 
 
 def check_run_dir(run_dir: Path) -> None:

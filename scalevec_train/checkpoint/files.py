@@ -16,6 +16,7 @@ import io
 import json
 import pathlib
 import pickle
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,6 +30,12 @@ COMPLETE = "COMPLETE"
 STATE_FILE = "train_state.json"
 TMP_PREFIX = ".tmp_step_"
 METADATA_FILE = ".metadata"  # DCP's name for it
+AVERAGED = "averaged_from"  # the train_state.json entry of an averaged checkpoint (average.py)
+
+# One process without a process group is our normal single-device mode (and how load() and averaging
+# read), not a mistake to warn about.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
 
 DAMAGED = ("the checkpoint is damaged: use an older one (resume=<its checkpoints/step_* path>, or "
            "scalevec_train.load(<that path>)).")
@@ -79,6 +86,11 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
         raise ScalevecError("resume", f"{path} is not a complete checkpoint (no {COMPLETE} marker).",
                             "point resume at a checkpoints/step_* directory of a finished save, or use "
                             "resume=auto.")
+    if AVERAGED in read_train_state(path):
+        raise ScalevecError("resume", f"{path} is an averaged checkpoint: it holds the model only, no "
+                            "optimizer state or data position to continue from.",
+                            "resume from one of the run's own checkpoints/step_* folders; evaluate, export or "
+                            "load the average with scalevec_train.load.")
     return path
 
 

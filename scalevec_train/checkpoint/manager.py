@@ -27,7 +27,6 @@ import json
 import shutil
 import sys
 import uuid
-import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,10 +59,6 @@ from scalevec_train.checkpoint.files import (
 from scalevec_train.errors import ScalevecError
 from scalevec_train.model.protocol import TrainableModel
 from scalevec_train.parallel.process_group import barrier, broadcast_object, is_main, rank, world_size
-
-# One process without a process group is our normal single-device mode, not a mistake to warn about.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
-                        category=UserWarning)
 
 
 class ModelState(Stateful):

@@ -16,23 +16,9 @@ class Evaluator(Callback):
     def __init__(self, batches: list[Batch], every: int):
         self.batches, self.every = batches, every
 
-    @torch.no_grad()
     def evaluate(self, trainer: Trainer) -> torch.Tensor:
         """The validation loss, on the device."""
-        model = trainer.model
-        model.eval()
-        total = torch.zeros((), device=trainer.device)
-        documents = self.batches[0].doc_ids is not None
-        weights = micro_weights(self.batches, trainer.device) if documents else None
-        for i, (inputs, targets, doc_ids) in enumerate(self.batches):
-            with trainer.autocast():
-                if doc_ids is None:
-                    total += cross_entropy(model(inputs.to(trainer.device)), targets.to(trainer.device))
-                else:
-                    total += cross_entropy(model(inputs.to(trainer.device), doc_ids=doc_ids.to(trainer.device)),
-                                           targets.to(trainer.device)) * weights[i]
-        model.train()
-        return all_reduce_mean(total / len(self.batches) if weights is None else total)
+        return validation_loss(trainer.model, self.batches, trainer.device, trainer.autocast)
 
     def on_fit_start(self, trainer: Trainer) -> None:
         if trainer.step == 0:
@@ -48,3 +34,22 @@ class Evaluator(Callback):
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         if self._evaluates(trainer, trainer.step):
             trainer.record("val_loss", self.evaluate(trainer))
+
+
+@torch.no_grad()
+def validation_loss(model: torch.nn.Module, batches: list[Batch], device: torch.device, autocast) -> torch.Tensor:
+    """The mean loss of `model` over this rank's validation `batches` and all ranks, on the device (also
+    how an averaged checkpoint is evaluated: scalevec_train/evaluate.py)."""
+    model.eval()
+    total = torch.zeros((), device=device)
+    documents = batches[0].doc_ids is not None
+    weights = micro_weights(batches, device) if documents else None
+    for i, (inputs, targets, doc_ids) in enumerate(batches):
+        with autocast():
+            if doc_ids is None:
+                total += cross_entropy(model(inputs.to(device)), targets.to(device))
+            else:
+                total += cross_entropy(model(inputs.to(device), doc_ids=doc_ids.to(device)),
+                                       targets.to(device)) * weights[i]
+    model.train()
+    return all_reduce_mean(total / len(batches) if weights is None else total)
