@@ -21,6 +21,7 @@ from scalevec_train.checkpoint.files import check_model_fits, checkpoint_root, f
 from scalevec_train.checkpoint.manager import CheckpointManager, ModelState, OptimizerState
 from scalevec_train.config import Config
 from scalevec_train.data import PreparedData, TokenLoader, check_vocab, prepare_data
+from scalevec_train.data.tokenizer import token_bytes
 from scalevec_train.errors import ScalevecError
 from scalevec_train.interop.hf_import import check_init_from, init_from_hf
 from scalevec_train.model.transformer import Transformer
@@ -131,7 +132,7 @@ def build(cfg: Config) -> Run:
         ScaleMonitor(),
         ModelMetrics(),
         EpochMonitor(),
-        Evaluator(val_data, cfg.train.eval_every),
+        Evaluator(val_data, cfg.train.eval_every, token_bytes(data.load_tokenizer())),
     ]
     manager = CheckpointManager(
         run_dir, tensors={"model": ModelState(model), "optim": OptimizerState(model, optimizer)},
