@@ -38,6 +38,7 @@ from scalevec_train.training.callbacks import (
     SigtermStop,
     SpeedMonitor,
     StabilityGuard,
+    StepProfiler,
 )
 from scalevec_train.training.guards import FaultInjection
 from scalevec_train.training.trainer import Trainer, checkpointed, training_loss
@@ -123,8 +124,12 @@ def build(cfg: Config) -> Run:
 
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
     attended = train_loader.attended_keys() if documents else None
+    profiles = cfg.train.profile_steps and (rank_ == 0 or cfg.train.profile_all_ranks)
     callbacks = [
         *([faults] if faults else []),
+        # first: its trace ends with the training step, before evaluations and checkpoints
+        *([StepProfiler(cfg.train.profile_steps, run_dir / "profile", rank_, cfg.train.profile_record_shapes)]
+          if profiles else []),
         StabilityGuard(cfg.train.max_bad_steps, cfg.train.spike_factor),
         SigtermStop(),
         SpeedMonitor(tokens_per_step, train_flops_per_token(model, cfg.train.seq_len, attended), peak_flops(device),

@@ -6,14 +6,16 @@
     scales.py        ScaleMonitor: scale-site values and gradient norms
     checkpointer.py  Checkpointer: periodic, final and stop checkpoints
     stability.py     StabilityGuard: non-finite steps and loss spikes; SigtermStop: a clean stop
+    profiler.py      StepProfiler: traces and memory snapshots of chosen steps
 """
 
 from scalevec_train.training.callbacks.checkpointer import Checkpointer
 from scalevec_train.training.callbacks.epochs import EpochMonitor
 from scalevec_train.training.callbacks.evaluation import Evaluator
 from scalevec_train.training.callbacks.monitors import ModelMetrics, SpeedMonitor
+from scalevec_train.training.callbacks.profiler import StepProfiler
 from scalevec_train.training.callbacks.scales import ScaleMonitor
 from scalevec_train.training.callbacks.stability import SigtermStop, StabilityGuard
 
 __all__ = ["Checkpointer", "EpochMonitor", "Evaluator", "ModelMetrics", "ScaleMonitor", "SigtermStop", "SpeedMonitor",
-           "StabilityGuard"]
+           "StabilityGuard", "StepProfiler"]
