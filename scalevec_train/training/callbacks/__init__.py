@@ -1,6 +1,6 @@
 """The callbacks that observe a run: each has a small job and the trainer's hooks as its interface.
 
-    evaluation.py    Evaluator: val_loss on fixed batches
+    evaluation.py    Evaluator: val_loss and val_bpb (bits per byte) on fixed batches
     monitors.py      SpeedMonitor: tokens/s and MFU; ModelMetrics: the model's own metrics (MoE load)
     epochs.py        EpochMonitor: passes over the training data, and a warning when they are many
     scales.py        ScaleMonitor: scale-site values and gradient norms

@@ -12,8 +12,8 @@ from scalevec_train.training.trainer import Callback, StepResult, Trainer, cross
 
 
 class Evaluator(Callback):
-    """val_loss at step 0 of a fresh run, every `every` steps (0: never in between) and at the last
-    step. `batches`: this rank's share of the validation batches. With document ids, the loss is the
+    """val_loss (and val_bpb) at step 0 of a fresh run, every `every` steps (0: never in between) and at
+    the last step. `batches`: this rank's share of the validation batches. With document ids, the loss is the
     mean over the counted targets of all batches and ranks (as the training loss).
 
     With `token_bytes` (data.tokenizer.token_bytes: the UTF-8 bytes of text each id stands for) it also
