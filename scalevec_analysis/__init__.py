@@ -9,7 +9,8 @@ Modules: `runs` reads run directories and wandb runs, `groups` groups them and s
 Definitions (the CLI's --help repeats them):
 
 - A run's *metric curve* is (tokens, value) at each logged step that has the metric. For `val_loss`
-  the value is the logged validation loss. For `loss` (training loss, which is noisy) the value at a
+  the value is the logged validation loss, for `val_bpb` the same loss in bits per byte of the text
+  (comparable across tokenizers). For `loss` (training loss, which is noisy) the value at a
   point is the mean of the last `last_k` logged losses up to and including it (fewer at the start).
 - A run's *terminal loss* is the last point of its metric curve: the final validation loss, or the
   mean of the last `last_k` logged training losses. The run's *tokens* are the tokens at that point.

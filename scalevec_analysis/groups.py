@@ -16,7 +16,8 @@ from scalevec_train.errors import ScalevecError
 # Config keys that never tell groups apart: they differ per seed or only say where things are kept. A
 # branch (branch_from) is its trunk's computation up to the branch point: it groups by its own settings.
 _IGNORED_KEYS = frozenset({"run_dir", "resume", "data.cache_dir", "branch_from"})
-_IGNORED_PREFIXES = ("logger.", "checkpoint.", "hydra.")
+# train.profile_*: traces of chosen steps change no number of the run
+_IGNORED_PREFIXES = ("logger.", "checkpoint.", "hydra.", "train.profile_")
 _PATH_SUFFIXES = ("dir", "path", "file")
 _STARTING_POINT_KEYS = frozenset({"init_from"})
 # Keys tried first when labelling groups, shown under their section name (`scale=unified`).
@@ -52,7 +53,8 @@ class GroupSummary:
 
 def is_ignored(key: str, value: Any, extra: Sequence[str] = ()) -> bool:
     """True for config keys that differ per seed or are bookkeeping: `seed` (and any `*.seed`),
-    `run_dir`, `resume`, `data.cache_dir`, `branch_from`, `logger.*`, `checkpoint.*`, `hydra.*`, path-like
+    `run_dir`, `resume`, `data.cache_dir`, `branch_from`, `logger.*`, `checkpoint.*`, `hydra.*`,
+    `train.profile_*`, path-like
     keys (last part `dir`/`path`/`file` or ending in `_dir`/`_path`/`_file`), keys whose value is an
     absolute or home path (except `init_from`), and the keys (or sections) in `extra`."""
     last = key.rsplit(".", 1)[-1]
@@ -162,7 +164,7 @@ def metric_curve(run: Run, metric: str, last_k: int = 1) -> tuple[np.ndarray, np
     last `last_k` logged losses (see the package docstring)."""
     points = [r for r in run.records if metric in r]
     if not points:
-        fix = "use --metric loss, or evaluate during training." if metric == "val_loss" else ""
+        fix = "use --metric loss, or evaluate during training." if metric in ("val_loss", "val_bpb") else ""
         raise ScalevecError(run.name, f"no `{metric}` values logged.", fix)
     if any("tokens" not in r for r in points):
         raise ScalevecError(run.name, f"a record with `{metric}` has no `tokens`.",

@@ -23,11 +23,12 @@ def _figure(path: Path, **kwargs):
 
 def plot_curves(groups: Sequence[Group], path: Path, ema_beta: float | None = None,
                 logx: bool = False, logy: bool = False) -> None:
-    """Training and (when logged) validation loss against tokens: each group's mean over runs, bold,
-    over its single runs, faint. `ema_beta` smooths the training-loss curves only."""
+    """Training and (when logged) validation loss and bits per byte against tokens: each group's mean over
+    runs, bold, over its single runs, faint. `ema_beta` smooths the training-loss curves only."""
     panels = [("loss", "loss")]
-    if any("val_loss" in rec for g in groups for r in g.runs for rec in r.records):
-        panels.append(("val_loss", "validation loss"))
+    for metric, label in (("val_loss", "validation loss"), ("val_bpb", "validation bits per byte")):
+        if any(metric in rec for g in groups for r in g.runs for rec in r.records):
+            panels.append((metric, label))
     fig = _figure(path, figsize=(6.5 * len(panels), 4.8), layout="constrained")
     for ax, (metric, ylabel) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels, strict=True):
         for i, g in enumerate(groups):
@@ -74,7 +75,8 @@ def _log_loss_axes(ax, xlabel: str, title: str, metric: str) -> None:
     """Terminal loss against a log-scaled size or compute, with a legend of the fits."""
     ax.set_xscale("log")
     ax.set_xlabel(xlabel)
-    ax.set_ylabel(f"terminal {'validation loss' if metric == 'val_loss' else 'loss'}")
+    names = {"val_loss": "validation loss", "val_bpb": "validation bits per byte"}
+    ax.set_ylabel(f"terminal {names.get(metric, 'loss')}")
     ax.set_title(title)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize="small")

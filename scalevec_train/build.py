@@ -21,6 +21,7 @@ from scalevec_train.checkpoint.files import check_model_fits, checkpoint_root, f
 from scalevec_train.checkpoint.manager import CheckpointManager, ModelState, OptimizerState
 from scalevec_train.config import Config
 from scalevec_train.data import PreparedData, TokenLoader, check_vocab, prepare_data
+from scalevec_train.data.tokenizer import token_bytes
 from scalevec_train.errors import ScalevecError
 from scalevec_train.interop.hf_import import check_init_from, init_from_hf
 from scalevec_train.model.transformer import Transformer
@@ -37,6 +38,7 @@ from scalevec_train.training.callbacks import (
     SigtermStop,
     SpeedMonitor,
     StabilityGuard,
+    StepProfiler,
 )
 from scalevec_train.training.guards import FaultInjection
 from scalevec_train.training.trainer import Trainer, checkpointed, training_loss
@@ -120,8 +122,12 @@ def build(cfg: Config) -> Run:
 
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
     attended = train_loader.attended_keys() if documents else None
+    profiles = cfg.train.profile_steps and (rank_ == 0 or cfg.train.profile_all_ranks)
     callbacks = [
         *([faults] if faults else []),
+        # first: its trace ends with the training step, before evaluations and checkpoints
+        *([StepProfiler(cfg.train.profile_steps, run_dir / "profile", rank_, cfg.train.profile_record_shapes)]
+          if profiles else []),
         StabilityGuard(cfg.train.max_bad_steps, cfg.train.spike_factor),
         SigtermStop(),
         SpeedMonitor(tokens_per_step, train_flops_per_token(model, cfg.train.seq_len, attended), peak_flops(device),
@@ -129,7 +135,7 @@ def build(cfg: Config) -> Run:
         ScaleMonitor(),
         ModelMetrics(),
         EpochMonitor(),
-        Evaluator(val_data, cfg.train.eval_every),
+        Evaluator(val_data, cfg.train.eval_every, token_bytes(data.load_tokenizer())),
     ]
     manager = CheckpointManager(
         run_dir, tensors={"model": ModelState(model), "optim": OptimizerState(model, optimizer)},

@@ -16,7 +16,7 @@ from scalevec_train.checkpoint.files import AVERAGED, read_train_state
 from scalevec_train.data import check_vocab, prepare_data
 from scalevec_train.errors import ScalevecError
 from scalevec_train.interop.api import load, read_config, resolve
-from scalevec_train.training.callbacks.evaluation import validation_loss
+from scalevec_train.training.callbacks.evaluation import counted_targets, validation_loss
 
 USAGE = "usage: python -m scalevec_train.evaluate <run_dir or checkpoints/step_N or averaged folder>"
 METRICS_FILE = "metrics.jsonl"
@@ -30,8 +30,9 @@ def evaluate(path: str | Path) -> tuple[float, Path | None]:
     data = prepare_data(cfg.data)
     check_vocab(data, cfg.model.vocab_size)
     model, _ = load(checkpoint, device=device)
-    loss = validation_loss(model, validation_batches(cfg, data, 0, 1), device,
-                           autocast_for(cfg.train.dtype, device)).item()
+    batches = validation_batches(cfg, data, 0, 1)
+    loss = validation_loss(model, batches, device, autocast_for(cfg.train.dtype, device),
+                           counted_targets(batches))[0].item()
     state = read_train_state(checkpoint)
     if AVERAGED not in state:
         return loss, None

@@ -14,7 +14,8 @@ overlay as runs of their own lengths.
 
 Default mode writes OUT/curves.png (loss and validation loss against tokens), OUT/summary.md and
 OUT/summary.csv, and prints the table:
-  terminal loss   per run: the final val_loss (--metric val_loss), or the mean of the last
+  terminal loss   per run: the final val_loss (--metric val_loss) or val_bpb (--metric val_bpb, bits
+                  per byte of the text: runs of different tokenizers compare), or the mean of the last
                   --last-k logged training losses (--metric loss); per group: mean and sample
                   std (ddof=1) over its runs (seeds). T_G: mean tokens at the runs' terminal points.
   Δ vs ref        group terminal loss minus the reference group's.
@@ -51,8 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--reference", help="reference group (--efficiency: series): its label or key=value terms, "
                                        "e.g. 'scale=baseline' (required unless --scaling)")
-    p.add_argument("--metric", choices=["val_loss", "loss"], default="val_loss",
-                   help="the loss that defines terminal loss and token efficiency (default val_loss)")
+    p.add_argument("--metric", choices=["val_loss", "val_bpb", "loss"], default="val_loss",
+                   help="the loss that defines terminal loss and token efficiency (default val_loss; "
+                        "val_bpb: validation bits per byte, which compares runs of different tokenizers)")
     p.add_argument("--last-k", type=int, default=10,
                    help="--metric loss: average the last K logged training losses (default 10)")
     p.add_argument("--ema", type=float, help="plot only: smooth training-loss curves with this EMA factor")

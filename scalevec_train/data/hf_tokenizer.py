@@ -4,7 +4,11 @@ SentencePiece processor: encode (no special tokens added), decode, eos_id, get_p
 `tokenizers` is imported only when such a tokenizer is loaded.
 """
 
+import json
+import re
 from pathlib import Path
+
+import numpy as np
 
 from scalevec_train.errors import ScalevecError
 
@@ -54,8 +58,37 @@ class HfTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=False)
 
+    def token_bytes(self) -> np.ndarray:
+        """The UTF-8 bytes of text each id stands for (data.tokenizer.token_bytes): 0 for special tokens and
+        unused ids; under a ByteLevel decoder each character of a token is one byte; otherwise "▁" is a
+        space (Metaspace) and <0xNN> one byte (byte fallback)."""
+        byte_level = _has_decoder(json.loads(self.backend.to_str()).get("decoder"), "ByteLevel")
+        special = {t.content for t in self.backend.get_added_tokens_decoder().values() if t.special}
+        added = {t.content for t in self.backend.get_added_tokens_decoder().values()}
+        sizes = np.zeros(self._size, dtype=np.int64)
+        for piece, i in self.backend.get_vocab(with_added_tokens=True).items():
+            if piece in special:
+                continue
+            if byte_level and piece not in added:
+                sizes[i] = len(piece)
+            elif _BYTE_PIECE.fullmatch(piece):
+                sizes[i] = 1
+            else:
+                sizes[i] = len(piece.replace("\u2581", " ").encode())
+        return sizes
+
     def eos_id(self) -> int:
         return self._eos
 
     def get_piece_size(self) -> int:
         return self._size
+
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _has_decoder(decoder: dict | None, kind: str) -> bool:
+    """Whether a tokenizer.json decoder (or one of a Sequence's) is of type `kind`."""
+    if not decoder:
+        return False
+    return decoder.get("type") == kind or any(_has_decoder(d, kind) for d in decoder.get("decoders", []))

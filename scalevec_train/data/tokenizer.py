@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import sentencepiece as spm
 
 from scalevec_train.errors import ScalevecError
@@ -152,6 +153,17 @@ def load(path: Path) -> Tokenizer:
         raise ScalevecError(str(path), f"is not a SentencePiece model: {err}",
                             "point data.tokenizer_path at a SentencePiece .model file or a "
                             "tokenizer.json.") from None
+
+
+def token_bytes(tok: Tokenizer) -> np.ndarray:
+    """The UTF-8 bytes of text each id stands for (int64, one per id; 0 for control tokens such as EOS,
+    which end documents rather than hold text), for bits per byte. SentencePiece: "▁" is a space, and a
+    byte-fallback piece <0xNN> is one byte."""
+    if not isinstance(tok, spm.SentencePieceProcessor):
+        return tok.token_bytes()
+    return np.array([0 if tok.is_control(i) or tok.is_unknown(i) else 1 if tok.is_byte(i)
+                     else len(tok.id_to_piece(i).replace("\u2581", " ").encode()) for i in range(tok.get_piece_size())],
+                    dtype=np.int64)
 
 
 def write_atomic(path: Path, payload: bytes) -> None:

@@ -50,6 +50,13 @@ class TrainConfig:
     # log a loss spike when a step's loss exceeds this times the running average of recent losses;
     # 0 disables the check
     spike_factor: float = 1.5
+    # profile these steps (numbered from 1), each on its own: a Chrome trace of the step, and on CUDA a
+    # memory snapshot, under run_dir/profile/ (docs/experiments.md, "Traces of chosen steps"); empty: off
+    profile_steps: list[int] = field(default_factory=list)
+    # record every op's input shapes in those traces (larger files)
+    profile_record_shapes: bool = False
+    # profile on every rank (a file per rank); false: rank 0 only
+    profile_all_ranks: bool = False
 
     def derive_micro_batch(self, world_size: int) -> None:
         """Fill a null micro_batch: the largest divisor of global_batch / ranks within max_micro_batch_tokens
@@ -89,6 +96,9 @@ class TrainConfig:
                 f"{self.global_batch} sequences are not divisible by micro_batch * ranks = "
                 f"{self.micro_batch} * {world_size}.",
                 f"use a multiple of {per_step}, or change train.micro_batch.")
+        if any(step < 1 for step in self.profile_steps):
+            raise ScalevecError("train.profile_steps", f"{list(self.profile_steps)} holds a step below 1.",
+                                "name steps from 1 (the first optimizer step), e.g. [10,11].")
         if self.max_bad_steps < 1:
             raise ScalevecError("train.max_bad_steps", f"must be at least 1, got {self.max_bad_steps}.",
                                 "allow at least one skipped step, e.g. 5.")

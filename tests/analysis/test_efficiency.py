@@ -28,7 +28,10 @@ def law(compute: float) -> float:
     return E + A * compute ** -ALPHA
 
 
-def write_ladder(root: Path, multiplier: float, strategy: str = "unified") -> list[Path]:
+def write_ladder(root: Path, multiplier: float, strategy: str = "unified",
+                 bpb_multiplier: float | None = None) -> list[Path]:
+    """With bpb_multiplier, the records also hold a val_bpb whose law has that multiplier (in other units:
+    bits per byte are nats per token times a constant here)."""
     dirs = []
     for scale, k in (("baseline", 1.0), (strategy, multiplier)):
         for model, flops, tokens in LADDER:
@@ -41,6 +44,10 @@ def write_ladder(root: Path, multiplier: float, strategy: str = "unified") -> li
                 (d / "describe.json").write_text(json.dumps({"total_params": 1, "train_flops_per_token": flops}))
                 records = [{"step": 0, "tokens": 0, "val_loss": 9.0},
                            {"step": 100, "tokens": tokens, "val_loss": law(k * flops * tokens) + offset}]
+                if bpb_multiplier is not None:
+                    k_bpb = 1.0 if scale == "baseline" else bpb_multiplier
+                    for r in records:
+                        r["val_bpb"] = 0.4 * (law(k_bpb * flops * tokens) + offset) if r["step"] else 3.0
                 (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
                 dirs.append(d)
     return dirs
@@ -98,3 +105,26 @@ def test_efficiency_needs_three_ladder_points_and_flops(tmp_path):
     with pytest.raises(ScalevecError, match="no training FLOPs per token"):
         efficiency_series([run])
     assert np.isfinite(load_run_dir(dirs[0]).flops_per_token)
+
+
+def test_val_bpb_is_a_metric_of_the_fit(tmp_path):
+    """val_loss and val_bpb of the same runs carry different multipliers: each metric recovers its own."""
+    runs = [load_run_dir(d) for d in write_ladder(tmp_path, 1.0, bpb_multiplier=1.25)]
+    for metric, multiplier in (("val_loss", 1.0), ("val_bpb", 1.25)):
+        series = efficiency_series(runs, metric)
+        rows, _ = compute_efficiency(series, find_reference(series, "scale=baseline"), bootstrap=50)
+        assert rows[-1].fitted.value == pytest.approx(multiplier, rel=1e-6), metric
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib is not installed (the analysis extra)")
+def test_compare_runs_takes_val_bpb_as_the_metric(tmp_path):
+    cli = load_script(REPO / "scripts" / "compare_runs.py")
+    dirs = write_ladder(tmp_path / "runs", 1.0, bpb_multiplier=1.25)
+    out = tmp_path / "out"
+    assert cli.main([*map(str, dirs), "--efficiency", "--reference", "scale=baseline", "--out", str(out),
+                     "--bootstrap", "50", "--metric", "val_bpb"]) == 0
+    assert float(list(csv.DictReader((out / "efficiency.csv").open()))[-1]["fitted"]) == pytest.approx(1.25, rel=1e-6)
+    assert cli.main([*map(str, dirs[:3]), "--reference", "scale=baseline", "--out", str(out / "summary"),
+                     "--metric", "val_bpb"]) == 0
+    assert "terminal val_bpb" in (out / "summary" / "summary.md").read_text()

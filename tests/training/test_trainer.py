@@ -23,6 +23,7 @@ def test_run_writes_metrics_config_and_checkpoint(tmp_path, data_overrides):
         assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"} <= r.keys()
         assert r["tokens"] == r["step"] * 8 * 64
     assert [r["step"] for r in logged_records if "val_loss" in r] == [0, 3, 6]
+    assert [r["step"] for r in logged_records if "val_bpb" in r] == [0, 3, 6]
     for r in logged:  # site values and gradient norms, aggregated and per layer, on every logged step
         assert {"scale/attn_norm.sites.attn/mean", "scale/L1/ffn_norm.sites.ffn/max",
                 "scale/attn_norm.sites.attn/grad_norm", "scale/L1/attn_norm.sites.attn/grad_norm",

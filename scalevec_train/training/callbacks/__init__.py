@@ -1,19 +1,21 @@
 """The callbacks that observe a run: each has a small job and the trainer's hooks as its interface.
 
-    evaluation.py    Evaluator: val_loss on fixed batches
+    evaluation.py    Evaluator: val_loss and val_bpb (bits per byte) on fixed batches
     monitors.py      SpeedMonitor: tokens/s and MFU; ModelMetrics: the model's own metrics (MoE load)
     epochs.py        EpochMonitor: passes over the training data, and a warning when they are many
     scales.py        ScaleMonitor: scale-site values and gradient norms
     checkpointer.py  Checkpointer: periodic, final and stop checkpoints
     stability.py     StabilityGuard: non-finite steps and loss spikes; SigtermStop: a clean stop
+    profiler.py      StepProfiler: traces and memory snapshots of chosen steps
 """
 
 from scalevec_train.training.callbacks.checkpointer import Checkpointer
 from scalevec_train.training.callbacks.epochs import EpochMonitor
 from scalevec_train.training.callbacks.evaluation import Evaluator
 from scalevec_train.training.callbacks.monitors import ModelMetrics, SpeedMonitor
+from scalevec_train.training.callbacks.profiler import StepProfiler
 from scalevec_train.training.callbacks.scales import ScaleMonitor
 from scalevec_train.training.callbacks.stability import SigtermStop, StabilityGuard
 
 __all__ = ["Checkpointer", "EpochMonitor", "Evaluator", "ModelMetrics", "ScaleMonitor", "SigtermStop", "SpeedMonitor",
-           "StabilityGuard"]
+           "StabilityGuard", "StepProfiler"]
