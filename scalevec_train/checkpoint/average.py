@@ -18,7 +18,6 @@ evaluation, export and starting new runs, never for resuming (find_resume refuse
 
 import json
 import shutil
-import uuid
 from pathlib import Path
 
 import torch
@@ -33,10 +32,12 @@ from scalevec_train.checkpoint.files import (
     STATE_FILE,
     SafeReader,
     check_files,
+    check_new_folder,
     checkpoint_step,
     complete_checkpoints,
     first_failure,
     inspect,
+    new_folder,
     read_metadata,
     step_dir,
 )
@@ -124,18 +125,14 @@ def average(run_dir: str | Path, out: str | Path, last: int | None = None,
             steps: list[int] | None = None) -> Path:
     """Average checkpoints of run_dir (the newest `last`, or those of `steps`) into the new folder `out`."""
     run_dir, out = Path(run_dir), Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ScalevecError(str(out), "exists and is not an empty folder.", "remove it or pick another out=.")
+    check_new_folder(out)
     checkpoints = choose(run_dir, last, steps)
     states = [inspect(p) for p in checkpoints]
     check_one_run(checkpoints, states)
     averaged = mean([read_model(p) for p in checkpoints], checkpoints)
     train_state = {**states[-1], "world_size": 1,
                    AVERAGED: {"run_dir": str(run_dir.resolve()), "steps": [checkpoint_step(p) for p in checkpoints]}}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with new_folder(out) as tmp:
         dcp.save({"model": averaged}, checkpoint_id=str(tmp))
         # inspect() asks for one RNG file per rank; training draws no random numbers from them.
         shutil.copyfile(checkpoints[-1] / "rng_rank0.pt", tmp / "rng_rank0.pt")
@@ -144,10 +141,4 @@ def average(run_dir: str | Path, out: str | Path, last: int | None = None,
                 shutil.copyfile(run_dir / name, tmp / name)
         (tmp / STATE_FILE).write_text(json.dumps(train_state, indent=1))
         (tmp / COMPLETE).write_text("")
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

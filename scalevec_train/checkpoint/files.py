@@ -16,7 +16,11 @@ import io
 import json
 import pathlib
 import pickle
+import shutil
+import uuid
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -207,3 +211,26 @@ def check_model_fits(path: Path, model: torch.nn.Module, metadata: Metadata | No
         raise ScalevecError(str(path), f"does not fit this model: {'; '.join(problems[:3])}.",
                             "use the model and scale config of the run that wrote it (for a resume: or start "
                             "a new run_dir).")
+
+
+def check_new_folder(out: Path) -> None:
+    """Raises unless `out` is free for a new folder: absent, or an empty folder."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ScalevecError(str(out), "exists and is not an empty folder.", "remove it or pick another out=.")
+
+
+@contextmanager
+def new_folder(out: Path) -> Iterator[Path]:
+    """A temporary folder beside `out` to fill, renamed to `out` when the block ends and removed if it
+    raises: `out` appears whole or not at all."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

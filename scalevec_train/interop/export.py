@@ -18,12 +18,12 @@ RoPE base both as `rope_theta` (transformers 4.x) and `rope_parameters` (5.x).
 import json
 import os
 import shutil
-import uuid
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from scalevec_train.checkpoint.files import check_new_folder, new_folder
 from scalevec_train.data.hf_tokenizer import HfTokenizer
 from scalevec_train.data.tokenizer import Tokenizer
 from scalevec_train.errors import ScalevecError
@@ -52,29 +52,19 @@ def export_model(model: Transformer, tokenizer: Tokenizer, out: str | Path) -> P
     """Fold `model` and write it with its tokenizer as a transformers folder `out` (new or empty). The
     folder appears whole or not at all."""
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ScalevecError(str(out), "exists and is not an empty folder.", "remove it or pick another out=.")
+    check_new_folder(out)
     folded = fold(model).cpu().float()
     llama = is_llama(folded)
     tensors = hf_state_dict(folded, llama)
     config = llama_config(folded) if llama else scalevec_config(folded)
     config["eos_token_id"] = tokenizer.eos_id() if tokenizer.eos_id() >= 0 else None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with new_folder(out) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         _readable_like_other_files(tmp / WEIGHTS_FILE)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if not llama:
             shutil.copyfile(MODELING_SOURCE, tmp / MODELING_FILE)
         write_tokenizer(tokenizer, tmp, folded.cfg.max_seq_len)
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
