@@ -49,7 +49,7 @@ ladder_run() {  # rung scale optim lr seed [trunk]: the WSD trunk to 10 tokens p
   local log=runs/ladder_logs/$1-$2-$3-lr$4-s$5.log
   ($PY -m scalevec_train.train $args && { test "${6:-}" = trunk || for budget in 2.5 5; do
       $PY -m scalevec_train.train $args train.tokens_per_param=$budget \
-        branch_from=runs/ladder/$1-$2-$3-lr$4-tpp10-s$5 || exit 1; done; }) > "$log" 2>&1 ||
+        branch_from=runs/ladder/$1-$2-$3-lr$4-tpp10.0-s$5 || exit 1; done; }) > "$log" 2>&1 ||
     { echo "error: ladder run $* failed; its log: $log" >&2; return 1; }
 }
 study800_run() {  # scale seed: the 5x-budget check, dense-study, AdamW, cosine, 800 steps
@@ -108,7 +108,7 @@ case ${1:-main} in
     for scale in baseline unified; do for optim in adamw muon; do for lr in $LADDER_LRS; do
       echo ladder_run dense-l2 $scale $optim $lr 0 trunk
     done; done; done | on_two_workers
-    picks=$($PY scripts/ladder_report.py lr $out/lr_grid.md $L/dense-l2-*-tpp10-s0)
+    picks=$($PY scripts/ladder_report.py lr $out/lr_grid.md $L/dense-l2-*-tpp10.0-s0)
     # 2. Every arm at its own best LR: rungs x 3 seeds (the grid's dense-l2 seed-0 trunk is reused), the
     #    5x-budget check beside them.
     {
