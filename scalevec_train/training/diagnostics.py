@@ -17,7 +17,7 @@ site_maps() says which, as for folding):
 Under gradient flow the column j of W diag(g) moves with the preconditioner g_j^2 I + w_j w_j^T
 (docs/scale-vectors.md): a spread of e beyond that of c, and a positive correlation of g with c, are
 the self-amplification the paper describes. Sharded (DTensor) weights are reduced by DTensor's own
-collectives, so every rank computes the same values on any mesh.
+collectives, so every rank computes the same values on any mesh, from the fp32 shards.
 
 Activations (activation_stats), from one eager forward of a fixed batch without gradients, through
 forward hooks (the blocks run their own forward meanwhile: parallel.wrap.eager_blocks):
@@ -40,6 +40,7 @@ from scalevec_train.model.layers import Linear, map_output
 from scalevec_train.model.masking import dense_mask
 from scalevec_train.model.strategies import site_display_name
 from scalevec_train.model.transformer import FeedForward
+from scalevec_train.parallel.data_parallel import reshard
 from scalevec_train.parallel.process_group import full_value
 from scalevec_train.parallel.wrap import eager_blocks
 
@@ -80,6 +81,7 @@ def input_scales(model: nn.Module) -> dict[int, torch.Tensor]:
 @torch.no_grad()
 def weights_before(model: nn.Module) -> dict[str, torch.Tensor]:
     """Copies of the maps' weights (this rank's shards) for the update ratio of the coming step."""
+    reshard(model)
     return {key: w.detach().clone() for key, w in linear_maps(model).items()}
 
 
@@ -100,7 +102,9 @@ def _corr(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def map_stats(model: nn.Module, before: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The weight statistics of every linear map (module docstring); update_ratio against `before`
-    (weights_before() of the step) where given. A collective under FSDP: every rank calls it."""
+    (weights_before() of the step) where given. A collective under FSDP: every rank calls it. Of the
+    fp32 master weights, also where a forward (an evaluation) left the root's gathered."""
+    reshard(model)
     scales, maps = input_scales(model), linear_maps(model)
     out = {}
     for key, param in maps.items():
