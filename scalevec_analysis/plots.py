@@ -130,15 +130,17 @@ def plot_diagnostics(runs: Sequence[Run], labels: Sequence[str], path: Path) -> 
     mean over the layers)."""
     fig = _figure(path, figsize=(6.5 * len(runs), 3.2 * len(PANELS)), layout="constrained")
     axes = fig.subplots(len(PANELS), len(runs), squeeze=False, sharey="row")
+    # one color per kind of map in every panel and column
+    maps = sorted({name for run in runs for panel in PANELS if panel.per == "map" for name in panel_series(run, panel)})
     for col, (run, label) in enumerate(zip(runs, labels, strict=True)):
         for ax, panel in zip(axes[:, col], PANELS, strict=True):
             series = panel_series(run, panel)
             layers = [name for name in series if name.startswith("layer ")]
-            for i, (name, (tokens, values)) in enumerate(series.items()):
+            for name, (tokens, values) in series.items():
                 if panel.per == "layer":
                     color = "black" if name == "final" else _viridis(layers.index(name), len(layers))
                 else:
-                    color = f"C{i % 10}"
+                    color = _map_color(maps.index(name), len(maps))
                 ax.plot(tokens, values, color=color, linewidth=1.2, label=name)
             ax.set_title(f"{label}: {panel.title}", fontsize="small")
             ax.set_xlabel("tokens")
@@ -154,3 +156,9 @@ def _viridis(i: int, n: int) -> tuple:
     from matplotlib import colormaps
 
     return colormaps["viridis"](i / max(n - 1, 1))
+
+
+def _map_color(i: int, n: int):
+    from matplotlib import colormaps
+
+    return f"C{i}" if n <= 10 else colormaps["tab20"](i % 20)
