@@ -1,10 +1,11 @@
 """train.diagnostics_every (training/diagnostics.py): off, a run is what it was; on, its losses are the
 same and every diag/* value equals the one computed here, by hand, from the checkpointed weights of the
 step (and the step before, for the update) and a plain PyTorch forward of the diagnostic batch, for the
-baseline and the unified strategy and an MoE model; on 2 gloo ranks with compiled blocks the values are
-those of one eager process."""
+baseline and the unified strategy (causal, and within documents) and an MoE model; on 2 gloo ranks with
+compiled blocks the values are those of one eager process."""
 
 import math
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ from scalevec_train.build import validation_batches
 from scalevec_train.checkpoint.files import step_dir
 from scalevec_train.data import prepare_data
 from scalevec_train.errors import ScalevecError
+from scalevec_train.model import Transformer, scale_sites
 from scalevec_train.train import run
+from scalevec_train.training.diagnostics import activation_stats
 from tests.helpers import SHORT_RUN, TINY_MODEL, make_config
 from tests.launch import many_command, records
 
@@ -105,9 +108,10 @@ def norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
 
 
-def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
-    seq, dim = x.shape[-2:]
-    angles = torch.outer(torch.arange(seq, dtype=torch.float64), theta ** (-torch.arange(0, dim, 2) / dim))
+def rope(x: torch.Tensor, theta: float, positions: torch.Tensor) -> torch.Tensor:
+    """x [batch, heads, seq, dim] rotated by positions [batch, seq]."""
+    dim = x.shape[-1]
+    angles = positions[:, None, :, None].double() * theta ** (-torch.arange(0, dim, 2) / dim)
     angles = torch.cat([angles, angles], -1)
     x1, x2 = x.chunk(2, -1)
     return (x * angles.cos() + torch.cat([-x2, x1], -1) * angles.sin()).float()
@@ -125,9 +129,16 @@ def output_side(lin, y: torch.Tensor, head_dim: int, eps: float) -> torch.Tensor
 
 
 @torch.no_grad()
-def expected_activations(model, tokens: torch.Tensor) -> dict[str, float]:
-    """A layer-by-layer forward in plain PyTorch, causal, fp32; its logits must be the model's."""
+def expected_activations(model, tokens: torch.Tensor, doc_ids: torch.Tensor | None) -> dict[str, float]:
+    """A layer-by-layer forward in plain PyTorch, fp32, causal or within the documents doc_ids number (each
+    a contiguous run of a row, RoPE positions restarting at each); its logits must be the model's."""
     cfg, eps, out = model.cfg, model.cfg.norm_eps, {}
+    seq = tokens.shape[1]
+    allowed = torch.ones(seq, seq, dtype=torch.bool).tril().expand(len(tokens), 1, seq, seq)
+    positions = torch.arange(seq).expand_as(tokens)
+    if doc_ids is not None:
+        allowed = allowed & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
+        positions = positions - (doc_ids[:, None, :] < doc_ids[:, :, None]).sum(-1)
     x = model.tok_emb.weight[tokens]
     for i, block in enumerate(model.layers):
         p = f"diag/layer{i}"
@@ -142,12 +153,10 @@ def expected_activations(model, tokens: torch.Tensor) -> dict[str, float]:
                 out[f"{p}/attn.{name}/out_rms"] = rms(y)
             heads[branch] = y.unflatten(-1, (-1, cfg.head_dim)).transpose(1, 2)
         group = cfg.n_heads // cfg.n_kv_heads
-        q = rope(heads["q"], cfg.rope_theta)
-        k = rope(heads["k"], cfg.rope_theta).repeat_interleave(group, 1)
+        q = rope(heads["q"], cfg.rope_theta, positions)
+        k = rope(heads["k"], cfg.rope_theta, positions).repeat_interleave(group, 1)
         v = heads["v"].repeat_interleave(group, 1)
-        seq = tokens.shape[1]
-        scores = (q @ k.transpose(-1, -2) / math.sqrt(cfg.head_dim)).masked_fill(
-            ~torch.ones(seq, seq, dtype=torch.bool).tril(), -math.inf)
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(cfg.head_dim)).masked_fill(~allowed, -math.inf)
         out[f"{p}/attn/max_logit"] = float(scores.max())
         h = x + (scores.softmax(-1) @ v).transpose(1, 2).flatten(2) @ block.attn.wo.weight.T
         out[f"{p}/resid_mid_rms"] = rms(h)
@@ -167,7 +176,7 @@ def expected_activations(model, tokens: torch.Tensor) -> dict[str, float]:
     final = norm(x, eps) * model.final_norm.sites["final"]()
     out["diag/final_norm.final/rms"] = rms(final)
     head = model.tok_emb.weight if model.head is None else model.head.weight
-    torch.testing.assert_close(final @ head.T, model(tokens), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final @ head.T, model(tokens, doc_ids=doc_ids), rtol=1e-5, atol=1e-5)
     return out
 
 
@@ -181,12 +190,35 @@ def test_values_are_those_computed_from_the_weights_and_a_plain_forward(tmp_path
     before, _ = scalevec_train.load(step_dir(out, 3))
     cfg = make_config(*overrides)
     batch = validation_batches(cfg, prepare_data(cfg.data), 0, 1)[0]  # the val split's first micro-batch
-    expected = expected_weights(model, before, case) | expected_activations(model, batch.inputs)
+    expected = expected_weights(model, before, case) | expected_activations(model, batch.inputs, batch.doc_ids)
     assert sorted(got) == sorted(expected)
     for key, value in expected.items():
         assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
     # the preconditioning is there to see: the input-side scales have left 1 and reshaped the columns
     assert any(abs(v - 1) > 1e-4 for k, v in got.items() if k.endswith("/col_gain"))
+
+
+def test_activations_within_documents(data_overrides):
+    """Attention and RoPE positions within documents (the corpus's documents outlast a training row, so
+    here rows of several documents are made up), on a unified model whose sites have left 1."""
+    cfg = make_config(*data_overrides, *TINY_MODEL, "scale=unified", "model.attention_mask=document",
+                      "model.rope_reset=true")
+    model = Transformer(cfg.model, cfg.scale)
+    model.init_weights(0)
+    with torch.no_grad():
+        for _, site in scale_sites(model):
+            for p in site.parameters():
+                p.mul_(1 + 0.3 * torch.rand(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    doc_ids = torch.tensor([[0] * 10 + [1] * 12 + [2] * 10, [0] * 3 + [1] * 29])
+    got = activation_stats(model, tokens, doc_ids, nullcontext)
+    expected = expected_activations(model, tokens, doc_ids)
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        assert float(got[key]) == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    # the documents matter: attending across them gives other largest logits
+    causal = expected_activations(model, tokens, None)
+    assert any(causal[k] != pytest.approx(v, rel=1e-3) for k, v in expected.items() if k.endswith("max_logit"))
 
 
 def test_two_ranks_with_compiled_blocks_measure_what_one_eager_process_does(tmp_path, data_overrides, processes):
