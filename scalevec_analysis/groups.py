@@ -16,8 +16,8 @@ from scalevec_train.errors import ScalevecError
 # Config keys that never tell groups apart: they differ per seed or only say where things are kept. A
 # branch (branch_from) is its trunk's computation up to the branch point: it groups by its own settings.
 _IGNORED_KEYS = frozenset({"run_dir", "resume", "data.cache_dir", "branch_from"})
-# train.profile_*: traces of chosen steps change no number of the run
-_IGNORED_PREFIXES = ("logger.", "checkpoint.", "hydra.", "train.profile_")
+# train.profile_*, train.diagnostics_every: traces and diagnostics change no number of the run
+_IGNORED_PREFIXES = ("logger.", "checkpoint.", "hydra.", "train.profile_", "train.diagnostics_every")
 _PATH_SUFFIXES = ("dir", "path", "file")
 _STARTING_POINT_KEYS = frozenset({"init_from"})
 # Keys tried first when labelling groups, shown under their section name (`scale=unified`).

@@ -31,6 +31,7 @@ from scalevec_train.parallel.data_parallel import parallelize, uses_bf16
 from scalevec_train.parallel.process_group import broadcast_object, local_rank, rank, world_size
 from scalevec_train.training.callbacks import (
     Checkpointer,
+    Diagnostics,
     EpochMonitor,
     Evaluator,
     ModelMetrics,
@@ -134,6 +135,9 @@ def build(cfg: Config) -> Run:
                      world),
         ScaleMonitor(),
         ModelMetrics(),
+        # after ModelMetrics (see Diagnostics); not there at all when off
+        *([Diagnostics(cfg.train.diagnostics_every, diagnostic_batch(cfg, data))]
+          if cfg.train.diagnostics_every else []),
         EpochMonitor(),
         Evaluator(val_data, cfg.train.eval_every, token_bytes(data.load_tokenizer())),
     ]
@@ -162,6 +166,13 @@ def validation_batches(cfg: Config, data: PreparedData, rank_: int, world: int) 
                          cfg.model.attention_mask == "document")
     return [loader.next_batch() for _ in range(cfg.train.eval_batches * cfg.train.global_batch
                                                // (cfg.train.micro_batch * world))]
+
+
+def diagnostic_batch(cfg: Config, data: PreparedData):
+    """The batch the diagnostics measure activations on: the val split's first micro_batch sequences in
+    the validation order, the same on every rank."""
+    return TokenLoader(data, "val", cfg.train.seq_len, cfg.train.micro_batch, 0, 0, 1,
+                       cfg.model.attention_mask == "document").next_batch()
 
 
 def check_run_dir(run_dir: Path) -> None:

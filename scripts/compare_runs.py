@@ -3,7 +3,14 @@
 import argparse
 import sys
 
-from scalevec_analysis import load_run_dir, load_wandb, write_comparison, write_efficiency, write_scaling
+from scalevec_analysis import (
+    load_run_dir,
+    load_wandb,
+    write_comparison,
+    write_diagnostics,
+    write_efficiency,
+    write_scaling,
+)
 from scalevec_train.errors import ScalevecError
 
 DESCRIPTION = """\
@@ -38,6 +45,12 @@ loss divided by the point's compute (>1: the strategy needs less), measured (the
 from the fits (the strategy's fitted loss), per point and as the geometric mean over a series' points,
 with 95% percentile bootstrap intervals over seeds (--bootstrap resamples). Writes OUT/efficiency.png,
 OUT/efficiency.md and OUT/efficiency.csv.
+
+--diagnostics mode draws the diag/* metrics of runs trained with train.diagnostics_every (docs/experiments.md,
+"Diagnostics") over training, a column per run (e.g. baseline against unified), to OUT/diagnostics.png:
+the residual stream's RMS and the largest attention logit per layer; per kind of linear map (mean over
+the layers) the update-to-weight ratio, the gain of the input-side scale on the column norms, and the
+spread of the column norms of W diag(g) and of W.
 """
 
 
@@ -67,15 +80,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="--scaling, --efficiency: config keys or sections that define a strategy (default: scale)")
     p.add_argument("--efficiency", action="store_true",
                    help="compute multipliers of each strategy against --reference over a ladder")
+    p.add_argument("--diagnostics", action="store_true",
+                   help="draw the runs' diag/* metrics side by side (OUT/diagnostics.png)")
     p.add_argument("--bootstrap", type=int, default=1000,
                    help="--efficiency: bootstrap resamples over seeds for the intervals (default 1000)")
     args = p.parse_args(argv)
     if not (args.run_dirs or args.wandb or args.wandb_filter):
         p.error("give at least one RUN_DIR, --wandb or --wandb-filter")
-    if not args.scaling and not args.reference:
-        p.error("--reference is required (unless --scaling)")
-    if args.scaling and args.efficiency:
-        p.error("--scaling and --efficiency are separate modes: pick one")
+    if sum((args.scaling, args.efficiency, args.diagnostics)) > 1:
+        p.error("--scaling, --efficiency and --diagnostics are separate modes: pick one")
+    if not (args.scaling or args.diagnostics) and not args.reference:
+        p.error("--reference is required (unless --scaling or --diagnostics)")
     if args.last_k < 1:
         p.error("--last-k must be at least 1")
     if args.bootstrap < 1:
@@ -94,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.scaling:
             table = write_scaling(runs, args.out, args.metric, args.last_k, args.series or ["scale"],
                                   args.ignore)
+        elif args.diagnostics:
+            table = write_diagnostics(runs, args.out, args.ignore)
         elif args.efficiency:
             table = write_efficiency(runs, args.reference, args.out, args.metric, args.last_k,
                                      args.series or ["scale"], args.ignore, args.bootstrap)

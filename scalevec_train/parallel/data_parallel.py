@@ -91,6 +91,14 @@ def parallelize(model: TrainableModel, cfg: DistributedConfig, device: torch.dev
     return model
 
 
+def reshard(model: nn.Module) -> None:
+    """Register every sharded parameter's fp32 shard again where a forward left it gathered (the root
+    keeps its parameters gathered after a forward, in the compute dtype); nothing on one process."""
+    for module in model.modules():
+        if hasattr(module, "reshard"):  # an FSDP2 module
+            module.reshard()
+
+
 def replicated_params(model: nn.Module) -> list[nn.Parameter]:
     """The parameters every rank holds whole (the scale sites under FSDP; none on one process)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:

@@ -59,7 +59,8 @@ def config(seed, scale="baseline", steps=40, lr=3e-3, dim=64):
                   "weight_decay": "iwd" if scale == "unified" else "none"},
         "optim": {"name": "adamw", "lr": lr},
         "schedule": {"name": "cosine", "warmup_steps": 2},
-        "train": {"steps": steps, "global_batch": 5, "seq_len": 10, "profile_steps": [2] if seed % 2 else []},
+        "train": {"steps": steps, "global_batch": 5, "seq_len": 10, "profile_steps": [2] if seed % 2 else [],
+                  "diagnostics_every": 10 if seed % 2 else 0},
         "data": {"name": "synthetic", "cache_dir": f"/tmp/c{seed}", "tokenizer": f"/mnt/d{seed}/tok.model"},
         "logger": {"wandb": seed % 2 == 0, "log_every": 1},
         "checkpoint": {"every": 10, "dir": f"/ckpt/{seed}"},
@@ -125,8 +126,8 @@ def by_label(rows):
 
 def test_summary_reproduces_known_differences_and_efficiencies(run_dirs):
     groups = group_runs([load_run_dir(d) for d in run_dirs])
-    # seed, run_dir, resume, data.cache_dir, logger.*, checkpoint.*, train.profile_* and an absolute path
-    # differ per run.
+    # seed, run_dir, resume, data.cache_dir, logger.*, checkpoint.*, train.profile_*,
+    # train.diagnostics_every and an absolute path differ per run.
     assert [(g.label, len(g.runs)) for g in groups] == [
         ("scale=baseline train.steps=40", 2), ("scale=unified train.steps=40", 3),
         ("scale=unified train.steps=20", 3), ("scale=none train.steps=40", 3)]
