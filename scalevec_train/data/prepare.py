@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from scalevec_train.data import tokenizer
 from scalevec_train.data.config import DataConfig
@@ -35,6 +36,9 @@ from scalevec_train.data.parts import encode_parts, merge, staging_dir
 from scalevec_train.data.shards import FORMAT, MANIFEST, open_manifest, scan_token_range
 from scalevec_train.data.split import SPLITS, ValSplit
 from scalevec_train.errors import ScalevecError
+
+if TYPE_CHECKING:
+    from scalevec_train.data.mixture import MixtureData
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +65,16 @@ class PreparedData:
         return tokenizer.load(self.tokenizer_path)
 
 
-def prepare_data(cfg: DataConfig) -> PreparedData:
-    """Tokenizer and shards for `cfg`, built on first use and reused (after checks) afterwards."""
+def prepare_data(cfg: DataConfig) -> "PreparedData | MixtureData":
+    """Tokenizer and shards for `cfg` (each source's, for a mixture), built on first use and reused (after
+    checks) afterwards."""
     data = prepare_share(cfg, 0, 1)
     assert data is not None  # the only process is the last to finish
     return data
 
 
-def prepare_share(cfg: DataConfig, rank: int, world: int, local_world: int = 1) -> PreparedData | None:
+def prepare_share(cfg: DataConfig, rank: int, world: int,
+                  local_world: int = 1) -> "PreparedData | MixtureData | None":
     """Process `rank`'s share of a preparation that `world` processes run together, `local_world` of
     them on this node (sharing its cores): the prepared data, or None while other processes' parts are
     still missing (the last process to finish merges). One process (world=1) prepares everything."""
@@ -77,6 +83,10 @@ def prepare_share(cfg: DataConfig, rank: int, world: int, local_world: int = 1) 
         # that module prepares data at import: it would wait forever for the lock its parent holds.
         raise ScalevecError("prepare_data", "was called while a worker process imported the main module.",
                             "call it under `if __name__ == \"__main__\":` in the script that prepares data.")
+    if cfg.mixture:
+        from scalevec_train.data.mixture import prepare_mixture_share  # it prepares each source with this
+
+        return prepare_mixture_share(cfg, rank, world, local_world)
     cfg.validate()
     if cfg.source == "shards":
         data = open_prepared(Path(cfg.path), cfg.tokenizer_path, scan=True)
@@ -152,7 +162,7 @@ def _prepare_text(cfg: DataConfig, rank: int, world: int, workers: int) -> Prepa
     # then find it instead of racing it with one of their own. One process prepares the shards under
     # the lock too (the other ranks of a training job wait for them); processes that share the work
     # encode their parts outside it and take it only to merge.
-    with _exclusive(cache):
+    with exclusive(cache):
         if not tok_path.is_file():
             split = ValSplit(cfg.val_fraction, corpus.keys())
             _train_tokenizer(cfg, corpus, split, tok_path)
@@ -161,7 +171,7 @@ def _prepare_text(cfg: DataConfig, rank: int, world: int, workers: int) -> Prepa
             _build(cfg, corpus, split, tok_path, root, rank, world, workers)
     if not root.is_dir():
         _build(cfg, corpus, split, tok_path, root, rank, world, workers)
-        with _exclusive(cache):
+        with exclusive(cache):
             if not root.is_dir() and not _merge(cfg, tok_path, root):
                 log.info("process %d of %d: its parts are written; the last process to finish merges", rank,
                          world)
@@ -174,7 +184,7 @@ def _tokenizer_path(cfg: DataConfig, identity: dict, cache: Path) -> Path:
     if cfg.tokenizer_path:
         return tokenizer.resolve(Path(cfg.tokenizer_path))
     settings = tokenizer.settings(cfg.vocab_size, cfg.tokenizer_type, cfg.tokenizer_train_bytes)
-    return cache / "tokenizers" / f"{_digest({**identity, 'tokenizer': settings})}.model"
+    return cache / "tokenizers" / f"{digest({**identity, 'tokenizer': settings})}.model"
 
 
 def _data_root(cfg: DataConfig, identity: dict, cache: Path, tok_path: Path) -> Path | None:
@@ -183,11 +193,11 @@ def _data_root(cfg: DataConfig, identity: dict, cache: Path, tok_path: Path) -> 
         return None
     key = {**identity, "tokenizer": tokenizer.file_hash(tok_path), "shard_tokens": cfg.shard_tokens,
            "format": FORMAT}
-    return cache / f"{cfg.source}-{_digest(key)}"
+    return cache / f"{cfg.source}-{digest(key)}"
 
 
 @contextmanager
-def _exclusive(cache: Path) -> Iterator[None]:
+def exclusive(cache: Path) -> Iterator[None]:
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if the process dies
@@ -225,5 +235,5 @@ def _merge(cfg: DataConfig, tok_path: Path, root: Path) -> bool:
                  tok.get_piece_size(), tok.eos_id(), {"source": cfg.source, "path": cfg.path})
 
 
-def _digest(value: object) -> str:
+def digest(value: object) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:20]
