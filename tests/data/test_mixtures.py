@@ -6,7 +6,6 @@ with plain PyTorch, the repeat warning, and bad configs. Two small text folders,
 import json
 import math
 import shutil
-import sys
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,7 +25,7 @@ from scalevec_train.errors import ScalevecError
 from scalevec_train.training.callbacks import EpochMonitor
 from tests.data.test_data import VOCAB, split_tokens, text_cfg, write_corpus
 from tests.helpers import make_config
-from tests.launch import child_env, records, torchrun
+from tests.launch import records, torchrun
 
 SEQ = 16
 
@@ -122,9 +121,9 @@ def test_a_single_source_draws_what_it_drew_before_mixtures(folders, tmp_path):
     assert permute(np.arange(8), 1000, 0, 0).tolist() == [414, 540, 67, 159, 765, 99, 686, 267]
     assert permute(np.arange(4), 1000, 7, 2).tolist() == [217, 821, 17, 699]
     single = prepare_data(text_cfg(folders[0], tmp_path, val_fraction=0.2))
+    entry = MixtureSource(name="a", source="text_dir", path=str(folders[0]), val_fraction=0.2)
     alone = prepare_data(replace(text_cfg(folders[0], tmp_path), source="stdlib", path="",
-                                 tokenizer_path=str(single.tokenizer_path), mixture=[
-                                     MixtureSource(name="a", source="text_dir", path=str(folders[0]), val_fraction=0.2)]))
+                                 tokenizer_path=str(single.tokenizer_path), mixture=[entry]))
     assert alone.first.root == single.root
     plain, mixed = TokenLoader(single, "train", SEQ, 8, seed=2), MixtureLoader(alone, SEQ, 8, seed=2)
     for _ in range(2 * BLOCK // 8 + 3):  # across block boundaries and into the second epoch
@@ -190,3 +189,64 @@ def test_the_mixture_preset_composes(tmp_path):
     cfg = make_config("data=mixture", "data.mixture.1.weight=0.5")
     assert [(m.name, m.source, m.weight) for m in cfg.data.mixture] == [("code", "stdlib", 0.75),
                                                                        ("docs", "text_dir", 0.5)]
+
+
+# --- training runs ---------------------------------------------------------------------------------------
+TINY = ["model=dense-tiny", "model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64",
+        "model.n_layers=2", f"model.vocab_size={VOCAB}", "train.seq_len=32", "train.global_batch=8",
+        "train.micro_batch=4", "train.steps=6", "train.eval_every=3", "train.eval_batches=1", "train.log_every=1",
+        "checkpoint.every=3", "schedule.warmup_steps=1", "device=cpu", "data.num_workers=1",
+        "logger.progress_bar=false"]
+
+
+def run_overrides(folders, cache: Path) -> list[str]:
+    a, b = folders
+    return [*TINY, f"data.cache_dir={cache}",
+            f"data.mixture=[{{name:a,source:text_dir,path:'{a}',weight:0.75,val_fraction:0.2}},"
+            f"{{name:b,source:text_dir,path:'{b}',weight:0.25,val_fraction:0.2}}]"]
+
+
+def curve_of(run_dir: Path, key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in records(run_dir) if key in r}
+
+
+def test_resumed_on_1_and_2_ranks_and_per_source_val_losses(folders, tmp_path, processes):
+    """A mixture run of 6 steps, against the same run resumed from its step-3 checkpoint under torchrun on
+    1 and on 2 gloo ranks: the same losses (so the same samples) and validation losses per source. Each
+    source's val_loss/<name> equals its validation batches' mean cross-entropy under the final model,
+    computed here with plain PyTorch, and val_loss is their 0.75/0.25 weighted mean."""
+    from scalevec_train.build import validation_batches
+    from scalevec_train.checkpoint import files as checkpoint_files
+    from scalevec_train.interop.api import load
+    from scalevec_train.train import run
+
+    overrides = run_overrides(folders, tmp_path / "cache")
+    reference = run(make_config(*overrides, f"run_dir={tmp_path / 'one'}"))
+    for world in (1, 2):
+        resumed = tmp_path / f"resumed{world}"
+        shutil.copytree(reference, resumed)
+        for ckpt in (resumed / "checkpoints").glob("step_*"):
+            if int(ckpt.name.split("_")[1]) > 3:
+                shutil.rmtree(ckpt)
+        (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(reference)
+                                                       if r["step"] <= 3))
+        processes.run([*torchrun(world), "-m", "scalevec_train.train", *overrides, f"run_dir={resumed}",
+                       "resume=auto"], tmp_path)
+        for key in ("loss", "val_loss", "val_loss/a", "val_loss/b"):
+            got, expected = curve_of(resumed, key), curve_of(reference, key)
+            assert got.keys() == expected.keys() and len(got) >= 3, key
+            for step in got:
+                assert got[step] == pytest.approx(expected[step], rel=1e-5), (world, key, step)
+
+    cfg = make_config(*overrides, f"run_dir={reference}")
+    model, _ = load(checkpoint_files.step_dir(reference, 6))
+    final = {r["step"]: r for r in records(reference)}[6]
+    sets = validation_batches(cfg, prepare_data(cfg.data), 0, 1)
+    with torch.no_grad():
+        direct = {name: float(np.mean([F.cross_entropy(model(b.inputs).flatten(0, 1), b.targets.flatten()).item()
+                                       for b in batches])) for name, batches in sets.items()}
+    assert final["val_loss/a"] == pytest.approx(direct["a"], rel=1e-5)
+    assert final["val_loss/b"] == pytest.approx(direct["b"], rel=1e-5)
+    assert direct["a"] != pytest.approx(direct["b"], rel=1e-3)
+    assert final["val_loss"] == pytest.approx(0.75 * direct["a"] + 0.25 * direct["b"], rel=1e-5)
+    assert {"val_bpb/a", "val_bpb/b", "epochs/a", "epochs/b"} <= final.keys()
