@@ -416,3 +416,18 @@ def test_a_mixture_source_loss_is_a_metric(tmp_path):
         assert done.returncode == 2 and "val_loss/NAME" in done.stderr, done.stderr
     missing = cli(*dirs, "--reference", "scale=baseline", "--out", tmp_path / "bad", "--metric", "val_loss/code")
     assert missing.returncode == 1 and "no `val_loss/code` values logged" in missing.stderr
+
+
+def test_mixture_entries_group_and_label_by_field(tmp_path):
+    """data.mixture (a list of sections) flattens by index: runs that differ in one source's weight form
+    groups labelled by that field, and each source's path is ignored like data.path."""
+    dirs = []
+    for weight, seed in ((0.25, 0), (0.25, 1), (0.5, 0)):
+        cfg = config(seed)
+        cfg["data"]["mixture"] = [{"name": "code", "source": "stdlib", "path": "", "weight": 0.75},
+                                  {"name": "docs", "source": "text_dir", "path": f"/home/u{seed}/docs",
+                                   "weight": weight}]
+        dirs.append(write_run(tmp_path, f"w{weight}-{seed}", cfg, metric_rows(f_ref, 5, 0)))
+    groups = group_runs([load_run_dir(d) for d in dirs])
+    assert sorted((g.label, len(g.runs)) for g in groups) == [("data.mixture.1.weight=0.25", 2),
+                                                              ("data.mixture.1.weight=0.5", 1)]
