@@ -8,7 +8,7 @@ from pathlib import Path
 from scalevec_train.data import tokenizer
 from scalevec_train.data.config import DataConfig, MixtureSource
 from scalevec_train.data.corpus import open_corpus
-from scalevec_train.data.prepare import PreparedData, digest, exclusive, prepare_share
+from scalevec_train.data.prepare import PreparedData, digest, exclusive, prepare_source_share
 from scalevec_train.data.split import ValSplit
 
 
@@ -44,7 +44,7 @@ class MixtureData:
 
 
 def prepare_mixture_share(cfg: DataConfig, rank: int, world: int, local_world: int = 1) -> MixtureData | None:
-    """prepare_share for a mixture: process `rank`'s share of every source in turn; None while another
+    """sources.prepare_share for a mixture: process `rank`'s share of every source in turn; None while another
     process still has parts of some source to write (the last process to finish each source merges it)."""
     cfg.validate()
     tok_path = tokenizer.resolve(Path(cfg.tokenizer_path)) if cfg.tokenizer_path else _shared_tokenizer(cfg)
@@ -52,7 +52,7 @@ def prepare_mixture_share(cfg: DataConfig, rank: int, world: int, local_world: i
     for entry, single in cfg.sources():
         # shards are checked against it (open_prepared), text is encoded with it
         single.tokenizer_path = str(tok_path)
-        prepared.append((entry, prepare_share(single, rank, world, local_world)))
+        prepared.append((entry, prepare_source_share(single, rank, world, local_world)))
     if any(data is None for _, data in prepared):
         return None
     return MixtureData(prepared)

@@ -10,22 +10,21 @@ Cache layout under data.cache_dir:
 A prepared folder is built under a temporary name and renamed when complete, so a killed preparation
 never leaves a folder that looks valid. The same folder layout is what data.source=shards reads.
 
-prepare_data() prepares in this process (with data.num_workers encoding processes); prepare_share() is
-one process's share of a preparation that several processes run together (prepare_data.py under
-torchrun, or a SLURM array), and the last of them to finish merges.
+prepare_source_share() is one process's share of a preparation that several processes run together
+(prepare_data.py under torchrun, or a SLURM array; data.num_workers encoding processes each), and the
+last of them to finish merges; one process alone prepares everything. It takes one source: sources.py
+prepares what data.* configures, one source or a mixture (mixture.py).
 """
 
 import fcntl
 import hashlib
 import json
 import logging
-import multiprocessing
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from scalevec_train.data import tokenizer
 from scalevec_train.data.config import DataConfig
@@ -36,9 +35,6 @@ from scalevec_train.data.parts import encode_parts, merge, staging_dir
 from scalevec_train.data.shards import FORMAT, MANIFEST, open_manifest, scan_token_range
 from scalevec_train.data.split import SPLITS, ValSplit
 from scalevec_train.errors import ScalevecError
-
-if TYPE_CHECKING:
-    from scalevec_train.data.mixture import MixtureData
 
 log = logging.getLogger(__name__)
 
@@ -65,28 +61,10 @@ class PreparedData:
         return tokenizer.load(self.tokenizer_path)
 
 
-def prepare_data(cfg: DataConfig) -> "PreparedData | MixtureData":
-    """Tokenizer and shards for `cfg` (each source's, for a mixture), built on first use and reused (after
-    checks) afterwards."""
-    data = prepare_share(cfg, 0, 1)
-    assert data is not None  # the only process is the last to finish
-    return data
-
-
-def prepare_share(cfg: DataConfig, rank: int, world: int,
-                  local_world: int = 1) -> "PreparedData | MixtureData | None":
+def prepare_source_share(cfg: DataConfig, rank: int, world: int, local_world: int = 1) -> PreparedData | None:
     """Process `rank`'s share of a preparation that `world` processes run together, `local_world` of
     them on this node (sharing its cores): the prepared data, or None while other processes' parts are
     still missing (the last process to finish merges). One process (world=1) prepares everything."""
-    if getattr(multiprocessing.current_process(), "_inheriting", False):
-        # An encoding worker is importing the main module of the process that started it (spawn), and
-        # that module prepares data at import: it would wait forever for the lock its parent holds.
-        raise ScalevecError("prepare_data", "was called while a worker process imported the main module.",
-                            "call it under `if __name__ == \"__main__\":` in the script that prepares data.")
-    if cfg.mixture:
-        from scalevec_train.data.mixture import prepare_mixture_share  # it prepares each source with this
-
-        return prepare_mixture_share(cfg, rank, world, local_world)
     cfg.validate()
     if cfg.source == "shards":
         data = open_prepared(Path(cfg.path), cfg.tokenizer_path, scan=True)
