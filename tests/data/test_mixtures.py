@@ -191,6 +191,29 @@ def test_the_mixture_preset_composes(tmp_path):
                                                                        ("docs", "text_dir", 0.5)]
 
 
+def test_array_tasks_prepare_each_source_as_one_process_does(folders, tmp_path, monkeypatch, capsys):
+    """A mixture prepared by 2 SLURM array tasks (in reverse order; parts of 2 KB, so each task encodes
+    some of each source) is byte for byte the one-process preparation, tokenizer included."""
+    from scalevec_train import prepare_data as prepare_cli
+    from tests.data.test_data import folder_bytes
+
+    small = {"part_bytes": 2000, "shard_tokens": 500}
+    one = prepare_data(replace(mixture_cfg(folders, tmp_path / "one"), **small))
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "2")
+    overrides = [f"model.vocab_size={VOCAB}", f"data.cache_dir={tmp_path / 'two'}", "data.num_workers=1",
+                 "data.part_bytes=2000", "data.shard_tokens=500",
+                 f"data.mixture=[{{name:a,source:text_dir,path:'{folders[0]}',weight:0.75,val_fraction:0.2}},"
+                 f"{{name:b,source:text_dir,path:'{folders[1]}',weight:0.25,val_fraction:0.2}}]"]
+    for task, message in (("1", "process 1 of 2: its parts are written"), ("0", "(source b)")):
+        monkeypatch.setenv("SLURM_ARRAY_TASK_ID", task)
+        assert prepare_cli.main(overrides) == 0
+        assert message in capsys.readouterr().out
+    for _, data in one.sources:
+        assert folder_bytes(tmp_path / "two" / data.root.name) == folder_bytes(data.root)
+
+
 # --- training runs ---------------------------------------------------------------------------------------
 TINY = ["model=dense-tiny", "model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64",
         "model.n_layers=2", f"model.vocab_size={VOCAB}", "train.seq_len=32", "train.global_batch=8",
