@@ -164,7 +164,7 @@ def metric_curve(run: Run, metric: str, last_k: int = 1) -> tuple[np.ndarray, np
     last `last_k` logged losses (see the package docstring)."""
     points = [r for r in run.records if metric in r]
     if not points:
-        fix = "use --metric loss, or evaluate during training." if metric in ("val_loss", "val_bpb") else ""
+        fix = "use --metric loss, or evaluate during training." if metric.startswith("val_") else ""
         raise ScalevecError(run.name, f"no `{metric}` values logged.", fix)
     if any("tokens" not in r for r in points):
         raise ScalevecError(run.name, f"a record with `{metric}` has no `tokens`.",

@@ -24,11 +24,15 @@ def _figure(path: Path, **kwargs):
 
 
 def plot_curves(groups: Sequence[Group], path: Path, ema_beta: float | None = None,
-                logx: bool = False, logy: bool = False) -> None:
-    """Training and (when logged) validation loss and bits per byte against tokens: each group's mean over
-    runs, bold, over its single runs, faint. `ema_beta` smooths the training-loss curves only."""
+                logx: bool = False, logy: bool = False, metric: str = "val_loss") -> None:
+    """Training and (when logged) validation loss and bits per byte against tokens, and `metric` where it
+    is another (one source's of a data mixture): each group's mean over runs, bold, over its single runs,
+    faint. `ema_beta` smooths the training-loss curves only."""
     panels = [("loss", "loss")]
-    for metric, label in (("val_loss", "validation loss"), ("val_bpb", "validation bits per byte")):
+    base, _, source = metric.partition("/")
+    named = {"val_loss": "validation loss", "val_bpb": "validation bits per byte"}
+    extra = ((metric, f"{named[base]}, {source}"),) if source else ()
+    for metric, label in (("val_loss", "validation loss"), ("val_bpb", "validation bits per byte"), *extra):
         if any(metric in rec for g in groups for r in g.runs for rec in r.records):
             panels.append((metric, label))
     fig = _figure(path, figsize=(6.5 * len(panels), 4.8), layout="constrained")
@@ -78,7 +82,8 @@ def _log_loss_axes(ax, xlabel: str, title: str, metric: str) -> None:
     ax.set_xscale("log")
     ax.set_xlabel(xlabel)
     names = {"val_loss": "validation loss", "val_bpb": "validation bits per byte"}
-    ax.set_ylabel(f"terminal {names.get(metric, 'loss')}")
+    base, _, source = metric.partition("/")
+    ax.set_ylabel(f"terminal {names.get(base, 'loss')}" + (f", {source}" if source else ""))
     ax.set_title(title)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize="small")

@@ -31,7 +31,7 @@ def write_comparison(runs: Sequence[Run], reference: str, out_dir: str | Path, m
     table = summary_markdown(rows, metric)
     (out / "summary.md").write_text(table)
     write_summary_csv(rows, out / "summary.csv")
-    plot_curves(groups, out / "curves.png", ema_beta, logx, logy)
+    plot_curves(groups, out / "curves.png", ema_beta, logx, logy, metric)
     return table
 
 

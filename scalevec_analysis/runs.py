@@ -42,9 +42,20 @@ def _freeze(value: Any) -> Any:
     return value
 
 
+def _index_lists(value: Any) -> Any:
+    # A list of sections (data.mixture) becomes one section per item, keyed by its index, so that each
+    # field (data.mixture.1.weight) groups, labels and is ignored (a path) like any other key.
+    if isinstance(value, dict):
+        return {k: _index_lists(v) for k, v in value.items()}
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return {str(i): _index_lists(v) for i, v in enumerate(value)}
+    return value
+
+
 def flatten_config(config: dict, prefix: str = "") -> dict[str, Any]:
-    """Nested config -> {"model.dim": 512, ...}; keys that are already dotted stay as they are."""
-    return {k: _freeze(v) for k, v in flatten(config, prefix).items()}
+    """Nested config -> {"model.dim": 512, "data.mixture.0.weight": 0.75, ...}; keys that are already
+    dotted stay as they are."""
+    return {k: _freeze(v) for k, v in flatten(_index_lists(config), prefix).items()}
 
 
 @functools.cache

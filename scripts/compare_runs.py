@@ -22,7 +22,8 @@ overlay as runs of their own lengths.
 Default mode writes OUT/curves.png (loss and validation loss against tokens), OUT/summary.md and
 OUT/summary.csv, and prints the table:
   terminal loss   per run: the final val_loss (--metric val_loss) or val_bpb (--metric val_bpb, bits
-                  per byte of the text: runs of different tokenizers compare), or the mean of the last
+                  per byte of the text: runs of different tokenizers compare), or those of one source
+                  of a data mixture (--metric val_loss/NAME, val_bpb/NAME), or the mean of the last
                   --last-k logged training losses (--metric loss); per group: mean and sample
                   std (ddof=1) over its runs (seeds). T_G: mean tokens at the runs' terminal points.
   Δ vs ref        group terminal loss minus the reference group's.
@@ -54,6 +55,14 @@ spread of the column norms of W diag(g) and of W.
 """
 
 
+def metric_name(value: str) -> str:
+    """--metric: loss, val_loss, val_bpb, or one of the last two of a mixture's source (val_loss/NAME)."""
+    base, _, source = value.partition("/")
+    if value in ("loss", "val_loss", "val_bpb") or (base in ("val_loss", "val_bpb") and source):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is not loss, val_loss, val_bpb, val_loss/NAME or val_bpb/NAME")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dirs", nargs="*", metavar="RUN_DIR", help="trainer run directories")
@@ -65,9 +74,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--reference", help="reference group (--efficiency: series): its label or key=value terms, "
                                        "e.g. 'scale=baseline' (required unless --scaling)")
-    p.add_argument("--metric", choices=["val_loss", "val_bpb", "loss"], default="val_loss",
+    p.add_argument("--metric", type=metric_name, default="val_loss",
                    help="the loss that defines terminal loss and token efficiency (default val_loss; "
-                        "val_bpb: validation bits per byte, which compares runs of different tokenizers)")
+                        "val_bpb: validation bits per byte, which compares runs of different tokenizers; "
+                        "val_loss/NAME or val_bpb/NAME: those of source NAME of a data mixture)")
     p.add_argument("--last-k", type=int, default=10,
                    help="--metric loss: average the last K logged training losses (default 10)")
     p.add_argument("--ema", type=float, help="plot only: smooth training-loss curves with this EMA factor")
