@@ -63,7 +63,7 @@ on_two_workers() {  # each input line: a function above and its arguments; longe
   export PY
   xargs -L 1 -P 2 bash -c '"$@"' _
 }
-LADDER_LRS="0.001 0.003 0.01"
+LADDER_LRS="0.001 0.003 0.01 0.03"
 
 case ${1:-main} in
   main)
