@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from scalevec_train import evaluate as evaluate_cli
 from scalevec_train.data import tokenizer
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.parallel.data_parallel import parallelize
@@ -131,9 +132,10 @@ RUN = [*SHORT_RUN, "train.steps=4", "train.log_every=2", "model=moe-tiny", "mode
 NUMBERS = ("step", "loss", "grad_norm", "val_loss", "val_bpb")
 
 
-def test_scoring_tasks_leaves_training_unchanged(tmp_path, data_overrides):
+def test_scoring_tasks_leaves_training_unchanged(tmp_path, data_overrides, capsys):
     """A MoE run (its routers' bias moves with every training forward) scores a task at steps 0, 2 and 4:
-    its losses, gradient norms and validation numbers are bit for bit those of the run without tasks."""
+    its losses, gradient norms and validation numbers are bit for bit those of the run without tasks.
+    `evaluate --tasks run` on its final checkpoint scores what the trainer scored at the last step."""
     path = tmp_path / "items.jsonl"
     path.write_text("".join(json.dumps({"context": i.context, "choices": list(i.choices), "label": i.label}) + "\n"
                             for i in ITEMS))
@@ -145,3 +147,12 @@ def test_scoring_tasks_leaves_training_unchanged(tmp_path, data_overrides):
     assert all(0 <= r["task/toy/acc"] <= 1 and r["task/toy/bpb"] > 0 for r in with_tasks if "task/toy/acc" in r)
     assert [{k: r[k] for k in NUMBERS if k in r} for r in with_tasks] == \
         [{k: r[k] for k in NUMBERS if k in r} for r in records(plain)]
+    capsys.readouterr()  # the runs' own output
+    assert evaluate_cli.main([str(scored), "--tasks", "run"]) == 0
+    printed = dict(line.split() for line in capsys.readouterr().out.splitlines())
+    last = with_tasks[-1]
+    for metric in ("acc", "acc_norm", "bpb", "chance"):
+        assert float(printed[f"task/toy/{metric}"]) == pytest.approx(last[f"task/toy/{metric}"], abs=1e-6)
+    assert float(printed["val_loss"]) == pytest.approx(last["val_loss"], rel=1e-6)
+    assert evaluate_cli.main([str(scored), "--tasks", "nonesuch"]) == 2
+    assert "--tasks: 'nonesuch' is no preset" in capsys.readouterr().err
