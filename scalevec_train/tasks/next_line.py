@@ -1,17 +1,23 @@
-"""The task the embedded corpus brings (format next_line): which line comes next in a Python function.
+"""The task the embedded corpus brings (format next_line): which is the true next line of a Python function.
 
 Generated deterministically from the held-out (validation) documents of the run's corpus, which the model
 never trains on. An item's context is a function from its `def` line down to a line of its body (at most
-MAX_CONTEXT_LINES lines); its choices are that body line and num_choices - 1 lines from other held-out
-documents, in a random order (chance: 1 / num_choices). Every line scored is a code line of a function's
-body: indented, not blank, not a comment, not inside a docstring, MIN_CHARS to MAX_CHARS characters
-without its indentation. So that formatting and length give nothing away, the other lines have exactly
-the true line's indentation and about its length (LENGTH_RATIO), and none of them occurs in the true
-line's document. A choice is the whole line with its newline.
+MAX_CONTEXT_LINES lines below the def); its choices are that next line and num_choices - 1 versions of it
+in which two different names (identifiers, not keywords) trade places, in a random order: chance is
+1 / num_choices. `x = other.y(z)` may become `z = other.y(x)` or `x = y.other(z)`: every choice has the
+same characters, bytes and indentation, so neither length nor formatting tells them apart; the model has
+to know which name goes where, from the context and from how code is written. Scored lines are code lines
+of a function's body: indented, not blank, not a comment, not inside a docstring, MIN_CHARS to MAX_CHARS
+characters without their indentation, with enough names for num_choices - 1 distinct swaps. A choice is
+the whole line with its newline.
+
+(Choices drawn from other held-out files, of the same indentation and length, were tried first: a
+dense-tiny trained by `make demo` scored 0.23 on them, chance 0.25 (docs/experiments.md).)
 """
 
-import bisect
+import keyword
 import random
+import re
 
 from scalevec_train.data.config import DataConfig
 from scalevec_train.data.corpus import FileCorpus, open_corpus
@@ -21,8 +27,8 @@ from scalevec_train.tasks.formats import Item
 
 MAX_CONTEXT_LINES = 12
 MIN_CHARS, MAX_CHARS = 12, 72
-LENGTH_RATIO = 1.25  # the other lines are at most this much longer or shorter than the true one
-SEED = "scalevec next_line"  # which targets are sampled; each item draws from its own seed (its place)
+SEED = "scalevec next_line"  # which lines are sampled; each item draws its swaps from its own seed (its place)
+_NAME = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
 
 
 def held_out_documents(data: DataConfig) -> list[tuple[str, str]]:
@@ -38,60 +44,51 @@ def held_out_documents(data: DataConfig) -> list[tuple[str, str]]:
 
 
 def generate(documents: list[tuple[str, str]], limit: int, num_choices: int) -> list[Item]:
-    """`limit` items (0: every eligible line) from (key, text) documents; the same for the same input."""
+    """`limit` items (0: every eligible line) from (key, text) documents, in corpus order; the same for the
+    same input."""
     lines = {key: text.split("\n") for key, text in documents}
-    eligible = {key: _body_lines(ls) for key, ls in lines.items()}
-    pool: dict[str, list[tuple[int, str, str]]] = {}  # indentation -> (length, text, key), sorted
-    seen = set()
-    for key, found in eligible.items():
-        for i, _ in found:
-            text = lines[key][i]
-            if text not in seen:
-                seen.add(text)
-                indent = text[:len(text) - len(text.lstrip())]
-                pool.setdefault(indent, []).append((len(text.strip()), text, key))
-    for entries in pool.values():
-        entries.sort()
-    targets = [(key, i, start) for key, found in eligible.items() for i, start in found if start is not None]
+    targets = [(key, i, start) for key, ls in lines.items() for i, start in _body_lines(ls)]
     order = list(range(len(targets)))
     random.Random(SEED).shuffle(order)
-    picked = []  # (place in corpus order, item): a random sample, listed in corpus order
+    picked = []  # (place in corpus order, item): a random sample
     for n in order:
         key, i, start = targets[n]
-        item = _item(lines[key], i, start, key, pool, num_choices)
+        item = _item(lines[key], i, start, random.Random(f"{SEED}:{key}:{i}"), num_choices)
         if item is not None:
             picked.append((n, item))
             if len(picked) == limit:
                 break
-    items = [item for _, item in sorted(picked, key=lambda p: p[0])]
-    if not items:
+    if not picked:
         raise ScalevecError("tasks.items", "the held-out documents hold no function body lines to ask about.",
                             "use a corpus of Python source (data.source=stdlib), or drop the next_line task.")
-    return items
+    return [item for _, item in sorted(picked, key=lambda p: p[0])]
 
 
-def _item(lines: list[str], i: int, start: int, key: str, pool: dict, num_choices: int) -> Item | None:
-    true = lines[i]
-    indent = true[:len(true) - len(true.lstrip())]
-    length = len(true.strip())
-    entries = pool[indent]
-    lo = bisect.bisect_left(entries, (int(length / LENGTH_RATIO + 0.999),))
-    hi = bisect.bisect_right(entries, (int(length * LENGTH_RATIO), chr(0x10FFFF)))
-    own = set(lines)
-    others = [text for _, text, k in entries[lo:hi] if k != key and text not in own]
+def swaps(line: str) -> list[str]:
+    """Every distinct line made from `line` by trading the places of two different names, sorted."""
+    spans = [m.span() for m in _NAME.finditer(line) if not keyword.iskeyword(m.group())]
+    out = set()
+    for a, (a0, a1) in enumerate(spans):
+        for b0, b1 in spans[a + 1:]:
+            if line[a0:a1] != line[b0:b1]:
+                out.add(line[:a0] + line[b0:b1] + line[a1:b0] + line[a0:a1] + line[b1:])
+    out.discard(line)
+    return sorted(out)
+
+
+def _item(lines: list[str], i: int, start: int, rng: random.Random, num_choices: int) -> Item | None:
+    others = swaps(lines[i])
     if len(others) < num_choices - 1:
         return None
-    rng = random.Random(f"{SEED}:{key}:{i}")
     choices = rng.sample(others, num_choices - 1)
     label = rng.randrange(num_choices)
-    choices.insert(label, true)
-    context = "".join(line + "\n" for line in lines[start:i])
-    return Item(context, tuple(c + "\n" for c in choices), label)
+    choices.insert(label, lines[i])
+    return Item("".join(line + "\n" for line in lines[start:i]), tuple(c + "\n" for c in choices), label)
 
 
-def _body_lines(lines: list[str]) -> list[tuple[int, int | None]]:
-    """(index, index of the enclosing `def` line within MAX_CONTEXT_LINES above, or None) of every line
-    that may be scored: a code line of a function body (see the module docstring)."""
+def _body_lines(lines: list[str]) -> list[tuple[int, int]]:
+    """(index, index of its enclosing `def` line) of every line that may be scored: a code line of a
+    function body within MAX_CONTEXT_LINES of its def (see the module docstring)."""
     found = []
     in_docstring = False
     defs: list[tuple[int, int]] = []  # (indentation, line index) of the enclosing defs, innermost last
@@ -109,8 +106,7 @@ def _body_lines(lines: list[str]) -> list[tuple[int, int | None]]:
         if stripped.startswith(("def ", "async def ")):
             defs.append((indent, i))
             continue
-        if not defs or stripped.startswith("#") or not MIN_CHARS <= len(stripped) <= MAX_CHARS:
-            continue
-        start = defs[-1][1]
-        found.append((i, start if i - start <= MAX_CONTEXT_LINES else None))
+        if defs and not stripped.startswith("#") and MIN_CHARS <= len(stripped) <= MAX_CHARS \
+                and i - defs[-1][1] <= MAX_CONTEXT_LINES:
+            found.append((i, defs[-1][1]))
     return found
