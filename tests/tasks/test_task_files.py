@@ -171,3 +171,13 @@ def test_next_line_reads_the_held_out_documents(tmp_path):
     assert items and all(any(i.context in t for _, t in held_out) for i in items)
     with pytest.raises(ScalevecError, match="next_line reads held-out files"):
         next_line.held_out_documents(make_config("data=shards", "data.path=/x").data)
+
+
+def test_the_embedded_corpus_brings_the_task():
+    """tasks=embedded on the default corpus (the standard library's held-out files): 500 items of 4
+    choices, the same every time they are generated."""
+    cfg = make_config("tasks=embedded")
+    (task,) = cfg.tasks.items
+    items = task_items(task, Path(cfg.tasks.dir), cfg.data)
+    assert len(items) == task.limit == 500 and {len(i.choices) for i in items} == {task.num_choices} == {4}
+    assert items == task_items(task, Path(cfg.tasks.dir), cfg.data)
