@@ -35,7 +35,8 @@ class TasksConfig:
     items: list[TaskConfig] = field(default_factory=list)
     # score every this many steps (and at the first and last step); 0: only at the first and last
     every: int = 0
-    # context + choice sequences per forward pass on one rank
+    # context + choice sequences per forward pass on one rank (their logits, sequences x longest x vocabulary,
+    # are held at once: lower it for a large vocabulary)
     batch_size: int = 32
     # the folder that relative task paths are under
     dir: str = "data/tasks"
