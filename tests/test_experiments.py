@@ -14,8 +14,9 @@ from scalevec_train.training.config import LoggerConfig
 from scalevec_train.training.logger import wandb_init_args
 from tests.helpers import make_config
 
-# study_base holds the study's shared settings; it is not a sweep by itself.
-EXPERIMENTS = sorted(p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("*.yaml") if p.stem != "study_base")
+# study_base and ladder hold shared settings of scripts/run_study.sh; they are not sweeps by themselves.
+EXPERIMENTS = sorted(p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("*.yaml")
+                     if p.stem not in ("study_base", "ladder"))
 
 
 def sweep_points(experiment: str) -> list[list[str]]:

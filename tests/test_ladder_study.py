@@ -1,0 +1,59 @@
+"""The ladder study's design (scripts/run_study.sh ladder, configs/experiment/ladder.yaml) holds for every
+rung as the script composes it: the budgets in tokens per parameter, a checkpoint for each branch to start
+from before its decay, the same validation sequences on every rung, and a run directory per run."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from scalevec_train.accounting import non_embedding_params
+from scalevec_train.branch import shared_steps
+from scalevec_train.model.transformer import Transformer
+from tests.helpers import make_config
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "run_study.sh"
+
+
+def rung_overrides() -> dict[str, list[str]]:
+    """{rung: its overrides} from the script's rung_args."""
+    found = re.findall(r"^\s*(dense-l\d)\) echo (.*?) ;;$", SCRIPT.read_text(), flags=re.M)
+    return {rung: args.split() for rung, args in found}
+
+
+def ladder_config(rung: str, *extra: str):
+    return make_config("+experiment=ladder", f"model={rung}", *rung_overrides()[rung], *extra)
+
+
+def test_the_script_names_the_three_rungs():
+    assert sorted(rung_overrides()) == ["dense-l1", "dense-l2", "dense-l3"]
+
+
+@pytest.mark.parametrize("rung", ["dense-l1", "dense-l2", "dense-l3"])
+@pytest.mark.parametrize("scale", ["baseline", "unified"])
+def test_budgets_branch_points_and_validation_set(rung, scale):
+    trunk = ladder_config(rung, f"scale={scale}")
+    n = non_embedding_params(Transformer(trunk.model, trunk.scale))
+    tokens_per_step = trunk.train.global_batch * trunk.train.seq_len
+    assert trunk.train.steps * tokens_per_step == pytest.approx(10 * n, rel=0.01)
+    # every rung validates on the same 128 sequences of 128 tokens
+    assert trunk.train.eval_batches * trunk.train.global_batch == 128 and trunk.train.seq_len == 128
+    assert trunk.train.steps / trunk.train.eval_every == pytest.approx(20, abs=1.5)
+    for budget in (2.5, 5):
+        branch = ladder_config(rung, f"scale={scale}", f"train.tokens_per_param={budget}")
+        assert branch.train.steps * tokens_per_step == pytest.approx(budget * n, rel=0.02)
+        # WSD decays over the last 20%: the branch starts from the trunk's newest checkpoint before that,
+        # at 2 and 4 tokens per parameter, only a few steps before its decay
+        decay_start = shared_steps(trunk, branch, branch.train.steps)
+        start = decay_start // trunk.checkpoint.every * trunk.checkpoint.every
+        assert start * tokens_per_step == pytest.approx(0.8 * budget * n, rel=0.02)
+        assert decay_start - start < 0.05 * branch.train.steps
+
+
+def test_every_run_has_its_own_directory():
+    dirs = {ladder_config(rung, f"scale={scale}", f"optim={optim}", f"optim.lr={lr}", f"seed={seed}",
+                          *([] if tpp is None else [f"train.tokens_per_param={tpp}"])).run_dir
+            for rung in ("dense-l1", "dense-l3") for scale in ("baseline", "unified") for optim in ("adamw", "muon")
+            for lr in (0.003, 0.01) for seed in (0, 1) for tpp in (None, 2.5, 5)}
+    assert len(dirs) == 2 * 2 * 2 * 2 * 2 * 3
+    assert all(d.startswith("runs/ladder/") for d in dirs)
