@@ -39,7 +39,9 @@ from scalevec_train.training.callbacks import (
     SpeedMonitor,
     StabilityGuard,
     StepProfiler,
+    WeightEMA,
 )
+from scalevec_train.training.callbacks.ema import ema_decay
 from scalevec_train.training.guards import FaultInjection
 from scalevec_train.training.trainer import Trainer, checkpointed, training_loss
 
@@ -137,11 +139,17 @@ def build(cfg: Config) -> Run:
         EpochMonitor(),
         Evaluator(val_data, cfg.train.eval_every, token_bytes(data.load_tokenizer())),
     ]
+    # after the evaluator (it evaluates at its steps), before the checkpointer (which saves it)
+    evaluator = next(cb for cb in callbacks if isinstance(cb, Evaluator))
+    ema = (WeightEMA(model, ema_decay(cfg.train.ema.half_life_tokens, tokens_per_step), evaluator)
+           if cfg.train.ema.half_life_tokens else None)
     manager = CheckpointManager(
-        run_dir, tensors={"model": ModelState(model), "optim": OptimizerState(model, optimizer)},
+        run_dir, tensors={"model": ModelState(model), "optim": OptimizerState(model, optimizer),
+                          **({"ema": ema} if ema else {})},
         records={"loader": train_loader, **checkpointed(callbacks)},
         info={"model_config": cfg.model.architecture(), "optimizer": cfg.optim.name},
-        keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save)
+        keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save, optional=frozenset({"ema"}))
+    callbacks += [ema] if ema else []
     if resume_from is not None:
         manager.load(resume_from, train_state)
     start_step = train_state["step"] if train_state else 0

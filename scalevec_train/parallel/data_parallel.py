@@ -100,6 +100,19 @@ def replicated_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if not isinstance(p, DTensor)]
 
 
+def reshard(model: nn.Module) -> None:
+    """Drop FSDP's gathered copies of the parameters (the root keeps its own after a forward), so that
+    the next forward gathers the sharded values anew: needed after writing into the sharded parameters
+    between steps (another set of weights swapped in for an evaluation, and back). No-op on one process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 @torch.no_grad()
 def reduce_replicated_grads(params: list[nn.Parameter]) -> None:
     """Average the gradients of replicated parameters over all ranks, in one fp32 all-reduce (FSDP

@@ -1,6 +1,7 @@
 """The callbacks that observe a run: each has a small job and the trainer's hooks as its interface.
 
     evaluation.py    Evaluator: val_loss and val_bpb (bits per byte) on fixed batches
+    ema.py           WeightEMA: an exponential moving average of the weights, validated as the run goes
     monitors.py      SpeedMonitor: tokens/s and MFU; ModelMetrics: the model's own metrics (MoE load)
     epochs.py        EpochMonitor: passes over the training data, and a warning when they are many
     scales.py        ScaleMonitor: scale-site values and gradient norms
@@ -10,6 +11,7 @@
 """
 
 from scalevec_train.training.callbacks.checkpointer import Checkpointer
+from scalevec_train.training.callbacks.ema import WeightEMA
 from scalevec_train.training.callbacks.epochs import EpochMonitor
 from scalevec_train.training.callbacks.evaluation import Evaluator
 from scalevec_train.training.callbacks.monitors import ModelMetrics, SpeedMonitor
@@ -18,4 +20,4 @@ from scalevec_train.training.callbacks.scales import ScaleMonitor
 from scalevec_train.training.callbacks.stability import SigtermStop, StabilityGuard
 
 __all__ = ["Checkpointer", "EpochMonitor", "Evaluator", "ModelMetrics", "ScaleMonitor", "SigtermStop", "SpeedMonitor",
-           "StabilityGuard", "StepProfiler"]
+           "StabilityGuard", "StepProfiler", "WeightEMA"]

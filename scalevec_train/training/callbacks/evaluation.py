@@ -46,15 +46,16 @@ class Evaluator(Callback):
         if trainer.step == 0:
             self._record(trainer)
 
-    def _evaluates(self, trainer: Trainer, step: int) -> bool:
+    def evaluates(self, trainer: Trainer, step: int) -> bool:
+        """Whether step `step` is validated (every `every` steps and the last)."""
         return step == trainer.steps or bool(self.every and step % self.every == 0)
 
     def on_step_start(self, trainer: Trainer) -> None:
-        if self._evaluates(trainer, trainer.step + 1):
+        if self.evaluates(trainer, trainer.step + 1):
             trainer.request_read_back()  # it writes a record: what the guard has to write comes first
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
-        if self._evaluates(trainer, trainer.step):
+        if self.evaluates(trainer, trainer.step):
             self._record(trainer)
 
 
