@@ -45,6 +45,7 @@ from scalevec_analysis.runs import (
 from scalevec_analysis.scaling import fit_power_law, scaling_series
 
 __all__ = ["Run", "compute_efficiency", "efficiency_series", "ema", "ema_run", "find_group", "first_reach",
-           "fit_power_law", "group_runs", "load_run_dir", "load_wandb", "merge_records", "metric_curve", "parse_wandb_filter",
+           "fit_power_law", "group_runs", "load_run_dir", "load_wandb", "merge_records", "metric_curve",
+           "parse_wandb_filter",
            "reference_compute", "run_from_history", "scaling_series", "summarize", "write_comparison",
            "write_efficiency", "write_scaling"]
