@@ -20,7 +20,10 @@ from scalevec_train.errors import ScalevecError
 from scalevec_train.evaluate import evaluate
 from scalevec_train.interop.api import load
 from scalevec_train.interop.export import export
+from scalevec_train.memory import estimate
+from scalevec_train.model import Transformer
 from scalevec_train.train import run
+from scalevec_train.training.callbacks import WeightEMA
 from scalevec_train.training.guards import FAULT_NAN_ENV
 from tests.helpers import SHORT_RUN, TINY_MODEL, make_config
 from tests.launch import checkpoint_state, curve, records
@@ -163,3 +166,12 @@ def test_bad_inputs(runs, tmp_path):
     with pytest.raises(ScalevecError, match="train.ema.half_life_tokens"):
         make_config(*EMA[:0], "train.ema.half_life_tokens=-1")
     assert not (tmp_path / "a").exists()
+
+
+def test_the_memory_estimate_counts_the_ema():
+    """describe's memory per rank: the EMA's bytes, those of the callback's tensors on a real model."""
+    cfg = make_config("model=moe-tiny", "scale=unified", *EMA)
+    model = Transformer(cfg.model, cfg.scale)
+    held = WeightEMA(model, decay=DECAY, evaluator=None).weights.values()
+    assert estimate(cfg, world=1, device="cpu").ema == sum(t.numel() * t.element_size() for t in held)
+    assert estimate(make_config("model=moe-tiny"), world=1, device="cpu").ema == 0
