@@ -25,7 +25,7 @@ from scalevec_train.model import Transformer
 from scalevec_train.train import run
 from scalevec_train.training.callbacks import WeightEMA
 from scalevec_train.training.guards import FAULT_NAN_ENV
-from tests.helpers import SHORT_RUN, TINY_MODEL, make_config
+from tests.helpers import REPO, SHORT_RUN, TINY_MODEL, load_script, make_config
 from tests.launch import checkpoint_state, curve, records
 
 STEPS, HALF_LIFE = 12, 256
@@ -156,6 +156,12 @@ def test_compare_runs_shows_the_ema_beside_the_run(runs, tmp_path, capsys):
     assert [(g.label, len(g.runs)) for g in groups] == [
         ("averaged=(unset) ema=(unset)", 2), ("averaged=(unset) ema=half-life 256 tokens", 1),
         ("averaged=ema@8 ema=(unset)", 1)]
+    pytest.importorskip("matplotlib")
+    compare = load_script(REPO / "scripts" / "compare_runs.py")
+    assert compare.main([str(runs["on"]), str(out), "--weight-ema", "--reference", "averaged=(unset) ema=(unset)",
+                         "--out", str(tmp_path / "cmp")]) == 0
+    table = capsys.readouterr().out
+    assert "ema=half-life 256 tokens" in table and "averaged=ema@8" in table
 
 
 def test_bad_inputs(runs, tmp_path):
