@@ -1,7 +1,8 @@
 """`python -m scalevec_train.evaluate <run_dir or checkpoint>`: the validation loss of a checkpoint on its
 run's validation set (the same batches as the trainer's val_loss, so the numbers compare), in one process.
 
-For an averaged checkpoint (checkpoint/average.py) it also writes metrics.jsonl into that folder, one
+For an averaged checkpoint (checkpoint/average.py; also a run's weight EMA written out with
+`average ... ema=last`) it also writes metrics.jsonl into that folder, one
 record {"step": the step it stands for, "tokens": trained by then, "val_loss": ...}: with the
 config.yaml the folder already holds, scripts/compare_runs.py reads it as a run of its own
 (scalevec_analysis marks it as averaged), beside the run and its WSD cooldown branches.

@@ -15,7 +15,8 @@ weight and moves nothing here either: the trainer's verdict selects w_n = 0 on t
 host read.
 
 The EMA is fp32 and laid out like the parameters (DTensor shards on each rank under FSDP2, whole tensors
-for the replicated sites), so it costs one fp32 copy of each rank's share of the parameters. It is a
+for the replicated sites), so it costs one fp32 copy of each rank's share of the parameters (and an
+evaluation of it one more copy of the weights, for the time of the evaluation). It is a
 tensor state of the run's checkpoints (`ema.weights.<name>`, `ema.count`), so that it resumes exactly and
 reshards to another world size with the model; a checkpoint written without it starts the EMA afresh
 from the resumed weights.
@@ -89,7 +90,7 @@ class WeightEMA(Callback, Stateful):
 
     @torch.no_grad()
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
-        taken = result.taken.to(self.count.device)
+        taken = result.taken
         self.count += taken
         weight = torch.where(taken, (1 - self.decay) / (1 - self.decay ** self.count.clamp(min=1)), 0.0)
         weight = weight.float()
