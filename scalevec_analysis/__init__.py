@@ -4,7 +4,7 @@ plots use (`pip install -e ".[analysis]"`).
 
 Modules: `runs` reads run directories and wandb runs, `groups` groups them and summarizes the groups,
 `scaling` fits the scaling law, `efficiency` measures compute multipliers over a ladder, `plots` draws,
-`report` writes an output directory.
+`report` writes an output directory, `diagnostics` reads the diagnostics' series (diag/* metrics).
 
 Definitions (the CLI's --help repeats them):
 
@@ -32,7 +32,7 @@ Definitions (the CLI's --help repeats them):
 
 from scalevec_analysis.efficiency import compute_efficiency, efficiency_series, reference_compute
 from scalevec_analysis.groups import ema, find_group, first_reach, group_runs, metric_curve, summarize
-from scalevec_analysis.report import write_comparison, write_efficiency, write_scaling
+from scalevec_analysis.report import write_comparison, write_diagnostics, write_efficiency, write_scaling
 from scalevec_analysis.runs import (
     Run,
     ema_run,
@@ -47,4 +47,4 @@ from scalevec_analysis.scaling import fit_power_law, scaling_series
 __all__ = ["Run", "compute_efficiency", "efficiency_series", "ema", "ema_run", "find_group", "first_reach",
            "fit_power_law", "group_runs", "load_run_dir", "load_wandb", "merge_records", "metric_curve",
            "parse_wandb_filter", "reference_compute", "run_from_history", "scaling_series", "summarize",
-           "write_comparison", "write_efficiency", "write_scaling"]
+           "write_comparison", "write_diagnostics", "write_efficiency", "write_scaling"]

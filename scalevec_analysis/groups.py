@@ -16,9 +16,9 @@ from scalevec_train.errors import ScalevecError
 # Config keys that never tell groups apart: they differ per seed or only say where things are kept. A
 # branch (branch_from) is its trunk's computation up to the branch point: it groups by its own settings.
 _IGNORED_KEYS = frozenset({"run_dir", "resume", "data.cache_dir", "branch_from"})
-# train.profile_*: traces of chosen steps change no number of the run, nor does train.ema.* (the weight EMA
-# kept beside it: its own curve is a run of its own, runs.ema_run)
-_IGNORED_PREFIXES = ("logger.", "checkpoint.", "hydra.", "train.profile_", "train.ema.")
+# train.profile_*, train.diagnostics_every: traces and diagnostics change no number of the run, nor does
+# train.ema.* (the weight EMA kept beside it: its own curve is a run of its own, runs.ema_run)
+_IGNORED_PREFIXES = ("logger.", "checkpoint.", "hydra.", "train.profile_", "train.diagnostics_every", "train.ema.")
 _PATH_SUFFIXES = ("dir", "path", "file")
 _STARTING_POINT_KEYS = frozenset({"init_from"})
 # Keys tried first when labelling groups, shown under their section name (`scale=unified`).
@@ -165,7 +165,7 @@ def metric_curve(run: Run, metric: str, last_k: int = 1) -> tuple[np.ndarray, np
     last `last_k` logged losses (see the package docstring)."""
     points = [r for r in run.records if metric in r]
     if not points:
-        fix = "use --metric loss, or evaluate during training." if metric in ("val_loss", "val_bpb") else ""
+        fix = "use --metric loss, or evaluate during training." if metric.startswith("val_") else ""
         raise ScalevecError(run.name, f"no `{metric}` values logged.", fix)
     if any("tokens" not in r for r in points):
         raise ScalevecError(run.name, f"a record with `{metric}` has no `tokens`.",

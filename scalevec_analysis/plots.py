@@ -1,13 +1,15 @@
-"""The plots: loss curves of groups, scaling fits and compute efficiency. matplotlib is imported only when a
-plot is drawn, so that the rest of the package works without it."""
+"""The plots: loss curves of groups, scaling fits, compute efficiency and the diagnostics of runs side by
+side. matplotlib is imported only when a plot is drawn, so that the rest of the package works without it."""
 
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from scalevec_analysis.diagnostics import PANELS, panel_series
 from scalevec_analysis.efficiency import EfficiencyRow, Series
 from scalevec_analysis.groups import Group, ema, mean_curve, metric_curve
+from scalevec_analysis.runs import Run
 from scalevec_analysis.scaling import PowerLawFit, ScalingSeries
 from scalevec_train.errors import ScalevecError
 
@@ -22,11 +24,15 @@ def _figure(path: Path, **kwargs):
 
 
 def plot_curves(groups: Sequence[Group], path: Path, ema_beta: float | None = None,
-                logx: bool = False, logy: bool = False) -> None:
-    """Training and (when logged) validation loss and bits per byte against tokens: each group's mean over
-    runs, bold, over its single runs, faint. `ema_beta` smooths the training-loss curves only."""
+                logx: bool = False, logy: bool = False, metric: str = "val_loss") -> None:
+    """Training and (when logged) validation loss and bits per byte against tokens, and `metric` where it
+    is another (one source's of a data mixture): each group's mean over runs, bold, over its single runs,
+    faint. `ema_beta` smooths the training-loss curves only."""
     panels = [("loss", "loss")]
-    for metric, label in (("val_loss", "validation loss"), ("val_bpb", "validation bits per byte")):
+    base, _, source = metric.partition("/")
+    named = {"val_loss": "validation loss", "val_bpb": "validation bits per byte"}
+    extra = ((metric, f"{named[base]}, {source}"),) if source else ()
+    for metric, label in (("val_loss", "validation loss"), ("val_bpb", "validation bits per byte"), *extra):
         if any(metric in rec for g in groups for r in g.runs for rec in r.records):
             panels.append((metric, label))
     fig = _figure(path, figsize=(6.5 * len(panels), 4.8), layout="constrained")
@@ -76,7 +82,8 @@ def _log_loss_axes(ax, xlabel: str, title: str, metric: str) -> None:
     ax.set_xscale("log")
     ax.set_xlabel(xlabel)
     names = {"val_loss": "validation loss", "val_bpb": "validation bits per byte"}
-    ax.set_ylabel(f"terminal {names.get(metric, 'loss')}")
+    base, _, source = metric.partition("/")
+    ax.set_ylabel(f"terminal {names.get(base, 'loss')}" + (f", {source}" if source else ""))
     ax.set_title(title)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize="small")
@@ -119,3 +126,44 @@ def plot_efficiency(series: Sequence[Series], fits: dict[str, PowerLawFit], rows
     if mult_ax.get_legend_handles_labels()[0]:
         mult_ax.legend(fontsize="small")
     fig.savefig(path, dpi=120)
+
+
+def plot_diagnostics(runs: Sequence[Run], labels: Sequence[str], path: Path) -> None:
+    """The diag/* metrics over training tokens (scalevec_analysis.diagnostics.PANELS: a row per statistic),
+    a column per run with the rows' y axes shared, so that runs (baseline against unified) compare
+    side by side. A line per layer (viridis, first to last; final in black) or per kind of map (the
+    mean over the layers)."""
+    fig = _figure(path, figsize=(6.5 * len(runs), 3.2 * len(PANELS)), layout="constrained")
+    axes = fig.subplots(len(PANELS), len(runs), squeeze=False, sharey="row")
+    # one color per kind of map in every panel and column
+    maps = sorted({name for run in runs for panel in PANELS if panel.per == "map" for name in panel_series(run, panel)})
+    for col, (run, label) in enumerate(zip(runs, labels, strict=True)):
+        for ax, panel in zip(axes[:, col], PANELS, strict=True):
+            series = panel_series(run, panel)
+            layers = [name for name in series if name.startswith("layer ")]
+            for name, (tokens, values) in series.items():
+                if panel.per == "layer":
+                    color = "black" if name == "final" else _viridis(layers.index(name), len(layers))
+                else:
+                    color = _map_color(maps.index(name), len(maps))
+                ax.plot(tokens, values, color=color, linewidth=1.2, label=name)
+            ax.set_title(f"{label}: {panel.title}", fontsize="small")
+            ax.set_xlabel("tokens")
+            ax.set_yscale("log" if panel.logy else "linear")
+            ax.grid(alpha=0.3)
+            if series and (panel.per == "map" or len(series) <= 12):
+                ax.legend(fontsize="x-small", ncol=2)
+    fig.suptitle("Diagnostics: the scale vectors' mechanism over training")
+    fig.savefig(path, dpi=100)
+
+
+def _viridis(i: int, n: int) -> tuple:
+    from matplotlib import colormaps
+
+    return colormaps["viridis"](i / max(n - 1, 1))
+
+
+def _map_color(i: int, n: int):
+    from matplotlib import colormaps
+
+    return f"C{i}" if n <= 10 else colormaps["tab20"](i % 20)

@@ -1,9 +1,11 @@
 """Output directories: a comparison of groups (curves.png, summary.md, summary.csv), a scaling fit
-(scaling.png, scaling.md, scaling.csv) or compute efficiency (efficiency.png, efficiency.md, efficiency.csv)."""
+(scaling.png, scaling.md, scaling.csv), compute efficiency (efficiency.png, efficiency.md, efficiency.csv)
+or the diagnostics of runs side by side (diagnostics.png)."""
 
 from collections.abc import Sequence
 from pathlib import Path
 
+from scalevec_analysis.diagnostics import check_diagnostics
 from scalevec_analysis.efficiency import (
     compute_efficiency,
     efficiency_markdown,
@@ -12,7 +14,7 @@ from scalevec_analysis.efficiency import (
     write_efficiency_csv,
 )
 from scalevec_analysis.groups import find_group, group_runs, summarize, summary_markdown, write_summary_csv
-from scalevec_analysis.plots import plot_curves, plot_efficiency, plot_scaling
+from scalevec_analysis.plots import plot_curves, plot_diagnostics, plot_efficiency, plot_scaling
 from scalevec_analysis.runs import Run
 from scalevec_analysis.scaling import scaling_markdown, scaling_series, write_scaling_csv
 
@@ -29,7 +31,7 @@ def write_comparison(runs: Sequence[Run], reference: str, out_dir: str | Path, m
     table = summary_markdown(rows, metric)
     (out / "summary.md").write_text(table)
     write_summary_csv(rows, out / "summary.csv")
-    plot_curves(groups, out / "curves.png", ema_beta, logx, logy)
+    plot_curves(groups, out / "curves.png", ema_beta, logx, logy, metric)
     return table
 
 
@@ -61,3 +63,18 @@ def write_efficiency(runs: Sequence[Run], reference: str, out_dir: str | Path, m
     write_efficiency_csv(rows, out / "efficiency.csv")
     plot_efficiency(series, fits, rows, ref.label, out / "efficiency.png", metric)
     return table
+
+
+def write_diagnostics(runs: Sequence[Run], out_dir: str | Path, ignore: Sequence[str] = ()) -> str:
+    """out_dir/diagnostics.png: the diag/* metrics of `runs`, a column each, labelled by what sets their
+    configs apart (as groups are); returns a line naming the file."""
+    check_diagnostics(list(runs))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    groups = group_runs(runs, ignore)
+    label_of = {id(run): group.label for group in groups for run in group.runs}
+    # runs of one config (seeds) keep their directory's name apart
+    labels = [label_of[id(run)] if len(groups) == len(runs) else f"{label_of[id(run)]} ({Path(run.name).name})"
+              for run in runs]
+    plot_diagnostics(runs, labels, out / "diagnostics.png")
+    return f"wrote {out / 'diagnostics.png'} ({', '.join(labels)})\n"

@@ -21,8 +21,9 @@ from scalevec_train.training.logger import flatten, read_records
 
 AVERAGED_KEY = "averaged"
 EMA_KEY = "ema"
-# a run's metrics that its weight EMA's run (ema_run) holds under the names of the run's own
-EMA_METRICS = {"val_loss_ema": "val_loss", "val_bpb_ema": "val_bpb"}
+# a run's metrics that its weight EMA's run (ema_run) holds under the run's own names, "_ema" dropped
+# (val_loss_ema -> val_loss, val_loss_ema/<source> -> val_loss/<source>)
+EMA_METRICS = ("val_loss_ema", "val_bpb_ema")
 
 
 @dataclass
@@ -45,9 +46,20 @@ def _freeze(value: Any) -> Any:
     return value
 
 
+def _index_lists(value: Any) -> Any:
+    # A list of sections (data.mixture) becomes one section per item, keyed by its index, so that each
+    # field (data.mixture.1.weight) groups, labels and is ignored (a path) like any other key.
+    if isinstance(value, dict):
+        return {k: _index_lists(v) for k, v in value.items()}
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return {str(i): _index_lists(v) for i, v in enumerate(value)}
+    return value
+
+
 def flatten_config(config: dict, prefix: str = "") -> dict[str, Any]:
-    """Nested config -> {"model.dim": 512, ...}; keys that are already dotted stay as they are."""
-    return {k: _freeze(v) for k, v in flatten(config, prefix).items()}
+    """Nested config -> {"model.dim": 512, "data.mixture.0.weight": 0.75, ...}; keys that are already
+    dotted stay as they are."""
+    return {k: _freeze(v) for k, v in flatten(_index_lists(config), prefix).items()}
 
 
 @functools.cache
@@ -147,11 +159,13 @@ def averaged_steps(folder: Path) -> str | None:
 
 
 def ema_run(run: Run) -> Run | None:
-    """The weight EMA a run kept (train.ema.half_life_tokens) as a run of its own: its validation curve
-    (val_loss_ema, val_bpb_ema as val_loss, val_bpb), marked `ema=half-life <tokens>` (the run's
-    train.ema keys do not group, the EMA changing nothing of the run); None for a run without one."""
+    """The weight EMA a run kept (train.ema.half_life_tokens) as a run of its own: its validation curves
+    (val_loss_ema, val_bpb_ema, a mixture's val_loss_ema/<source> as val_loss, val_bpb, val_loss/<source>),
+    marked `ema=half-life <tokens>` (the run's train.ema keys do not group, the EMA changing nothing of
+    the run); None for a run without one."""
     kept = ("step", "tokens")
-    records = [{**{k: r[k] for k in kept if k in r}, **{EMA_METRICS[k]: v for k, v in r.items() if k in EMA_METRICS}}
+    records = [{**{k: r[k] for k in kept if k in r},
+                **{k.replace("_ema", "", 1): v for k, v in r.items() if k.startswith(EMA_METRICS)}}
                for r in run.records if "val_loss_ema" in r]
     if not records:
         return None

@@ -21,6 +21,8 @@ from scalevec_train.checkpoint.files import check_model_fits, checkpoint_root, f
 from scalevec_train.checkpoint.manager import CheckpointManager, ModelState, OptimizerState
 from scalevec_train.config import Config
 from scalevec_train.data import PreparedData, TokenLoader, check_vocab, prepare_data
+from scalevec_train.data.mixture import MixtureData
+from scalevec_train.data.mixture_loader import MixtureLoader
 from scalevec_train.data.tokenizer import token_bytes
 from scalevec_train.errors import ScalevecError
 from scalevec_train.interop.hf_import import check_init_from, init_from_hf
@@ -31,6 +33,7 @@ from scalevec_train.parallel.data_parallel import parallelize, uses_bf16
 from scalevec_train.parallel.process_group import broadcast_object, local_rank, rank, world_size
 from scalevec_train.training.callbacks import (
     Checkpointer,
+    Diagnostics,
     EpochMonitor,
     Evaluator,
     ModelMetrics,
@@ -51,7 +54,7 @@ class Run:
     """What build() makes: the trainer (with its callbacks) and what the entry point reports from."""
 
     trainer: Trainer
-    data: PreparedData
+    data: PreparedData | MixtureData
     run_dir: Path
     checkpointer: Checkpointer
     branched_from: Path | None  # the trunk's checkpoint when this run starts a branch (branch_from)
@@ -107,11 +110,15 @@ def build(cfg: Config) -> Run:
     check_vocab(data, cfg.model.vocab_size)
 
     rank_, world = rank(), world_size()
-    train_loader = TokenLoader(data, "train", cfg.train.seq_len, cfg.train.micro_batch, cfg.seed, rank_, world,
-                               documents)
+    if isinstance(data, MixtureData):
+        train_loader = MixtureLoader(data, cfg.train.seq_len, cfg.train.micro_batch, cfg.seed, rank_, world,
+                                     documents)
+    else:
+        train_loader = TokenLoader(data, "train", cfg.train.seq_len, cfg.train.micro_batch, cfg.seed, rank_, world,
+                                   documents)
     # The validation set is the first eval_batches * global_batch sequences of the val split in a fixed
     # order (seed 0, whatever the run's seed), split over the ranks: the same sequences, and so a
-    # comparable val_loss, for every seed, world size and micro-batch.
+    # comparable val_loss, for every seed, world size and micro-batch. A mixture's sources have one each.
     val_data = validation_batches(cfg, data, rank_, world)
     if train_state is not None:
         train_loader.load_state_dict(train_state["loader"])
@@ -136,8 +143,12 @@ def build(cfg: Config) -> Run:
                      world),
         ScaleMonitor(),
         ModelMetrics(),
-        EpochMonitor(),
-        Evaluator(val_data, cfg.train.eval_every, token_bytes(data.load_tokenizer())),
+        # after ModelMetrics (see Diagnostics); not there at all when off
+        *([Diagnostics(cfg.train.diagnostics_every, diagnostic_batch(cfg, data))]
+          if cfg.train.diagnostics_every else []),
+        EpochMonitor(cfg.data.max_repeats),
+        Evaluator(val_data, cfg.train.eval_every, token_bytes(data.load_tokenizer()),
+                  {entry.name: entry.weight for entry, _ in data.sources} if isinstance(data, MixtureData) else None),
     ]
     # after the evaluator (it evaluates at its steps), before the checkpointer (which saves it)
     evaluator = next(cb for cb in callbacks if isinstance(cb, Evaluator))
@@ -164,12 +175,24 @@ def build(cfg: Config) -> Run:
     return Run(trainer, data, run_dir, checkpointer, branched_from, attended)
 
 
-def validation_batches(cfg: Config, data: PreparedData, rank_: int, world: int) -> list:
-    """This rank's share of the validation set (see build)."""
+def validation_batches(cfg: Config, data: PreparedData | MixtureData, rank_: int,
+                       world: int) -> list | dict[str, list]:
+    """This rank's share of the validation set (see build); of each source's, by name, for a mixture."""
+    if isinstance(data, MixtureData):
+        return {entry.name: validation_batches(cfg, prepared, rank_, world) for entry, prepared in data.sources}
     loader = TokenLoader(data, "val", cfg.train.seq_len, cfg.train.micro_batch, 0, rank_, world,
                          cfg.model.attention_mask == "document")
     return [loader.next_batch() for _ in range(cfg.train.eval_batches * cfg.train.global_batch
                                                // (cfg.train.micro_batch * world))]
+
+
+def diagnostic_batch(cfg: Config, data: PreparedData | MixtureData):
+    """The batch the diagnostics measure activations on: the val split's first micro_batch sequences in
+    the validation order (a mixture's: its first source's), the same on every rank."""
+    if isinstance(data, MixtureData):
+        data = data.sources[0][1]
+    return TokenLoader(data, "val", cfg.train.seq_len, cfg.train.micro_batch, 0, 0, 1,
+                       cfg.model.attention_mask == "document").next_batch()
 
 
 def check_run_dir(run_dir: Path) -> None:

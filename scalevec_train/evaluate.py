@@ -31,15 +31,19 @@ def evaluate(path: str | Path) -> tuple[float, Path | None]:
     data = prepare_data(cfg.data)
     check_vocab(data, cfg.model.vocab_size)
     model, _ = load(checkpoint, device=device)
-    batches = validation_batches(cfg, data, 0, 1)
-    loss = validation_loss(model, batches, device, autocast_for(cfg.train.dtype, device),
-                           counted_targets(batches))[0].item()
+    sets = validation_batches(cfg, data, 0, 1)
+    sets = sets if isinstance(sets, dict) else {"": sets}
+    losses = {name: validation_loss(model, batches, device, autocast_for(cfg.train.dtype, device),
+                                    counted_targets(batches))[0].item() for name, batches in sets.items()}
+    # a mixture's val_loss: its sources' weighted mean (as the trainer's Evaluator records it)
+    weights = {m.name: m.weight for m in cfg.data.mixture} or {"": 1.0}
+    loss = sum(weights[name] * value for name, value in losses.items()) / sum(weights.values())
     state = read_train_state(checkpoint)
     if AVERAGED not in state:
         return loss, None
     # tokens: compare_runs' x axis; every step of a run takes the same number of tokens
     record = {"step": state["step"], "tokens": state["step"] * cfg.train.global_batch * cfg.train.seq_len,
-              "val_loss": loss}
+              "val_loss": loss, **{f"val_loss/{name}": value for name, value in losses.items() if name}}
     (checkpoint / METRICS_FILE).write_text(json.dumps(record) + "\n")
     return loss, checkpoint / METRICS_FILE
 

@@ -11,6 +11,7 @@ import os
 import sys
 
 from scalevec_train.data import prepare_share
+from scalevec_train.data.mixture import MixtureData
 from scalevec_train.errors import ScalevecError
 
 
@@ -45,10 +46,11 @@ def main(argv: list[str]) -> int:
     if data is None:
         print(f"process {rank} of {world}: its parts are written; the last process to finish merges them")
         return 0
-    print(f"prepared {data.root}")
+    for entry, prepared in data.sources if isinstance(data, MixtureData) else [(None, data)]:
+        print(f"prepared {prepared.root}" + (f" (source {entry.name})" if entry else ""))
+        for split, manifest in prepared.manifest.items():
+            print(f"{split}: {manifest['num_tokens']:,} tokens in {len(manifest['shards'])} shards")
     print(f"tokenizer {data.tokenizer_path} (vocab {data.vocab_size}, sha256 {data.tokenizer_hash[:12]})")
-    for split, manifest in data.manifest.items():
-        print(f"{split}: {manifest['num_tokens']:,} tokens in {len(manifest['shards'])} shards")
     return 0
 
 

@@ -3,7 +3,15 @@
 import argparse
 import sys
 
-from scalevec_analysis import ema_run, load_run_dir, load_wandb, write_comparison, write_efficiency, write_scaling
+from scalevec_analysis import (
+    ema_run,
+    load_run_dir,
+    load_wandb,
+    write_comparison,
+    write_diagnostics,
+    write_efficiency,
+    write_scaling,
+)
 from scalevec_train.errors import ScalevecError
 
 DESCRIPTION = """\
@@ -18,7 +26,8 @@ its own (ema=half-life <tokens>).
 Default mode writes OUT/curves.png (loss and validation loss against tokens), OUT/summary.md and
 OUT/summary.csv, and prints the table:
   terminal loss   per run: the final val_loss (--metric val_loss) or val_bpb (--metric val_bpb, bits
-                  per byte of the text: runs of different tokenizers compare), or the mean of the last
+                  per byte of the text: runs of different tokenizers compare), or those of one source
+                  of a data mixture (--metric val_loss/NAME, val_bpb/NAME), or the mean of the last
                   --last-k logged training losses (--metric loss); per group: mean and sample
                   std (ddof=1) over its runs (seeds). T_G: mean tokens at the runs' terminal points.
   Δ vs ref        group terminal loss minus the reference group's.
@@ -41,7 +50,21 @@ loss divided by the point's compute (>1: the strategy needs less), measured (the
 from the fits (the strategy's fitted loss), per point and as the geometric mean over a series' points,
 with 95% percentile bootstrap intervals over seeds (--bootstrap resamples). Writes OUT/efficiency.png,
 OUT/efficiency.md and OUT/efficiency.csv.
+
+--diagnostics mode draws the diag/* metrics of runs trained with train.diagnostics_every (docs/experiments.md,
+"Diagnostics") over training, a column per run (e.g. baseline against unified), to OUT/diagnostics.png:
+the residual stream's RMS and the largest attention logit per layer; per kind of linear map (mean over
+the layers) the update-to-weight ratio, the gain of the input-side scale on the column norms, and the
+spread of the column norms of W diag(g) and of W.
 """
+
+
+def metric_name(value: str) -> str:
+    """--metric: loss, val_loss, val_bpb, or one of the last two of a mixture's source (val_loss/NAME)."""
+    base, _, source = value.partition("/")
+    if value in ("loss", "val_loss", "val_bpb") or (base in ("val_loss", "val_bpb") and source):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is not loss, val_loss, val_bpb, val_loss/NAME or val_bpb/NAME")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -55,9 +78,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--reference", help="reference group (--efficiency: series): its label or key=value terms, "
                                        "e.g. 'scale=baseline' (required unless --scaling)")
-    p.add_argument("--metric", choices=["val_loss", "val_bpb", "loss"], default="val_loss",
+    p.add_argument("--metric", type=metric_name, default="val_loss",
                    help="the loss that defines terminal loss and token efficiency (default val_loss; "
-                        "val_bpb: validation bits per byte, which compares runs of different tokenizers)")
+                        "val_bpb: validation bits per byte, which compares runs of different tokenizers; "
+                        "val_loss/NAME or val_bpb/NAME: those of source NAME of a data mixture)")
     p.add_argument("--last-k", type=int, default=10,
                    help="--metric loss: average the last K logged training losses (default 10)")
     p.add_argument("--ema", type=float, help="plot only: smooth training-loss curves with this EMA factor")
@@ -72,15 +96,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="--scaling, --efficiency: config keys or sections that define a strategy (default: scale)")
     p.add_argument("--efficiency", action="store_true",
                    help="compute multipliers of each strategy against --reference over a ladder")
+    p.add_argument("--diagnostics", action="store_true",
+                   help="draw the runs' diag/* metrics side by side (OUT/diagnostics.png)")
     p.add_argument("--bootstrap", type=int, default=1000,
                    help="--efficiency: bootstrap resamples over seeds for the intervals (default 1000)")
     args = p.parse_args(argv)
     if not (args.run_dirs or args.wandb or args.wandb_filter):
         p.error("give at least one RUN_DIR, --wandb or --wandb-filter")
-    if not args.scaling and not args.reference:
-        p.error("--reference is required (unless --scaling)")
-    if args.scaling and args.efficiency:
-        p.error("--scaling and --efficiency are separate modes: pick one")
+    if sum((args.scaling, args.efficiency, args.diagnostics)) > 1:
+        p.error("--scaling, --efficiency and --diagnostics are separate modes: pick one")
+    if not (args.scaling or args.diagnostics) and not args.reference:
+        p.error("--reference is required (unless --scaling or --diagnostics)")
     if args.last_k < 1:
         p.error("--last-k must be at least 1")
     if args.bootstrap < 1:
@@ -101,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.scaling:
             table = write_scaling(runs, args.out, args.metric, args.last_k, args.series or ["scale"],
                                   args.ignore)
+        elif args.diagnostics:
+            table = write_diagnostics(runs, args.out, args.ignore)
         elif args.efficiency:
             table = write_efficiency(runs, args.reference, args.out, args.metric, args.last_k,
                                      args.series or ["scale"], args.ignore, args.bootstrap)

@@ -3,6 +3,10 @@
 #   bash scripts/run_study.sh            the main study (from the repository root, after `make setup`)
 #   bash scripts/run_study.sh lr_sweep   the supplementary learning-rate sweep (reuses the main study's
 #                                        lr 3e-3 runs: run the main study first)
+#   bash scripts/run_study.sh ladder     the ladder at 10 tokens per parameter (configs/experiment/ladder.yaml):
+#                                        an LR grid on dense-l2, then dense-l1..l3 x baseline, unified x
+#                                        AdamW, Muon x 3 seeds with WSD branches, and the 5x-budget check;
+#                                        runs to runs/ladder/, tables to docs/results/ladder/
 # Two workers, one CPU thread each, take the sweeps from a queue, longest first (Muon's bf16
 # Newton-Schulz makes its runs about twice as long on a CPU), so both cores stay busy to the end; the same
 # seeds give the same numbers on the same machine whichever worker runs them. Finished runs are reused
@@ -28,6 +32,38 @@ sweeps() {  # one Hydra sweep per argument (its overrides, separated by spaces),
   done | xargs -L 1 -P 2 bash -c '"$0" -m scalevec_train.train -m "${@:2}" > "runs/study_logs/$1.log" 2>&1 ||
     { echo "error: sweep $1 (${*:2}) failed; its log: runs/study_logs/$1.log" >&2; exit 1; }' "$PY"
 }
+
+# The ladder (docs/results.md, "The ladder"). A rung's batch (sequences of 128 tokens) grows with it, its
+# validation is the same 128 sequences on every rung, and it evaluates about 20 times per trunk; l2 and l3
+# run compiled blocks (faster on a CPU from there on; l1's runs are shorter than the compilation).
+rung_args() {
+  case $1 in
+    dense-l1) echo train.global_batch=4 train.eval_batches=32 train.eval_every=13 distributed.compile=false ;;
+    dense-l2) echo train.global_batch=8 train.eval_batches=16 train.eval_every=52 distributed.compile=true ;;
+    dense-l3) echo train.global_batch=16 train.eval_batches=8 train.eval_every=88 distributed.compile=true ;;
+  esac
+}
+ladder_run() {  # rung scale optim lr seed [trunk]: the WSD trunk to 10 tokens per parameter, then (unless
+                # "trunk") its branches decaying to 2.5 and 5 from its checkpoints at 2 and 4
+  local args="+experiment=ladder model=$1 scale=$2 optim=$3 optim.lr=$4 seed=$5 $(rung_args "$1")"
+  local log=runs/ladder_logs/$1-$2-$3-lr$4-s$5.log
+  ($PY -m scalevec_train.train $args && { test "${6:-}" = trunk || for budget in 2.5 5; do
+      $PY -m scalevec_train.train $args train.tokens_per_param=$budget \
+        branch_from=runs/ladder/$1-$2-$3-lr$4-tpp10.0-s$5 || exit 1; done; }) > "$log" 2>&1 ||
+    { echo "error: ladder run $* failed; its log: $log" >&2; return 1; }
+}
+study800_run() {  # scale seed: the 5x-budget check, dense-study, AdamW, cosine, 800 steps
+  local log=runs/ladder_logs/study800-$1-s$2.log
+  $PY -m scalevec_train.train +experiment=study_base train.steps=800 scale=$1 seed=$2 \
+    run_dir=runs/ladder/study800/dense-study-$1-adamw-cosine-steps800-s$2 > "$log" 2>&1 ||
+    { echo "error: 5x-budget run $* failed; its log: $log" >&2; return 1; }
+}
+on_two_workers() {  # each input line: a function above and its arguments; longest jobs first
+  export -f rung_args ladder_run study800_run
+  export PY
+  xargs -L 1 -P 2 bash -c '"$@"' _
+}
+LADDER_LRS="0.001 0.003 0.01"
 
 case ${1:-main} in
   main)
@@ -64,8 +100,47 @@ case ${1:-main} in
     compare lr_sweep "scale=baseline optim.lr=0.003" $R/dense-study-{baseline,dnp,unified}-adamw-cosine-s* \
       $R/dense-study-{baseline,dnp,unified}-adamw-cosine-lr*-s*
     ;;
+  ladder)
+    L=runs/ladder
+    out=docs/results/ladder
+    mkdir -p runs/ladder_logs $out
+    # 1. The LR grid: every arm (scale x optimizer) on dense-l2, seed 0, the same three peak LRs.
+    for scale in baseline unified; do for optim in adamw muon; do for lr in $LADDER_LRS; do
+      echo ladder_run dense-l2 $scale $optim $lr 0 trunk
+    done; done; done | on_two_workers
+    picks=$($PY scripts/ladder_report.py lr $out/lr_grid.md $L/dense-l2-*-tpp10.0-s0)
+    # 2. Every arm at its own best LR: rungs x 3 seeds (the grid's dense-l2 seed-0 trunk is reused), the
+    #    5x-budget check beside them.
+    {
+      for rung in dense-l3 study800 dense-l2 dense-l1; do
+        for seed in 0 1 2; do
+          if [ $rung = study800 ]; then
+            echo study800_run baseline $seed
+            echo study800_run unified $seed
+          else
+            echo "$picks" | while read -r scale optim lr; do echo ladder_run $rung $scale $optim $lr $seed; done
+          fi
+        done
+      done
+    } | on_two_workers
+    # 3. The tables and fits. Each optimizer's arms at their picked LRs (optim.lr tells the arms apart
+    #    only through the strategy, so it is left out of the grouping).
+    arm_runs() {  # optim: that optimizer's ladder runs, trunks and branches, at the picked LRs
+      echo "$picks" | while read -r scale optim lr; do
+        if [ "$optim" = "$1" ]; then ls -d $L/dense-l[123]-$scale-$optim-lr$lr-tpp*-s[012]; fi
+      done
+    }
+    $PY scripts/ladder_report.py table $out/terminal.md $(arm_runs adamw) $(arm_runs muon)
+    for optim in adamw muon; do
+      for metric in val_loss val_bpb; do
+        $PY scripts/compare_runs.py $(arm_runs $optim) --efficiency --reference scale=baseline --ignore optim.lr \
+          --metric $metric --out $out/efficiency_${optim}_$metric
+      done
+    done
+    compare ladder/study800 scale=baseline $L/study800/dense-study-*-s*
+    ;;
   *)
-    echo "error: unknown part '$1'. Fix: use main (the default) or lr_sweep." >&2
+    echo "error: unknown part '$1'. Fix: use main (the default), lr_sweep or ladder." >&2
     exit 2
     ;;
 esac

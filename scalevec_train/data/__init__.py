@@ -2,7 +2,8 @@
 every core of one or many nodes -> deterministic, resumable batches."""
 
 from scalevec_train.data.config import DataConfig
-from scalevec_train.data.prepare import PreparedData, check_vocab, open_prepared, prepare_data, prepare_share
+from scalevec_train.data.prepare import PreparedData, check_vocab, open_prepared
+from scalevec_train.data.sources import prepare_data, prepare_share
 
 __all__ = ["DataConfig", "PreparedData", "TokenLoader", "check_vocab", "open_prepared", "prepare_data",
            "prepare_share"]

@@ -1,11 +1,36 @@
 """The data settings (`data.*` in the Hydra config) and their validation."""
 
-from dataclasses import dataclass, field
+import math
+import re
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 from scalevec_train.errors import ScalevecError, check_choices, choice
 
 EMBEDDED = ("stdlib", "python_env")  # sources that read the running Python's files, so take no data.path
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a source name is a metric-key suffix: val_loss/<name>
+
+
+@dataclass
+class MixtureSource:
+    """One source of a mixture (data.mixture): the source-specific options mean what the single-source
+    ones of the same name do; everything else (tokenizer, shard size, workers, cache) is shared."""
+
+    # names the source in metrics (val_loss/<name>, epochs/<name>): letters, digits, _ . -; unique
+    name: str = ""
+    source: str = choice("stdlib", Literal["stdlib", "python_env", "text_dir", "hf", "shards"])
+    path: str = ""
+    # relative share of training samples (the weights need not sum to 1)
+    weight: float = 1.0
+    # train on at most this many tokens of the source's training split, repeating them (0: all of it)
+    max_tokens: int = 0
+    patterns: list[str] = field(default_factory=lambda: ["*.txt", "*.md", "*.rst", "*.py"])
+    text_field: str = "text"
+    hf_config: str = ""
+    hf_split: str = "train"
+    streaming: bool = False
+    max_corpus_bytes: int = 0
+    val_fraction: float = 0.02
 
 
 @dataclass
@@ -52,9 +77,64 @@ class DataConfig:
     part_bytes: int = 1 << 27
     # where tokenizers and prepared shards are cached (relative to the working directory)
     cache_dir: str = "data_cache"
+    # several sources instead of one (empty: the single source above): each entry a MixtureSource, e.g.
+    # [{name: code, source: stdlib, weight: 3}, {name: docs, source: text_dir, path: docs, weight: 1}].
+    # data.source, data.path and the other source-specific options above then go unused. All sources share
+    # one tokenizer: data.tokenizer_path, or one trained on the sources' training text in proportion to
+    # their weights. docs/data.md: how samples are drawn, and what val_loss means for a mixture.
+    mixture: list[MixtureSource] = field(default_factory=list)
+    # warn at the start when the run would go over the training data (with a mixture: over any one
+    # source's) more than this many times: up to about 4 passes repeated tokens are worth nearly as much
+    # as fresh ones, beyond it their value falls quickly (Muennighoff et al. 2023)
+    max_repeats: float = 4.0
 
-    def validate(self) -> None:
-        check_choices(self, "data.")
+    def validate(self, prefix: str = "data.") -> None:
+        check_choices(self, prefix)
+        if self.mixture:
+            self._validate_mixture()
+        try:
+            self._validate_source()
+        except ScalevecError as e:
+            if prefix == "data.":
+                raise
+            raise ScalevecError(e.where.replace("data.", prefix, 1), e.problem, e.fix) from None
+        self._validate_shared()
+
+    def sources(self) -> list[tuple[MixtureSource, "DataConfig"]]:
+        """Each mixture entry with the single-source config that prepares it."""
+        shared = {f.name for f in fields(MixtureSource)} & {f.name for f in fields(DataConfig)}
+        return [(m, replace(self, mixture=[], **{k: getattr(m, k) for k in shared})) for m in self.mixture]
+
+    def _validate_mixture(self) -> None:
+        if self.path or self.source != "stdlib":
+            raise ScalevecError("data.mixture", f"is set, and so is data.source={self.source} "
+                                f"data.path={self.path!r}, which a mixture ignores.",
+                                "put every source in data.mixture (each entry has its own source and path), "
+                                "and leave data.source and data.path at their defaults.")
+        seen: set[str] = set()
+        for i, m in enumerate(self.mixture):
+            where = f"data.mixture[{i}]"
+            if not _NAME.fullmatch(m.name):
+                raise ScalevecError(f"{where}.name", f"{m.name!r} cannot name a metric (val_loss/<name>).",
+                                    "use letters, digits, _ . or -, e.g. name: code.")
+            if m.name in seen:
+                raise ScalevecError(f"{where}.name", f"{m.name!r} names two sources.", "give each a name of its own.")
+            seen.add(m.name)
+            if not (math.isfinite(m.weight) and m.weight > 0):
+                raise ScalevecError(f"{where}.weight", f"{m.weight} is not a positive number.",
+                                    "give every source a weight > 0 (a source without samples has no place in "
+                                    "the mixture).")
+            if m.max_tokens < 0:
+                raise ScalevecError(f"{where}.max_tokens", f"{m.max_tokens} is negative.", "use 0 for no cap.")
+            if m.source == "shards" and not self.tokenizer_path:
+                raise ScalevecError(f"{where}.source", "is shards, which come with a tokenizer of their own, "
+                                    "but data.tokenizer_path is empty.",
+                                    "set data.tokenizer_path to the shards' tokenizer: every source of a mixture "
+                                    "uses it.")
+        for i, (_, single) in enumerate(self.sources()):
+            single.validate(prefix=f"data.mixture[{i}].")
+
+    def _validate_source(self) -> None:
         if self.source in EMBEDDED and self.path:
             raise ScalevecError("data.path", f"is set ({self.path!r}) but data.source={self.source} ignores it.",
                                 "pick the source that reads it (data=text_dir, data=hf, data=shards) "
@@ -73,6 +153,8 @@ class DataConfig:
         if self.max_corpus_bytes < 0:
             raise ScalevecError("data.max_corpus_bytes", f"{self.max_corpus_bytes} is negative.",
                                 "use 0 for no limit.")
+
+    def _validate_shared(self) -> None:
         if self.vocab_size < 1:
             raise ScalevecError("data.vocab_size", f"{self.vocab_size} is not positive.")
         if self.tokenizer_train_bytes < 1:
@@ -87,6 +169,9 @@ class DataConfig:
             raise ScalevecError("data.part_bytes", f"{self.part_bytes} is not positive.")
         if not self.cache_dir:
             raise ScalevecError("data.cache_dir", "is empty.", "name a folder for the data cache.")
+        if not self.max_repeats > 0:
+            raise ScalevecError("data.max_repeats", f"{self.max_repeats} is not positive.",
+                                "use the number of passes over the data to allow before warning, e.g. 4.")
 
 
 _PATH_HELP = {

@@ -37,9 +37,18 @@ def document_ids(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
     return ends.cumsum(-1) - ends
 
 
+def mean_attended_keys(batch: Batch) -> float:
+    """The mean number of keys a query of `batch` attends to under document masking."""
+    if batch.doc_ids is None:
+        raise ValueError("attended_keys needs a loader made with documents=True")
+    seq_len = batch.doc_ids.shape[1]
+    lengths = torch.stack([torch.bincount(row, minlength=seq_len) for row in batch.doc_ids]).double()
+    return float((lengths * (lengths + 1) / 2).sum() / batch.doc_ids.numel())
+
+
 class TokenLoader:
     def __init__(self, data: PreparedData, split: str, seq_len: int, batch_size: int, seed: int,
-                 rank: int = 0, world_size: int = 1, documents: bool = False):
+                 rank: int = 0, world_size: int = 1, documents: bool = False, max_tokens: int = 0):
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("world_size", world_size)):
             if value < 1:
                 raise ScalevecError(name, f"{value} is not positive.")
@@ -48,7 +57,8 @@ class TokenLoader:
         if not 0 <= rank < world_size:
             raise ScalevecError("rank", f"{rank} is outside [0, world_size={world_size}).")
         self.stream = TokenStream(data.split_dir(split), data.manifest[split])
-        self.num_windows = (self.stream.num_tokens - 1) // seq_len
+        # max_tokens (a mixture source's cap): windows within the split's first max_tokens tokens only
+        self.num_windows = (min(self.stream.num_tokens, max_tokens or self.stream.num_tokens) - 1) // seq_len
         if self.num_windows < 1:
             raise ScalevecError(f"data ({split} split)", f"has {self.stream.num_tokens} tokens, too few "
                                 f"for one sequence of seq_len + 1 = {seq_len + 1}.",
@@ -83,11 +93,12 @@ class TokenLoader:
     def attended_keys(self, samples: int = 1024) -> float:
         """The mean number of keys a query attends to under document masking, over the first `samples`
         windows of the sample order: what attention costs per token (accounting.train_flops_per_token)."""
-        doc_ids = self.read(np.arange(min(samples, self.num_windows), dtype=np.int64)).doc_ids
-        if doc_ids is None:
-            raise ValueError("attended_keys needs a loader made with documents=True")
-        lengths = torch.stack([torch.bincount(row, minlength=self.seq_len) for row in doc_ids]).double()
-        return float((lengths * (lengths + 1) / 2).sum() / doc_ids.numel())
+        return mean_attended_keys(self.read(np.arange(min(samples, self.num_windows), dtype=np.int64)))
+
+    def epochs_at(self, position: int) -> dict[str, float]:
+        """Passes over the training data after `position` global samples ({"": passes}; a mixture names
+        its sources)."""
+        return {"": position / self.num_windows}
 
     def windows(self, samples: np.ndarray) -> np.ndarray:
         """The window index of each global sample index."""

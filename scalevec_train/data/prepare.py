@@ -10,16 +10,16 @@ Cache layout under data.cache_dir:
 A prepared folder is built under a temporary name and renamed when complete, so a killed preparation
 never leaves a folder that looks valid. The same folder layout is what data.source=shards reads.
 
-prepare_data() prepares in this process (with data.num_workers encoding processes); prepare_share() is
-one process's share of a preparation that several processes run together (prepare_data.py under
-torchrun, or a SLURM array), and the last of them to finish merges.
+prepare_source_share() is one process's share of a preparation that several processes run together
+(prepare_data.py under torchrun, or a SLURM array; data.num_workers encoding processes each), and the
+last of them to finish merges; one process alone prepares everything. It takes one source: sources.py
+prepares what data.* configures, one source or a mixture (mixture.py).
 """
 
 import fcntl
 import hashlib
 import json
 import logging
-import multiprocessing
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -61,22 +61,10 @@ class PreparedData:
         return tokenizer.load(self.tokenizer_path)
 
 
-def prepare_data(cfg: DataConfig) -> PreparedData:
-    """Tokenizer and shards for `cfg`, built on first use and reused (after checks) afterwards."""
-    data = prepare_share(cfg, 0, 1)
-    assert data is not None  # the only process is the last to finish
-    return data
-
-
-def prepare_share(cfg: DataConfig, rank: int, world: int, local_world: int = 1) -> PreparedData | None:
+def prepare_source_share(cfg: DataConfig, rank: int, world: int, local_world: int = 1) -> PreparedData | None:
     """Process `rank`'s share of a preparation that `world` processes run together, `local_world` of
     them on this node (sharing its cores): the prepared data, or None while other processes' parts are
     still missing (the last process to finish merges). One process (world=1) prepares everything."""
-    if getattr(multiprocessing.current_process(), "_inheriting", False):
-        # An encoding worker is importing the main module of the process that started it (spawn), and
-        # that module prepares data at import: it would wait forever for the lock its parent holds.
-        raise ScalevecError("prepare_data", "was called while a worker process imported the main module.",
-                            "call it under `if __name__ == \"__main__\":` in the script that prepares data.")
     cfg.validate()
     if cfg.source == "shards":
         data = open_prepared(Path(cfg.path), cfg.tokenizer_path, scan=True)
@@ -152,7 +140,7 @@ def _prepare_text(cfg: DataConfig, rank: int, world: int, workers: int) -> Prepa
     # then find it instead of racing it with one of their own. One process prepares the shards under
     # the lock too (the other ranks of a training job wait for them); processes that share the work
     # encode their parts outside it and take it only to merge.
-    with _exclusive(cache):
+    with exclusive(cache):
         if not tok_path.is_file():
             split = ValSplit(cfg.val_fraction, corpus.keys())
             _train_tokenizer(cfg, corpus, split, tok_path)
@@ -161,7 +149,7 @@ def _prepare_text(cfg: DataConfig, rank: int, world: int, workers: int) -> Prepa
             _build(cfg, corpus, split, tok_path, root, rank, world, workers)
     if not root.is_dir():
         _build(cfg, corpus, split, tok_path, root, rank, world, workers)
-        with _exclusive(cache):
+        with exclusive(cache):
             if not root.is_dir() and not _merge(cfg, tok_path, root):
                 log.info("process %d of %d: its parts are written; the last process to finish merges", rank,
                          world)
@@ -174,7 +162,7 @@ def _tokenizer_path(cfg: DataConfig, identity: dict, cache: Path) -> Path:
     if cfg.tokenizer_path:
         return tokenizer.resolve(Path(cfg.tokenizer_path))
     settings = tokenizer.settings(cfg.vocab_size, cfg.tokenizer_type, cfg.tokenizer_train_bytes)
-    return cache / "tokenizers" / f"{_digest({**identity, 'tokenizer': settings})}.model"
+    return cache / "tokenizers" / f"{digest({**identity, 'tokenizer': settings})}.model"
 
 
 def _data_root(cfg: DataConfig, identity: dict, cache: Path, tok_path: Path) -> Path | None:
@@ -183,11 +171,11 @@ def _data_root(cfg: DataConfig, identity: dict, cache: Path, tok_path: Path) -> 
         return None
     key = {**identity, "tokenizer": tokenizer.file_hash(tok_path), "shard_tokens": cfg.shard_tokens,
            "format": FORMAT}
-    return cache / f"{cfg.source}-{_digest(key)}"
+    return cache / f"{cfg.source}-{digest(key)}"
 
 
 @contextmanager
-def _exclusive(cache: Path) -> Iterator[None]:
+def exclusive(cache: Path) -> Iterator[None]:
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if the process dies
@@ -225,5 +213,5 @@ def _merge(cfg: DataConfig, tok_path: Path, root: Path) -> bool:
                  tok.get_piece_size(), tok.eos_id(), {"source": cfg.source, "path": cfg.path})
 
 
-def _digest(value: object) -> str:
+def digest(value: object) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:20]

@@ -12,6 +12,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from scalevec_train.model.strategies import SiteMaps
+
 
 @runtime_checkable
 class TrainableModel(Protocol):
@@ -33,6 +35,10 @@ class TrainableModel(Protocol):
 
     def compute_metrics(self) -> dict[str, float]:
         """The model's own metrics for a logged step (MoE load balance); read on log steps only."""
+
+    def site_maps(self) -> list[SiteMaps]:
+        """Every scale site with the linear maps it scales (strategies.SiteMaps): folding, describe and
+        the diagnostics' input-side scales."""
 
     def initial_value(self, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
         """The initial value of parameter `name`: a function of (seed, name) only, never of sharding."""

@@ -91,6 +91,16 @@ def parallelize(model: TrainableModel, cfg: DistributedConfig, device: torch.dev
     return model
 
 
+def reshard(model: nn.Module) -> None:
+    """Register every sharded parameter's fp32 shard again where a forward left it gathered (the root
+    keeps its parameters gathered after a forward, in the compute dtype); nothing on one process. Also
+    what makes the next forward gather anew after weights were written into the shards between steps
+    (the weight EMA swapped in for an evaluation, and back)."""
+    for module in model.modules():
+        if hasattr(module, "reshard"):  # an FSDP2 module
+            module.reshard()
+
+
 def replicated_params(model: nn.Module) -> list[nn.Parameter]:
     """The parameters every rank holds whole (the scale sites under FSDP; none on one process)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -98,19 +108,6 @@ def replicated_params(model: nn.Module) -> list[nn.Parameter]:
     from torch.distributed.tensor import DTensor
 
     return [p for p in model.parameters() if not isinstance(p, DTensor)]
-
-
-def reshard(model: nn.Module) -> None:
-    """Drop FSDP's gathered copies of the parameters (the root keeps its own after a forward), so that
-    the next forward gathers the sharded values anew: needed after writing into the sharded parameters
-    between steps (another set of weights swapped in for an evaluation, and back). No-op on one process."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 @torch.no_grad()

@@ -1,11 +1,14 @@
 """Activation checkpointing and torch.compile, applied to each block's forward in place, so that
 parameter names (and with them initial values, optimizer groups and checkpoints) are the same under
-every setting:
+every setting (eager_blocks undoes it for a while):
   none       keep all activations.
   selective  keep the outputs of matrix multiplies and attention; recompute the cheap element-wise work
              between them (norms, RoPE, SiLU * up) in the backward pass.
   full       keep only each block's input; recompute the whole block in the backward pass.
 """
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -55,3 +58,17 @@ def wrap_block(block: nn.Module, ac: str, compile_block: bool) -> None:
             # counts only ever enter as relative loads, so recorded once or twice they act alike.
             forward = torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)(forward)
     block.forward = forward
+
+
+@contextmanager
+def eager_blocks(model: nn.Module) -> Iterator[None]:
+    """Within the context every block runs its own forward, neither checkpointed nor compiled (forward
+    hooks on its submodules then see every call); FSDP's hooks, on the block's __call__, stay."""
+    wrapped = [(block, vars(block)["forward"]) for block in model.layers if "forward" in vars(block)]
+    for block, _ in wrapped:
+        del block.forward  # the class's forward shows through
+    try:
+        yield
+    finally:
+        for block, forward in wrapped:
+            block.forward = forward

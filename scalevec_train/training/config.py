@@ -73,6 +73,11 @@ class TrainConfig:
     profile_record_shapes: bool = False
     # profile on every rank (a file per rank); false: rank 0 only
     profile_all_ranks: bool = False
+    # measure the paper's mechanism every this many steps, a multiple of log_every (diag/* metrics: the
+    # residual stream's and each normalization's RMS, the largest attention logit per layer, and per linear
+    # map its weight RMS, update-to-weight ratio and column norms with and without its input-side scale;
+    # docs/experiments.md, "Diagnostics"); 0: off, and the run is the same as without the option
+    diagnostics_every: int = 0
     ema: EMAConfig = field(default_factory=EMAConfig)
 
     def derive_micro_batch(self, world_size: int) -> None:
@@ -117,6 +122,10 @@ class TrainConfig:
         if any(step < 1 for step in self.profile_steps):
             raise ScalevecError("train.profile_steps", f"{list(self.profile_steps)} holds a step below 1.",
                                 "name steps from 1 (the first optimizer step), e.g. [10,11].")
+        if self.diagnostics_every < 0 or self.diagnostics_every % self.log_every:
+            raise ScalevecError("train.diagnostics_every", f"{self.diagnostics_every} is not 0 or a positive "
+                                f"multiple of train.log_every={self.log_every}: diagnostics are measured on log steps.",
+                                f"use a multiple of {self.log_every} (e.g. {self.log_every}), or 0 to turn them off.")
         if self.max_bad_steps < 1:
             raise ScalevecError("train.max_bad_steps", f"must be at least 1, got {self.max_bad_steps}.",
                                 "allow at least one skipped step, e.g. 5.")

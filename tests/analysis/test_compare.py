@@ -59,7 +59,8 @@ def config(seed, scale="baseline", steps=40, lr=3e-3, dim=64):
                   "weight_decay": "iwd" if scale == "unified" else "none"},
         "optim": {"name": "adamw", "lr": lr},
         "schedule": {"name": "cosine", "warmup_steps": 2},
-        "train": {"steps": steps, "global_batch": 5, "seq_len": 10, "profile_steps": [2] if seed % 2 else []},
+        "train": {"steps": steps, "global_batch": 5, "seq_len": 10, "profile_steps": [2] if seed % 2 else [],
+                  "diagnostics_every": 10 if seed % 2 else 0},
         "data": {"name": "synthetic", "cache_dir": f"/tmp/c{seed}", "tokenizer": f"/mnt/d{seed}/tok.model"},
         "logger": {"wandb": seed % 2 == 0, "log_every": 1},
         "checkpoint": {"every": 10, "dir": f"/ckpt/{seed}"},
@@ -125,8 +126,8 @@ def by_label(rows):
 
 def test_summary_reproduces_known_differences_and_efficiencies(run_dirs):
     groups = group_runs([load_run_dir(d) for d in run_dirs])
-    # seed, run_dir, resume, data.cache_dir, logger.*, checkpoint.*, train.profile_* and an absolute path
-    # differ per run.
+    # seed, run_dir, resume, data.cache_dir, logger.*, checkpoint.*, train.profile_*,
+    # train.diagnostics_every and an absolute path differ per run.
     assert [(g.label, len(g.runs)) for g in groups] == [
         ("scale=baseline train.steps=40", 2), ("scale=unified train.steps=40", 3),
         ("scale=unified train.steps=20", 3), ("scale=none train.steps=40", 3)]
@@ -391,3 +392,43 @@ def test_run_needs_tokens():
     run = Run("r", {}, [{"step": 1, "val_loss": 2.0}])
     with pytest.raises(ScalevecError, match="no `tokens`"):
         metric_curve(run, "val_loss")
+
+
+@needs_matplotlib
+def test_a_mixture_source_loss_is_a_metric(tmp_path):
+    """--metric val_loss/NAME: the terminal loss is that source's (here 1.0 above the mixture's val_loss),
+    and the curve figure gets its panel; a metric of no source is refused."""
+    dirs = []
+    for scale, offset in (("baseline", 0.0), ("unified", -0.05)):
+        for seed in (0, 1):
+            rows = [{**r, "val_loss/docs": r["val_loss"] + 1.0} if "val_loss" in r else r
+                    for r in metric_rows(f_ref, 20, offset)]
+            dirs.append(write_run(tmp_path, f"{scale}-{seed}", config(seed, scale, steps=20), rows))
+    mixture = cli(*dirs, "--reference", "scale=baseline", "--out", tmp_path / "docs", "--metric", "val_loss/docs")
+    plain = cli(*dirs, "--reference", "scale=baseline", "--out", tmp_path / "mix", "--metric", "val_loss")
+    assert mixture.returncode == plain.returncode == 0, mixture.stderr + plain.stderr
+    def terminal(out):
+        return {d["group"]: float(d["terminal_mean"]) for d in csv.DictReader((tmp_path / out / "summary.csv").open())}
+
+    assert terminal("docs") == pytest.approx({g: v + 1.0 for g, v in terminal("mix").items()}, abs=1e-9)
+    assert "terminal val_loss/docs" in mixture.stdout
+    for bad in ("val_loss/", "docs", "loss/docs"):
+        done = cli(*dirs, "--reference", "scale=baseline", "--out", tmp_path / "bad", "--metric", bad)
+        assert done.returncode == 2 and "val_loss/NAME" in done.stderr, done.stderr
+    missing = cli(*dirs, "--reference", "scale=baseline", "--out", tmp_path / "bad", "--metric", "val_loss/code")
+    assert missing.returncode == 1 and "no `val_loss/code` values logged" in missing.stderr
+
+
+def test_mixture_entries_group_and_label_by_field(tmp_path):
+    """data.mixture (a list of sections) flattens by index: runs that differ in one source's weight form
+    groups labelled by that field, and each source's path is ignored like data.path."""
+    dirs = []
+    for weight, seed in ((0.25, 0), (0.25, 1), (0.5, 0)):
+        cfg = config(seed)
+        cfg["data"]["mixture"] = [{"name": "code", "source": "stdlib", "path": "", "weight": 0.75},
+                                  {"name": "docs", "source": "text_dir", "path": f"/home/u{seed}/docs",
+                                   "weight": weight}]
+        dirs.append(write_run(tmp_path, f"w{weight}-{seed}", cfg, metric_rows(f_ref, 5, 0)))
+    groups = group_runs([load_run_dir(d) for d in dirs])
+    assert sorted((g.label, len(g.runs)) for g in groups) == [("data.mixture.1.weight=0.25", 2),
+                                                              ("data.mixture.1.weight=0.5", 1)]

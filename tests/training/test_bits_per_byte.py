@@ -91,8 +91,8 @@ def text_bytes(tok: tokenizer.Tokenizer, ids: list[int]) -> int:
 def evaluate(model: torch.nn.Module, batches: list[Batch], tok: tokenizer.Tokenizer) -> tuple[float, float, int]:
     evaluator = Evaluator(batches, every=0, token_bytes=tokenizer.token_bytes(tok))
     trainer = SimpleNamespace(model=model, device=torch.device("cpu"), autocast=nullcontext)
-    val_loss, val_bpb = evaluator.evaluate(trainer)
-    return val_loss.item(), val_bpb.item(), evaluator.bytes
+    val_loss, val_bpb = evaluator.evaluate(trainer)[""]
+    return val_loss.item(), val_bpb.item(), evaluator.bytes[""]
 
 
 def check_against_direct(tok: tokenizer.Tokenizer, documents: bool) -> None:

@@ -54,6 +54,19 @@ def test_no_reads_between_logs_on_one_process(data_overrides, tmp_path, model, o
         assert counts["step_counter_reads"] == 0, counts
 
 
+def test_no_reads_between_logs_with_a_data_mixture(corpus_dir, tmp_path):
+    """A mixture's loader, per-source evaluation and epochs/<name> read nothing between logs either."""
+    out = tmp_path / "reads.json"
+    mixture = (f"data.mixture=[{{name:a,source:text_dir,path:'{corpus_dir}',patterns:['[a-j]*.py']}},"
+               f"{{name:b,source:text_dir,path:'{corpus_dir}',patterns:['[k-z]*.py'],weight:0.5}}]")
+    count_reads([mixture, f"data.cache_dir={tmp_path / 'cache'}", "model.vocab_size=512", "logger.progress_bar=false",
+                 *MODELS["dense"], *SHAPE, "optim=adamw", "scale=unified", f"run_dir={tmp_path / 'run'}"], out)
+    counts = json.loads(out.read_text())
+    assert counts["steps"] == 4 and counts["reads"] == 0, counts
+    assert {"val_loss/a", "val_loss/b", "epochs/a"} <= json.loads((tmp_path / "run" / "metrics.jsonl")
+                                                                  .read_text().splitlines()[-1]).keys()
+
+
 def test_no_reads_between_logs_on_two_ranks(data_overrides, processes, tmp_path):
     prepare_data(make_config(*data_overrides).data)  # once, not by 2 ranks at a time
     for model, optim in CASES:

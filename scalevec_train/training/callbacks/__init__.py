@@ -5,12 +5,14 @@
     monitors.py      SpeedMonitor: tokens/s and MFU; ModelMetrics: the model's own metrics (MoE load)
     epochs.py        EpochMonitor: passes over the training data, and a warning when they are many
     scales.py        ScaleMonitor: scale-site values and gradient norms
+    diagnostics.py   Diagnostics: the paper's mechanism measured every N steps (off by default)
     checkpointer.py  Checkpointer: periodic, final and stop checkpoints
     stability.py     StabilityGuard: non-finite steps and loss spikes; SigtermStop: a clean stop
     profiler.py      StepProfiler: traces and memory snapshots of chosen steps
 """
 
 from scalevec_train.training.callbacks.checkpointer import Checkpointer
+from scalevec_train.training.callbacks.diagnostics import Diagnostics
 from scalevec_train.training.callbacks.ema import WeightEMA
 from scalevec_train.training.callbacks.epochs import EpochMonitor
 from scalevec_train.training.callbacks.evaluation import Evaluator
@@ -19,5 +21,5 @@ from scalevec_train.training.callbacks.profiler import StepProfiler
 from scalevec_train.training.callbacks.scales import ScaleMonitor
 from scalevec_train.training.callbacks.stability import SigtermStop, StabilityGuard
 
-__all__ = ["Checkpointer", "EpochMonitor", "Evaluator", "ModelMetrics", "ScaleMonitor", "SigtermStop", "SpeedMonitor",
-           "StabilityGuard", "StepProfiler", "WeightEMA"]
+__all__ = ["Checkpointer", "Diagnostics", "EpochMonitor", "Evaluator", "ModelMetrics", "ScaleMonitor", "SigtermStop",
+           "SpeedMonitor", "StabilityGuard", "StepProfiler", "WeightEMA"]

@@ -47,7 +47,8 @@ def ema_decay(half_life_tokens: float, tokens_per_step: int) -> float:
 
 class WeightEMA(Callback, Stateful):
     """Keeps the EMA of `model`'s weights with decay `decay` per step (see the module docstring) and, at
-    the steps `evaluator` validates, records val_loss_ema (and val_bpb_ema) of the EMA weights, swapped
+    the steps `evaluator` validates, records val_loss_ema (and val_bpb_ema; for a data mixture also each
+    source's val_loss_ema/<name>) of the EMA weights, swapped
     into the model for the evaluation and back (the training state is left as it was, bit for bit).
     Stateful through the checkpoint's tensors (DCP), not train_state.json: build.py adds it there."""
 
@@ -107,11 +108,8 @@ class WeightEMA(Callback, Stateful):
         for ema, live in pairs:
             live.copy_(ema)
         try:
-            val_loss, val_bpb = self.evaluator.evaluate(trainer)
+            self.evaluator.record(trainer, "_ema")
         finally:
             for (_, live), before in zip(pairs, kept, strict=True):
                 live.copy_(before)
             reshard(trainer.model)
-        trainer.record("val_loss_ema", val_loss)
-        if val_bpb is not None:
-            trainer.record("val_bpb_ema", val_bpb)

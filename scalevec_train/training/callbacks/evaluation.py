@@ -19,32 +19,61 @@ class Evaluator(Callback):
     With `token_bytes` (data.tokenizer.token_bytes: the UTF-8 bytes of text each id stands for) it also
     records val_bpb = (sum of the counted targets' NLL in nats) / ln 2 / (bytes those targets stand for),
     over all batches and ranks. The bytes are counted once here on the host; the NLL sums ride along on
-    the device, so evaluating reads nothing more."""
+    the device, so evaluating reads nothing more.
 
-    def __init__(self, batches: list[Batch], every: int, token_bytes: np.ndarray | None = None):
-        self.batches, self.every = batches, every
-        self.counts = counted_targets(batches)
-        self.bytes = None if token_bytes is None else sum(
+    For a mixture, `batches` maps each source's name to its validation batches and `weights` gives the
+    sources' weights: each source's val_loss/<name> (and val_bpb/<name>) is recorded as above, and the
+    mixture's val_loss (val_bpb) is their weighted mean, the expected loss on a sample of the mixture."""
+
+    def __init__(self, batches: list[Batch] | dict[str, list[Batch]], every: int,
+                 token_bytes: np.ndarray | None = None, weights: dict[str, float] | None = None):
+        self.sets = batches if isinstance(batches, dict) else {"": batches}
+        weights = weights or {"": 1.0}
+        if set(weights) != set(self.sets):
+            raise ValueError(f"weights {sorted(weights)} do not name the validation sets {sorted(self.sets)}")
+        self.weights = {name: w / sum(weights.values()) for name, w in weights.items()}
+        self.every = every
+        self.counts = {name: counted_targets(b) for name, b in self.sets.items()}
+        self.bytes = None if token_bytes is None else {name: sum(
             int(token_bytes[b.targets[b.targets != IGNORE].numpy()].sum()) for b in batches)
+            for name, batches in self.sets.items()}
 
-    def evaluate(self, trainer: Trainer) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The validation loss and bits per byte (None without token_bytes), on the device."""
-        val_loss, nll = validation_loss(trainer.model, self.batches, trainer.device, trainer.autocast, self.counts)
-        if self.bytes is None:
-            return val_loss, None
-        sums = all_reduce_sum(torch.stack([nll, torch.tensor(float(self.bytes), dtype=torch.float64,
-                                                             device=trainer.device)]))
-        return val_loss, (sums[0] / sums[1] / math.log(2)).float()
+    def evaluate(self, trainer: Trainer) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """Each validation set's loss and bits per byte (None without token_bytes), on the device, by the
+        set's name ("" for a single source's)."""
+        out = {}
+        for name, batches in self.sets.items():
+            val_loss, nll = validation_loss(trainer.model, batches, trainer.device, trainer.autocast,
+                                            self.counts[name])
+            if self.bytes is None:
+                out[name] = (val_loss, None)
+                continue
+            sums = all_reduce_sum(torch.stack([nll, torch.tensor(float(self.bytes[name]), dtype=torch.float64,
+                                                                 device=trainer.device)]))
+            out[name] = (val_loss, (sums[0] / sums[1] / math.log(2)).float())
+        return out
 
-    def _record(self, trainer: Trainer) -> None:
-        val_loss, val_bpb = self.evaluate(trainer)
-        trainer.record("val_loss", val_loss)
+    def record(self, trainer: Trainer, suffix: str = "") -> None:
+        """Evaluate the model as it is and record val_loss<suffix> (val_bpb<suffix>, and for a mixture each
+        source's val_loss<suffix>/<name>); the weight EMA records its own with suffix "_ema"."""
+        results = self.evaluate(trainer)
+        if "" in results:
+            val_loss, val_bpb = results[""]
+        else:
+            for name, (loss, bpb) in results.items():
+                trainer.record(f"val_loss{suffix}/{name}", loss)
+                if bpb is not None:
+                    trainer.record(f"val_bpb{suffix}/{name}", bpb)
+            val_loss = sum(self.weights[name] * loss for name, (loss, _) in results.items())
+            val_bpb = None if self.bytes is None else sum(self.weights[name] * bpb
+                                                          for name, (_, bpb) in results.items())
+        trainer.record(f"val_loss{suffix}", val_loss)
         if val_bpb is not None:
-            trainer.record("val_bpb", val_bpb)
+            trainer.record(f"val_bpb{suffix}", val_bpb)
 
     def on_fit_start(self, trainer: Trainer) -> None:
         if trainer.step == 0:
-            self._record(trainer)
+            self.record(trainer)
 
     def evaluates(self, trainer: Trainer, step: int) -> bool:
         """Whether step `step` is validated (every `every` steps and the last)."""
@@ -56,7 +85,7 @@ class Evaluator(Callback):
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         if self.evaluates(trainer, trainer.step):
-            self._record(trainer)
+            self.record(trainer)
 
 
 
