@@ -181,3 +181,21 @@ def test_the_memory_estimate_counts_the_ema():
     held = WeightEMA(model, decay=DECAY, evaluator=None).weights.values()
     assert estimate(cfg, world=1, device="cpu").ema == sum(t.numel() * t.element_size() for t in held)
     assert estimate(make_config("model=moe-tiny"), world=1, device="cpu").ema == 0
+
+
+def test_a_mixture_records_each_sources_ema_loss(corpus_dir, tmp_path):
+    """val_loss_ema/<source> beside val_loss/<source>; val_loss_ema their weighted mean (weights 1 and 0.5);
+    compare_runs' EMA run reads them under the run's own names."""
+    mixture = (f"data.mixture=[{{name:a,source:text_dir,path:'{corpus_dir}',patterns:['[a-j]*.py']}},"
+               f"{{name:b,source:text_dir,path:'{corpus_dir}',patterns:['[k-z]*.py'],weight:0.5}}]")
+    run_dir = run(make_config(mixture, f"data.cache_dir={tmp_path / 'cache'}", "model.vocab_size=512",
+                              "logger.progress_bar=false", *RUN, *EMA, "train.steps=4", "checkpoint.every=0",
+                              f"run_dir={tmp_path / 'run'}"))
+    last = {k: v for r in records(run_dir) if r["step"] == 4 for k, v in r.items()}
+    assert last["val_loss_ema"] == pytest.approx((2 * last["val_loss_ema/a"] + last["val_loss_ema/b"]) / 3, rel=1e-6)
+    assert last["val_loss_ema/a"] != pytest.approx(last["val_loss/a"], rel=1e-4)
+    first = {k: v for r in records(run_dir) if r["step"] == 0 for k, v in r.items()}
+    assert first["val_loss_ema/b"] == first["val_loss/b"]
+    ema_records = ema_run(load_run_dir(run_dir)).records
+    assert ema_records[-1]["val_loss/a"] == last["val_loss_ema/a"]
+    assert ema_records[-1]["val_bpb/b"] == last["val_bpb_ema/b"]
