@@ -4,7 +4,7 @@ token efficiencies against a reference group (see the package docstring), as mar
 import csv
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +16,19 @@ from scalevec_train.errors import ScalevecError
 # Config keys that never tell groups apart: they differ per seed or only say where things are kept. A
 # branch (branch_from) is its trunk's computation up to the branch point: it groups by its own settings.
 _IGNORED_KEYS = frozenset({"run_dir", "resume", "data.cache_dir", "branch_from"})
-# train.profile_*, train.diagnostics_every: traces and diagnostics change no number of the run, nor does
-# train.ema.* (the weight EMA kept beside it: its own curve is a run of its own, runs.ema_run)
-_IGNORED_PREFIXES = ("logger.", "checkpoint.", "hydra.", "train.profile_", "train.diagnostics_every", "train.ema.")
+# train.profile_*, train.diagnostics_every: traces and diagnostics change no number of the run; tasks.*:
+# downstream tasks only observe it; train.ema.*: nor does the weight EMA kept beside it (its own curve is a
+# run of its own, runs.ema_run)
+_IGNORED_PREFIXES = ("logger.", "checkpoint.", "hydra.", "train.profile_", "train.diagnostics_every", "tasks.",
+                     "train.ema.")
 _PATH_SUFFIXES = ("dir", "path", "file")
 _STARTING_POINT_KEYS = frozenset({"init_from"})
 # Keys tried first when labelling groups, shown under their section name (`scale=unified`).
 _LABEL_KEYS = ("scale.name", "optim.name", "model.name", "schedule.name", "data.name")
 _UNSET = "(unset)"
+# the downstream task metrics (task/<name>/<metric>) the tables show, where runs logged them
+TASK_METRICS = ("acc", "acc_norm", "bpb", "chance")
+_TASK_MARKDOWN = ("acc", "acc_norm")
 _NOT_REACHED = "not reached"
 
 
@@ -47,6 +52,8 @@ class GroupSummary:
     reference_tokens: float | None  # T_R; None: the reference never reaches this group's loss
     efficiency: float | None  # T_R / T_G; None: not reached
     is_reference: bool
+    # task/<name>/<metric> -> mean over runs of its last logged value, for the keys every run logged
+    tasks: dict[str, float] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------- grouping
@@ -55,7 +62,7 @@ class GroupSummary:
 def is_ignored(key: str, value: Any, extra: Sequence[str] = ()) -> bool:
     """True for config keys that differ per seed or are bookkeeping: `seed` (and any `*.seed`),
     `run_dir`, `resume`, `data.cache_dir`, `branch_from`, `logger.*`, `checkpoint.*`, `hydra.*`,
-    `train.profile_*`, `train.ema.*`, path-like
+    `train.profile_*`, `tasks.*`, `train.ema.*`, path-like
     keys (last part `dir`/`path`/`file` or ending in `_dir`/`_path`/`_file`), keys whose value is an
     absolute or home path (except `init_from`), and the keys (or sections) in `extra`."""
     last = key.rsplit(".", 1)[-1]
@@ -225,8 +232,22 @@ def summarize(groups: Sequence[Group], reference: Group, metric: str = "val_loss
             label=g.label, runs=len(g.runs), tokens=tokens, terminal=terminal,
             std=float(finals.std(ddof=1)) if len(finals) > 1 else math.nan,
             delta=terminal - ref_terminal, reference_tokens=reached,
-            efficiency=None if reached is None else reached / tokens, is_reference=g is reference))
+            efficiency=None if reached is None else reached / tokens, is_reference=g is reference,
+            tasks=task_finals(g.runs)))
     return rows
+
+
+def task_finals(runs: Sequence[Run]) -> dict[str, float]:
+    """Each downstream task metric's last logged value (task/<name>/<metric>, metric in TASK_METRICS),
+    averaged over `runs`; only keys every run logged."""
+    finals = []
+    for run in runs:
+        last = {}
+        for record in run.records:
+            last.update({k: v for k, v in record.items() if k.startswith("task/") and k.endswith(TASK_METRICS)})
+        finals.append(last)
+    keys = sorted(set.intersection(*(set(f) for f in finals))) if finals else []
+    return {k: float(np.mean([f[k] for f in finals])) for k in keys}
 
 
 def ema(values: np.ndarray, beta: float) -> np.ndarray:
@@ -248,24 +269,42 @@ def _num(x: float | None, spec: str) -> str:
     return "n/a" if math.isnan(x) else format(x, spec)
 
 
+def _task_keys(rows: Sequence[GroupSummary], metrics: Sequence[str]) -> list[str]:
+    """The task metric keys any row holds, task by task, in the order of `metrics`."""
+    keys = {k for r in rows for k in r.tasks}
+    tasks = sorted({k.split("/")[1] for k in keys})
+    return [f"task/{t}/{m}" for t in tasks for m in metrics if f"task/{t}/{m}" in keys]
+
+
 def summary_markdown(rows: Sequence[GroupSummary], metric: str) -> str:
+    """One row per group; where runs scored downstream tasks, their final accuracies too (the header
+    says each task's chance level)."""
+    tasks = _task_keys(rows, _TASK_MARKDOWN)
+    chance = {k: next((r.tasks[c] for r in rows if (c := k.rsplit("/", 1)[0] + "/chance") in r.tasks), None)
+              for k in tasks}
+    task_head = "".join(f" {k.split('/')[1]} {k.split('/')[2]}"
+                        + (f" (chance {chance[k]:.3g})" if chance[k] is not None else "") + " |" for k in tasks)
     head = (f"| group | runs | tokens | terminal {metric} | std | Δ vs ref | ref tokens to reach "
-            "| token efficiency |\n|---|---|---|---|---|---|---|---|\n")
+            f"| token efficiency |{task_head}\n|---|---|---|---|---|---|---|---|{'---|' * len(tasks)}\n")
     body = "".join(
         f"| {r.label}{' (ref)' if r.is_reference else ''} | {r.runs} | {r.tokens:.4g} | {r.terminal:.4f} "
         f"| {_num(r.std, '.4f')} | {r.delta:+.4f} | {_num(r.reference_tokens, '.4g')} "
-        f"| {_num(r.efficiency, '.3f')} |\n" for r in rows)
+        f"| {_num(r.efficiency, '.3f')} |" + "".join(f" {_num(r.tasks.get(k, math.nan), '.3f')} |" for k in tasks)
+        + "\n" for r in rows)
     return head + body
 
 
 def write_summary_csv(rows: Sequence[GroupSummary], path: Path) -> None:
-    """Full-precision numbers; `not reached` spelled out; std empty for a single run."""
+    """Full-precision numbers; `not reached` spelled out; std empty for a single run; a column per
+    downstream task metric (task/<name>/<metric>) where runs logged them (empty for a group without)."""
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
+        tasks = _task_keys(rows, TASK_METRICS)
         w.writerow(["group", "is_reference", "runs", "tokens", "terminal_mean", "terminal_std",
-                    "delta_vs_reference", "reference_tokens", "token_efficiency"])
+                    "delta_vs_reference", "reference_tokens", "token_efficiency", *tasks])
         for r in rows:
             w.writerow([r.label, r.is_reference, r.runs, repr(r.tokens), repr(r.terminal),
                         "" if math.isnan(r.std) else repr(r.std), repr(r.delta),
                         _NOT_REACHED if r.reference_tokens is None else repr(r.reference_tokens),
-                        _NOT_REACHED if r.efficiency is None else repr(r.efficiency)])
+                        _NOT_REACHED if r.efficiency is None else repr(r.efficiency),
+                        *(repr(r.tasks[k]) if k in r.tasks else "" for k in tasks)])

@@ -31,6 +31,7 @@ from scalevec_train.optim.groups import build_optimizer
 from scalevec_train.optim.schedules import lr_multiplier
 from scalevec_train.parallel.data_parallel import parallelize, uses_bf16
 from scalevec_train.parallel.process_group import broadcast_object, local_rank, rank, world_size
+from scalevec_train.tasks.load import load_tasks
 from scalevec_train.training.callbacks import (
     Checkpointer,
     Diagnostics,
@@ -42,6 +43,7 @@ from scalevec_train.training.callbacks import (
     SpeedMonitor,
     StabilityGuard,
     StepProfiler,
+    TaskEvaluator,
     WeightEMA,
 )
 from scalevec_train.training.callbacks.ema import ema_decay
@@ -120,6 +122,8 @@ def build(cfg: Config) -> Run:
     # order (seed 0, whatever the run's seed), split over the ranks: the same sequences, and so a
     # comparable val_loss, for every seed, world size and micro-batch. A mixture's sources have one each.
     val_data = validation_batches(cfg, data, rank_, world)
+    # every rank reads (or generates) all items: which rank scores which follows from the item's index
+    tasks = load_tasks(cfg.tasks, cfg.data, data.load_tokenizer(), cfg.train.seq_len)
     if train_state is not None:
         train_loader.load_state_dict(train_state["loader"])
 
@@ -149,6 +153,7 @@ def build(cfg: Config) -> Run:
         EpochMonitor(cfg.data.max_repeats),
         Evaluator(val_data, cfg.train.eval_every, token_bytes(data.load_tokenizer()),
                   {entry.name: entry.weight for entry, _ in data.sources} if isinstance(data, MixtureData) else None),
+        *([TaskEvaluator(tasks, cfg.tasks.every, cfg.tasks.batch_size, rank_, world)] if tasks else []),
     ]
     # after the evaluator (it evaluates at its steps), before the checkpointer (which saves it)
     evaluator = next(cb for cb in callbacks if isinstance(cb, Evaluator))

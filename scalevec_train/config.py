@@ -22,6 +22,7 @@ from scalevec_train.model.config import ModelConfig, ScaleConfig
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.optim.config import OptimConfig, ScheduleConfig
 from scalevec_train.parallel.config import DistributedConfig
+from scalevec_train.tasks.config import TasksConfig
 from scalevec_train.training.config import CheckpointConfig, LoggerConfig, TrainConfig
 
 # configs/ at the repository root (the package is installed in editable mode next to it).
@@ -39,6 +40,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    tasks: TasksConfig = field(default_factory=TasksConfig)
     # seeds model init, data order and everything random
     seed: int = 0
     # where metrics.jsonl, config.yaml and checkpoints/ go; the default name says what the run is
@@ -66,6 +68,7 @@ class Config:
         self.logger.validate()
         self.checkpoint.validate()
         self.distributed.validate()
+        self.tasks.validate()
         if self.train.seq_len > self.model.max_seq_len:
             raise ScalevecError("train.seq_len", f"{self.train.seq_len} is longer than the model's "
                                 f"positions (model.max_seq_len={self.model.max_seq_len}).",

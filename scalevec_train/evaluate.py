@@ -1,10 +1,13 @@
-"""`python -m scalevec_train.evaluate <run_dir or checkpoint>`: the validation loss of a checkpoint on its
-run's validation set (the same batches as the trainer's val_loss, so the numbers compare), in one process.
+"""`python -m scalevec_train.evaluate <run_dir or checkpoint> [--tasks PRESET]`: the validation loss of a
+checkpoint on its run's validation set (the same batches as the trainer's val_loss, so the numbers
+compare), in one process; with --tasks, also the downstream tasks of a preset of configs/tasks/
+(`embedded`: the task the embedded corpus brings; `standard`: the public task files under the run's
+tasks.dir) or `run` (the tasks the run's config names), as the trainer's task/<name>/<metric>.
 
 For an averaged checkpoint (checkpoint/average.py; also a run's weight EMA written out with
 `average ... ema=last`) it also writes metrics.jsonl into that folder, one
-record {"step": the step it stands for, "tokens": trained by then, "val_loss": ...}: with the
-config.yaml the folder already holds, scripts/compare_runs.py reads it as a run of its own
+record {"step": the step it stands for, "tokens": trained by then, "val_loss": ..., task metrics}: with
+the config.yaml the folder already holds, scripts/compare_runs.py reads it as a run of its own
 (scalevec_analysis marks it as averaged), beside the run and its WSD cooldown branches.
 """
 
@@ -12,52 +15,99 @@ import json
 import sys
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from scalevec_train.build import autocast_for, resolve_device, validation_batches
 from scalevec_train.checkpoint.files import AVERAGED, read_train_state
+from scalevec_train.config import CONFIG_DIR, Config
 from scalevec_train.data import check_vocab, prepare_data
 from scalevec_train.errors import ScalevecError
 from scalevec_train.interop.api import load, read_config, resolve
+from scalevec_train.tasks.config import TasksConfig
+from scalevec_train.tasks.load import load_tasks
+from scalevec_train.tasks.scoring import score
 from scalevec_train.training.callbacks.evaluation import counted_targets, validation_loss
 
-USAGE = "usage: python -m scalevec_train.evaluate <run_dir or checkpoints/step_N or averaged folder>"
+USAGE = ("usage: python -m scalevec_train.evaluate <run_dir or checkpoints/step_N or averaged folder> "
+         "[--tasks embedded|standard|run]")
 METRICS_FILE = "metrics.jsonl"
+TASK_PRESETS = Path(CONFIG_DIR) / "tasks"
 
 
 def evaluate(path: str | Path) -> tuple[float, Path | None]:
     """(val_loss of the checkpoint at `path`, the metrics.jsonl written for an averaged one or None)."""
+    metrics, written = evaluate_metrics(path)
+    return metrics["val_loss"], written
+
+
+def evaluate_metrics(path: str | Path, tasks: str = "") -> tuple[dict[str, float], Path | None]:
+    """({"val_loss": ..., "task/<name>/<metric>": ... for the tasks of `tasks` (see the module docstring;
+    empty: none)}, the metrics.jsonl written for an averaged checkpoint or None)."""
     run_dir, checkpoint = resolve(Path(path))
     cfg = read_config(run_dir)
+    tasks_cfg = tasks_config(cfg, tasks) if tasks else None
     device = resolve_device(cfg.device)
     data = prepare_data(cfg.data)
     check_vocab(data, cfg.model.vocab_size)
+    encoded = load_tasks(tasks_cfg, cfg.data, data.load_tokenizer(), cfg.train.seq_len) if tasks_cfg else []
     model, _ = load(checkpoint, device=device)
     sets = validation_batches(cfg, data, 0, 1)
     sets = sets if isinstance(sets, dict) else {"": sets}
-    losses = {name: validation_loss(model, batches, device, autocast_for(cfg.train.dtype, device),
-                                    counted_targets(batches))[0].item() for name, batches in sets.items()}
+    autocast = autocast_for(cfg.train.dtype, device)
+    losses = {name: validation_loss(model, batches, device, autocast, counted_targets(batches))[0].item()
+              for name, batches in sets.items()}
     # a mixture's val_loss: its sources' weighted mean (as the trainer's Evaluator records it)
     weights = {m.name: m.weight for m in cfg.data.mixture} or {"": 1.0}
-    loss = sum(weights[name] * value for name, value in losses.items()) / sum(weights.values())
+    metrics = {"val_loss": sum(weights[name] * value for name, value in losses.items()) / sum(weights.values()),
+               **{f"val_loss/{name}": value for name, value in losses.items() if name}}
+    for task in encoded:
+        for name, value in score(model, task, device, autocast, tasks_cfg.batch_size).items():
+            metrics[f"task/{task.name}/{name}"] = float(value)
     state = read_train_state(checkpoint)
     if AVERAGED not in state:
-        return loss, None
+        return metrics, None
     # tokens: compare_runs' x axis; every step of a run takes the same number of tokens
-    record = {"step": state["step"], "tokens": state["step"] * cfg.train.global_batch * cfg.train.seq_len,
-              "val_loss": loss, **{f"val_loss/{name}": value for name, value in losses.items() if name}}
+    record = {"step": state["step"], "tokens": state["step"] * cfg.train.global_batch * cfg.train.seq_len, **metrics}
     (checkpoint / METRICS_FILE).write_text(json.dumps(record) + "\n")
-    return loss, checkpoint / METRICS_FILE
+    return metrics, checkpoint / METRICS_FILE
+
+
+def tasks_config(cfg: Config, tasks: str) -> TasksConfig:
+    """The run's own tasks (`run`), or a preset of configs/tasks/ with the run's tasks.dir and batch size."""
+    if tasks == "run":
+        chosen = cfg.tasks
+    else:
+        preset = TASK_PRESETS / f"{tasks}.yaml"
+        if not preset.is_file():
+            names = sorted(p.stem for p in TASK_PRESETS.glob("*.yaml"))
+            raise ScalevecError("--tasks", f"{tasks!r} is no preset of configs/tasks.",
+                                f"use run or one of: {', '.join(names)}.")
+        base = OmegaConf.structured(TasksConfig(dir=cfg.tasks.dir, batch_size=cfg.tasks.batch_size))
+        chosen = OmegaConf.to_object(OmegaConf.merge(base, OmegaConf.load(preset)))
+    chosen.validate()
+    if not chosen.items:
+        raise ScalevecError("--tasks", f"{tasks} names no tasks.", "use --tasks embedded, or a preset that lists some.")
+    return chosen
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1 or "=" in argv[0]:
+    args, tasks = list(argv), ""
+    if "--tasks" in args:
+        i = args.index("--tasks")
+        tasks = args[i + 1] if i + 1 < len(args) else ""
+        del args[i:i + 2]
+    if len(args) != 1 or "=" in args[0] or args[0].startswith("-") or ("--tasks" in argv and not tasks):
         print(USAGE, file=sys.stderr)
         return 2
     try:
-        loss, written = evaluate(argv[0])
+        metrics, written = evaluate_metrics(args[0], tasks)
     except ScalevecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"val_loss {loss:.6f}" + (f" (recorded in {written})" if written else ""))
+    for name, value in metrics.items():
+        print(f"{name} {value:.6f}")
+    if written:
+        print(f"(recorded in {written})")
     return 0
 
 

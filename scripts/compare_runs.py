@@ -16,7 +16,7 @@ from scalevec_train.errors import ScalevecError
 
 DESCRIPTION = """\
 Groups runs by their resolved config minus the seed and bookkeeping (run_dir, resume, branch_from,
-logger.*, checkpoint.*, data.cache_dir, path-like keys; more with --ignore) and compares the groups. A WSD
+logger.*, checkpoint.*, tasks.*, data.cache_dir, path-like keys; more with --ignore) and compares the groups. A WSD
 branch's run directory holds its trunk's records up to the branch point, so branches and their trunk
 overlay as runs of their own lengths. An averaged checkpoint folder evaluated by scalevec_train.evaluate
 is a run of its own (averaged=<steps>, or averaged=ema@<step> for a run's weight EMA written out), and
@@ -36,6 +36,9 @@ OUT/summary.csv, and prints the table:
                   of --last-k values) reaches the group's terminal loss, interpolated linearly
                   between logged points. >1: the group needs fewer tokens than the reference for that
                   loss. "not reached" when the reference never gets that low.
+  task columns    where runs scored downstream tasks (tasks=...): each task's final acc and acc_norm
+                  (mean over the group's runs; the header gives the chance level); summary.csv adds
+                  bpb and chance (task/<name>/<metric>).
 
 --scaling mode fits L(N) = E + A*N^(-alpha) per strategy (runs split by the config keys under
 --series, default the `scale` section) to the mean terminal loss at each parameter count N

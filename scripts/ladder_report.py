@@ -5,7 +5,10 @@
                                             terminal val_loss; the lower LR on a tie)
   ladder_report.py table OUT.md RUN_DIR...  per rung, budget and optimizer: baseline and unified terminal
                                             val_loss and val_bpb (mean and sample std over seeds), and
-                                            unified minus baseline per seed (paired by seed)
+                                            unified minus baseline per seed (paired by seed); and the
+                                            embedded task's accuracy where a run directory holds
+                                            next_line.txt (`python -m scalevec_train.evaluate RUN --tasks
+                                            embedded` on its final checkpoint)
 
 Terminal: the last logged value (the trainer evaluates at the final step). Budgets are tokens per
 non-embedding parameter (train.tokens_per_param).
@@ -18,9 +21,20 @@ from pathlib import Path
 
 from scalevec_analysis import load_run_dir, metric_curve
 
+TASK = "task/next_line/acc"
+TASK_FILE = "next_line.txt"
+
 
 def terminal(run, metric: str) -> float:
+    if metric == TASK:
+        return _task_scores(run.name)[TASK]
     return float(metric_curve(run, metric)[1][-1])
+
+
+def _task_scores(run_dir: str) -> dict[str, float]:
+    """The "name value" lines the evaluate CLI printed for the run's final checkpoint."""
+    lines = (Path(run_dir) / TASK_FILE).read_text().splitlines()
+    return {name: float(value) for name, value in (line.split() for line in lines if line.count(" ") == 1)}
 
 
 def lr_grid(out: Path, runs) -> str:
@@ -54,16 +68,17 @@ def table(out: Path, runs) -> str:
         key = (c["optim.name"], run.params or 0, c["model.name"], c["train.tokens_per_param"])
         cells[key].setdefault(c["scale.name"], {})[c["seed"]] = run
     lines = ["| optimizer | rung | tokens/param | metric | baseline | unified | unified - baseline per seed "
-             "| mean Δ | seeds lower |", "|---|---|---:|---|---:|---:|---|---:|---:|"]
+             "| mean Δ | seeds better |", "|---|---|---:|---|---:|---:|---|---:|---:|"]
     for (optim, _, model, tpp), arms in sorted(cells.items()):
         base, uni = arms.get("baseline", {}), arms.get("unified", {})
         seeds = sorted(set(base) & set(uni))
-        for metric in ("val_loss", "val_bpb"):
+        scored = all((Path(r.name) / TASK_FILE).is_file() for arm in (base, uni) for r in arm.values())
+        for metric in ("val_loss", "val_bpb", TASK) if scored else ("val_loss", "val_bpb"):
             b = [terminal(base[s], metric) for s in sorted(base)]
             u = [terminal(uni[s], metric) for s in sorted(uni)]
             deltas = [terminal(uni[s], metric) - terminal(base[s], metric) for s in seeds]
             per_seed = ", ".join(f"s{s} {d:+.4f}" for s, d in zip(seeds, deltas, strict=True))
-            lower = f"{sum(d < 0 for d in deltas)}/{len(deltas)}"
+            lower = f"{sum(d < 0 if metric != TASK else d > 0 for d in deltas)}/{len(deltas)}"
             mean = f"{statistics.fmean(deltas):+.4f}" if deltas else ""
             lines.append(f"| {optim} | {model} | {tpp:g} | {metric} | {_mean_std(b) if b else ''} | "
                          f"{_mean_std(u) if u else ''} | {per_seed} | {mean} | {lower} |")

@@ -58,12 +58,17 @@ study800_run() {  # scale seed: the 5x-budget check, dense-study, AdamW, cosine,
     run_dir=runs/ladder/study800/dense-study-$1-adamw-cosine-steps800-s$2 > "$log" 2>&1 ||
     { echo "error: 5x-budget run $* failed; its log: $log" >&2; return 1; }
 }
+task_run() {  # run_dir: the embedded task scored on its final checkpoint, into run_dir/next_line.txt
+  test -f "$1/next_line.txt" && return
+  $PY -m scalevec_train.evaluate "$1" --tasks embedded > "$1/next_line.tmp" && mv "$1/next_line.tmp" "$1/next_line.txt" ||
+    { echo "error: scoring $1 failed" >&2; return 1; }
+}
 on_two_workers() {  # each input line: a function above and its arguments; longest jobs first
-  export -f rung_args ladder_run study800_run
+  export -f rung_args ladder_run study800_run task_run
   export PY
   xargs -L 1 -P 2 bash -c '"$@"' _
 }
-LADDER_LRS="0.001 0.003 0.01"
+LADDER_LRS="0.001 0.003 0.01 0.03"
 
 case ${1:-main} in
   main)
@@ -104,7 +109,7 @@ case ${1:-main} in
     L=runs/ladder
     out=docs/results/ladder
     mkdir -p runs/ladder_logs $out
-    # 1. The LR grid: every arm (scale x optimizer) on dense-l2, seed 0, the same three peak LRs.
+    # 1. The LR grid: every arm (scale x optimizer) on dense-l2, seed 0, the same four peak LRs (LADDER_LRS).
     for scale in baseline unified; do for optim in adamw muon; do for lr in $LADDER_LRS; do
       echo ladder_run dense-l2 $scale $optim $lr 0 trunk
     done; done; done | on_two_workers
@@ -130,6 +135,10 @@ case ${1:-main} in
         if [ "$optim" = "$1" ]; then ls -d $L/dense-l[123]-$scale-$optim-lr$lr-tpp*-s[012]; fi
       done
     }
+    # the embedded downstream task (chance 0.25) on every trunk's final checkpoint
+    for d in $(arm_runs adamw) $(arm_runs muon); do
+      case $d in *-tpp10.0-s*) echo task_run $d ;; esac
+    done | on_two_workers
     $PY scripts/ladder_report.py table $out/terminal.md $(arm_runs adamw) $(arm_runs muon)
     for optim in adamw muon; do
       for metric in val_loss val_bpb; do

@@ -49,6 +49,7 @@ def test_wandb_group_is_shared_by_seeds_only():
     a, b = args("seed=0", "scale=unified"), args("seed=1", "scale=unified")
     c = args("seed=0", "scale=unified", "optim.lr=1e-3")
     assert a["group"] == b["group"] != c["group"]
+    assert args("seed=0", "scale=unified", "tasks=embedded", "tasks.every=5")["group"] == a["group"]  # tasks observe
     assert a["group"].startswith("dense-tiny-unified-adamw-cosine-")
     assert {"model=dense-tiny", "scale=unified", "optim=adamw", "schedule=cosine", "seed=0"} <= set(a["tags"])
     assert a["id"] != b["id"] and a["config"]["scale"]["reparam"] == "or"

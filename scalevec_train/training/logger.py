@@ -24,7 +24,8 @@ def wandb_mode(cfg: LoggerConfig) -> str:
 
 # Keys that differ between the seeds of one experiment arm, or are bookkeeping: not part of the group.
 # A branch (branch_from) is its trunk's computation up to the branch point: it groups by its own settings.
-_NOT_GROUPING = ("seed", "run_dir", "resume", "logger", "checkpoint", "data.cache_dir", "branch_from")
+# Downstream tasks (tasks.*) only observe the run.
+_NOT_GROUPING = ("seed", "run_dir", "resume", "logger", "checkpoint", "data.cache_dir", "branch_from", "tasks")
 
 
 def wandb_init_args(cfg: LoggerConfig, config: dict, run_dir: Path) -> dict:
@@ -52,6 +53,10 @@ def flatten(tree: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+def _shown_task_metric(key: str) -> bool:
+    return key.startswith("task/") and key.endswith("/acc")
 
 
 def read_records(path: Path) -> list[dict]:
@@ -133,8 +138,9 @@ class MetricsLogger:
                 shown["tok/s"] = f"{record['tokens_per_s']:.0f}"
             self.bar.set_postfix(shown, refresh=False)
         else:
+            # per-layer and per-site keys stay in the file; of the tasks' metrics, the accuracy shows
             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                           for k, v in record.items() if "/" not in k), flush=True)
+                           for k, v in record.items() if "/" not in k or _shown_task_metric(k)), flush=True)
 
     def advance(self, steps: int = 1) -> None:
         if self.bar is not None:

@@ -32,6 +32,7 @@ from scalevec_analysis import (
     write_comparison,
     write_scaling,
 )
+from scalevec_analysis.groups import summary_markdown, write_summary_csv
 from scalevec_train.errors import ScalevecError
 from tests.helpers import REPO
 
@@ -244,6 +245,36 @@ def test_options_added_later_take_their_default(tmp_path):
     assert sorted((g.label, sorted(Path(r.name).name for r in g.runs)) for g in groups) == [
         ("init_from=", ["newer", "older"]), ("init_from=/ckpt/llama", ["absolute"]),
         ("init_from=models/llama", ["relative"])]
+
+
+def test_task_metrics_join_the_summary(tmp_path):
+    """Runs that scored a downstream task: the summary shows each group's final accuracies (mean over its
+    seeds; the last logged value of each run) and the CSV every task metric; the task settings (tasks.*)
+    do not split groups. A group without the task shows n/a."""
+    dirs = []
+    for scale, accs in (("baseline", (0.30, 0.40)), ("unified", (0.50, 0.60)), ("none", ())):
+        for seed in range(max(len(accs), 1)):
+            rows = metric_rows(f_ref, 10, 0)
+            if accs:
+                task = {"task/nl/acc": accs[seed], "task/nl/acc_norm": accs[seed] / 2, "task/nl/bpb": 1.5,
+                        "task/nl/chance": 0.25}
+                rows = [{"step": 0, "tokens": 0, **{k: 0.0 for k in task}, "task/nl/chance": 0.25}, *rows,
+                        {"step": 10, "tokens": 10 * TOKENS_PER_STEP, **task}]
+            cfg = {**config(seed, scale, 10), "tasks": {"every": seed, "items": [{"name": "nl"}] if accs else []}}
+            dirs.append(write_run(tmp_path, f"{scale}-{seed}", cfg, rows))
+    groups = group_runs([load_run_dir(d) for d in dirs])
+    rows = summarize(groups, groups[0])
+    assert [(r.label, r.runs) for r in rows] == [("scale=baseline", 2), ("scale=unified", 2), ("scale=none", 1)]
+    assert rows[0].tasks == pytest.approx({"task/nl/acc": 0.35, "task/nl/acc_norm": 0.175, "task/nl/bpb": 1.5,
+                                           "task/nl/chance": 0.25})
+    assert rows[2].tasks == {}
+    table = summary_markdown(rows, "val_loss")
+    assert table.splitlines()[0].endswith("| nl acc (chance 0.25) | nl acc_norm (chance 0.25) |")
+    assert table.splitlines()[3].endswith("| 0.550 | 0.275 |") and table.splitlines()[4].endswith("| n/a | n/a |")
+    write_summary_csv(rows, tmp_path / "summary.csv")
+    with open(tmp_path / "summary.csv") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert float(csv_rows[1]["task/nl/acc"]) == pytest.approx(0.55) and csv_rows[2]["task/nl/bpb"] == ""
 
 
 def test_missing_val_loss_is_a_clear_error(tmp_path):

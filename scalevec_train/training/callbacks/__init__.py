@@ -9,6 +9,7 @@
     checkpointer.py  Checkpointer: periodic, final and stop checkpoints
     stability.py     StabilityGuard: non-finite steps and loss spikes; SigtermStop: a clean stop
     profiler.py      StepProfiler: traces and memory snapshots of chosen steps
+    tasks.py         TaskEvaluator: downstream multiple-choice tasks (accuracy, bits per byte)
 """
 
 from scalevec_train.training.callbacks.checkpointer import Checkpointer
@@ -20,6 +21,7 @@ from scalevec_train.training.callbacks.monitors import ModelMetrics, SpeedMonito
 from scalevec_train.training.callbacks.profiler import StepProfiler
 from scalevec_train.training.callbacks.scales import ScaleMonitor
 from scalevec_train.training.callbacks.stability import SigtermStop, StabilityGuard
+from scalevec_train.training.callbacks.tasks import TaskEvaluator
 
 __all__ = ["Checkpointer", "Diagnostics", "EpochMonitor", "Evaluator", "ModelMetrics", "ScaleMonitor", "SigtermStop",
-           "SpeedMonitor", "StabilityGuard", "StepProfiler", "WeightEMA"]
+           "SpeedMonitor", "StabilityGuard", "StepProfiler", "TaskEvaluator", "WeightEMA"]

@@ -1,0 +1,158 @@
+"""The multiple-choice scorer against a direct computation (each context + choice through the model on its
+own, log-softmax, the choice's log-probabilities summed), on 1 process and on 2 gloo ranks under FSDP2
+(the same scores); and a run that scores tasks trains exactly as the same run without them."""
+
+import json
+import math
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from scalevec_train import evaluate as evaluate_cli
+from scalevec_train.data import tokenizer
+from scalevec_train.model.transformer import Transformer
+from scalevec_train.parallel.data_parallel import parallelize
+from scalevec_train.tasks.formats import Item
+from scalevec_train.tasks.scoring import choice_logprobs, encode_task, score
+from scalevec_train.train import run
+from tests.helpers import SHORT_RUN, TINY_MODEL, make_config
+from tests.launch import records
+
+MAX_LEN = 24
+# 7 items of 2 to 4 choices; the last context is longer than MAX_LEN tokens, so it loses its beginning
+ITEMS = [
+    Item("def add(a, b):\n    return", (" a + b", " a - b", " None"), 0),
+    Item("The cat sat on the", (" mat.", " moon, said the dog loudly.", " roof", " größer ≠"), 2),
+    Item("for i in range(10):\n", ("    print(i)\n", "print\n"), 1),
+    Item("import os\n", ("import sys\n", "x = 1\n", "    pass\n"), 0),
+    Item("Question: what is 2 + 2?\nAnswer:", (" 4", " four", " 22", " fish"), 1),
+    Item("class A:\n", ("    pass\n", "    def f(self):\n"), 0),
+    Item("x = 1\n" * 20, ("y = 2\n", "x = 1\n", "return x\n"), 1),
+]
+TEXT = "".join(item.context + "".join(item.choices) for item in ITEMS) * 3
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> tokenizer.Tokenizer:
+    out = tmp_path_factory.mktemp("sp") / "tokenizer.model"
+    tokenizer.train([line for line in (TEXT + "plain words and more words\n" * 20).split("\n") if line], 400,
+                    "bpe", out)
+    return tokenizer.load(out)
+
+
+def tiny_model(vocab: int, *extra: str) -> Transformer:
+    cfg = make_config(*TINY_MODEL, f"model.vocab_size={vocab}", "scale=unified", *extra)
+    model = Transformer(cfg.model, cfg.scale)
+    model.init_weights(seed=5)
+    return model
+
+
+def direct(model: torch.nn.Module, tok: tokenizer.Tokenizer) -> list[list[float]]:
+    """Each choice's summed log-probability: [EOS] + context + choice on its own, the context cut from
+    the left to fit MAX_LEN inputs."""
+    out = []
+    with torch.no_grad():
+        for item in ITEMS:
+            sums = []
+            for choice in item.choices:
+                ids = tok.encode(choice)
+                context = ([tok.eos_id()] + tok.encode(item.context))[-(MAX_LEN + 1 - len(ids)):]
+                seq = torch.tensor(context + ids)
+                logp = torch.log_softmax(model(seq[None, :-1])[0].double(), -1)
+                sums.append(sum(logp[len(context) - 1 + j, t].item() for j, t in enumerate(ids)))
+            out.append(sums)
+    return out
+
+
+def test_scores_match_a_direct_computation(tok):
+    model = tiny_model(tok.get_piece_size())
+    model.train()
+    task = encode_task("t", ITEMS, tok, MAX_LEN)
+    assert max(len(r) for r in task.rows) == MAX_LEN + 1  # the long item was cut to fit
+    scores = choice_logprobs(model, task, torch.device("cpu"), nullcontext, batch_size=3)
+    assert model.training  # left in the mode it was found in
+    want = direct(model, tok)
+    for i, item in enumerate(ITEMS):
+        torch.testing.assert_close(scores[i, :len(item.choices)], torch.tensor(want[i], dtype=torch.float64),
+                                   rtol=1e-5, atol=1e-5)
+        assert torch.isinf(scores[i, len(item.choices):]).all()
+    metrics = score(model, task, torch.device("cpu"), nullcontext, batch_size=2)
+    n_bytes = [[len(c.encode()) for c in item.choices] for item in ITEMS]
+    acc = sum(max(range(len(w)), key=w.__getitem__) == item.label for w, item in zip(want, ITEMS)) / len(ITEMS)
+    acc_norm = sum(max(range(len(w)), key=lambda c: w[c] / b[c]) == item.label
+                   for w, b, item in zip(want, n_bytes, ITEMS)) / len(ITEMS)
+    bpb = -sum(w[item.label] for w, item in zip(want, ITEMS)) / math.log(2) / sum(
+        b[item.label] for b, item in zip(n_bytes, ITEMS))
+    assert metrics["acc"].item() == pytest.approx(acc)
+    assert metrics["acc_norm"].item() == pytest.approx(acc_norm)
+    assert metrics["bpb"].item() == pytest.approx(bpb, rel=1e-6)
+    assert metrics["chance"] == pytest.approx(sum(1 / len(item.choices) for item in ITEMS) / len(ITEMS))
+
+
+def _rank(rank: int, world: int, store: str, out: str, model_file: str, tok_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        tok = tokenizer.load(tok_file)
+        cfg = make_config(*TINY_MODEL, f"model.vocab_size={tok.get_piece_size()}", "scale=unified", world_size=world)
+        with torch.device("meta"):
+            model = Transformer(cfg.model, cfg.scale)
+        model = parallelize(model, cfg.distributed, torch.device("cpu"), seed=0, dtype="fp32")
+        state = torch.load(model_file)
+        for name, p in model.named_parameters():  # each rank keeps its shard of the saved weights
+            p.data.copy_(torch.distributed.tensor.distribute_tensor(state[name], p.device_mesh, p.placements)
+                         if hasattr(p, "device_mesh") else state[name])
+        task = encode_task("t", ITEMS, tok, MAX_LEN)
+        scores = choice_logprobs(model, task, torch.device("cpu"), nullcontext, 2, rank, world)
+        torch.save(scores, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_give_the_scores_of_one(tok, tmp_path):
+    """7 items over 2 ranks in batches of 2 rows: rank 0 scores 4 items (12 rows), rank 1 3 (9 rows), so
+    rank 1 runs a forward of no item while rank 0 finishes."""
+    model = tiny_model(tok.get_piece_size())
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    tok_file = tmp_path / "tokenizer.model"
+    tok_file.write_bytes(tok.serialized_model_proto())
+    one = choice_logprobs(model, encode_task("t", ITEMS, tok, MAX_LEN), torch.device("cpu"), nullcontext, 2)
+    mp.spawn(_rank, args=(2, str(tmp_path / "store"), str(tmp_path), str(tmp_path / "model.pt"), str(tok_file)),
+             nprocs=2, join=True)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        torch.testing.assert_close(got, one, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got.argmax(1), one.argmax(1))
+
+
+RUN = [*SHORT_RUN, "train.steps=4", "train.log_every=2", "model=moe-tiny", "model.dim=32", "model.n_heads=4",
+       "model.n_kv_heads=2", "model.n_layers=2", "model.moe.expert_dim=32"]
+NUMBERS = ("step", "loss", "grad_norm", "val_loss", "val_bpb")
+
+
+def test_scoring_tasks_leaves_training_unchanged(tmp_path, data_overrides, capsys):
+    """A MoE run (its routers' bias moves with every training forward) scores a task at steps 0, 2 and 4:
+    its losses, gradient norms and validation numbers are bit for bit those of the run without tasks.
+    `evaluate --tasks run` on its final checkpoint scores what the trainer scored at the last step."""
+    path = tmp_path / "items.jsonl"
+    path.write_text("".join(json.dumps({"context": i.context, "choices": list(i.choices), "label": i.label}) + "\n"
+                            for i in ITEMS))
+    scored = run(make_config(*data_overrides, *RUN, f"tasks.items=[{{name:toy,format:jsonl,path:{path}}}]",
+                             "tasks.every=2", f"run_dir={tmp_path / 'tasks'}"))
+    plain = run(make_config(*data_overrides, *RUN, f"run_dir={tmp_path / 'plain'}"))
+    with_tasks = records(scored)
+    assert [r["step"] for r in with_tasks if "task/toy/acc" in r] == [0, 2, 4]
+    assert all(0 <= r["task/toy/acc"] <= 1 and r["task/toy/bpb"] > 0 for r in with_tasks if "task/toy/acc" in r)
+    assert [{k: r[k] for k in NUMBERS if k in r} for r in with_tasks] == \
+        [{k: r[k] for k in NUMBERS if k in r} for r in records(plain)]
+    capsys.readouterr()  # the runs' own output
+    assert evaluate_cli.main([str(scored), "--tasks", "run"]) == 0
+    printed = dict(line.split() for line in capsys.readouterr().out.splitlines())
+    last = with_tasks[-1]
+    for metric in ("acc", "acc_norm", "bpb", "chance"):
+        assert float(printed[f"task/toy/{metric}"]) == pytest.approx(last[f"task/toy/{metric}"], abs=1e-6)
+    assert float(printed["val_loss"]) == pytest.approx(last["val_loss"], rel=1e-6)
+    assert evaluate_cli.main([str(scored), "--tasks", "nonesuch"]) == 2
+    assert "--tasks: 'nonesuch' is no preset" in capsys.readouterr().err
