@@ -33,10 +33,18 @@ Definitions (the CLI's --help repeats them):
 from scalevec_analysis.efficiency import compute_efficiency, efficiency_series, reference_compute
 from scalevec_analysis.groups import ema, find_group, first_reach, group_runs, metric_curve, summarize
 from scalevec_analysis.report import write_comparison, write_diagnostics, write_efficiency, write_scaling
-from scalevec_analysis.runs import Run, load_run_dir, load_wandb, merge_records, parse_wandb_filter, run_from_history
+from scalevec_analysis.runs import (
+    Run,
+    ema_run,
+    load_run_dir,
+    load_wandb,
+    merge_records,
+    parse_wandb_filter,
+    run_from_history,
+)
 from scalevec_analysis.scaling import fit_power_law, scaling_series
 
-__all__ = ["Run", "compute_efficiency", "efficiency_series", "ema", "find_group", "first_reach", "fit_power_law",
-           "group_runs", "load_run_dir", "load_wandb", "merge_records", "metric_curve", "parse_wandb_filter",
-           "reference_compute", "run_from_history", "scaling_series", "summarize", "write_comparison",
-           "write_diagnostics", "write_efficiency", "write_scaling"]
+__all__ = ["Run", "compute_efficiency", "efficiency_series", "ema", "ema_run", "find_group", "first_reach",
+           "fit_power_law", "group_runs", "load_run_dir", "load_wandb", "merge_records", "metric_curve",
+           "parse_wandb_filter", "reference_compute", "run_from_history", "scaling_series", "summarize",
+           "write_comparison", "write_diagnostics", "write_efficiency", "write_scaling"]

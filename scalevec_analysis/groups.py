@@ -17,8 +17,10 @@ from scalevec_train.errors import ScalevecError
 # branch (branch_from) is its trunk's computation up to the branch point: it groups by its own settings.
 _IGNORED_KEYS = frozenset({"run_dir", "resume", "data.cache_dir", "branch_from"})
 # train.profile_*, train.diagnostics_every: traces and diagnostics change no number of the run; tasks.*:
-# downstream tasks only observe it
-_IGNORED_PREFIXES = ("logger.", "checkpoint.", "hydra.", "train.profile_", "train.diagnostics_every", "tasks.")
+# downstream tasks only observe it; train.ema.*: nor does the weight EMA kept beside it (its own curve is a
+# run of its own, runs.ema_run)
+_IGNORED_PREFIXES = ("logger.", "checkpoint.", "hydra.", "train.profile_", "train.diagnostics_every", "tasks.",
+                     "train.ema.")
 _PATH_SUFFIXES = ("dir", "path", "file")
 _STARTING_POINT_KEYS = frozenset({"init_from"})
 # Keys tried first when labelling groups, shown under their section name (`scale=unified`).
@@ -60,7 +62,7 @@ class GroupSummary:
 def is_ignored(key: str, value: Any, extra: Sequence[str] = ()) -> bool:
     """True for config keys that differ per seed or are bookkeeping: `seed` (and any `*.seed`),
     `run_dir`, `resume`, `data.cache_dir`, `branch_from`, `logger.*`, `checkpoint.*`, `hydra.*`,
-    `train.profile_*`, `tasks.*`, path-like
+    `train.profile_*`, `tasks.*`, `train.ema.*`, path-like
     keys (last part `dir`/`path`/`file` or ending in `_dir`/`_path`/`_file`), keys whose value is an
     absolute or home path (except `init_from`), and the keys (or sections) in `extra`."""
     last = key.rsplit(".", 1)[-1]

@@ -20,6 +20,10 @@ from scalevec_train.errors import ScalevecError
 from scalevec_train.training.logger import flatten, read_records
 
 AVERAGED_KEY = "averaged"
+EMA_KEY = "ema"
+# a run's metrics that its weight EMA's run (ema_run) holds under the run's own names, "_ema" dropped
+# (val_loss_ema -> val_loss, val_loss_ema/<source> -> val_loss/<source>)
+EMA_METRICS = ("val_loss_ema", "val_bpb_ema")
 
 
 @dataclass
@@ -141,13 +145,33 @@ def load_run_dir(path: str | Path) -> Run:
 
 def averaged_steps(folder: Path) -> str | None:
     """For an averaged checkpoint folder (scalevec_train/checkpoint/average.py, evaluated by
-    scalevec_train.evaluate), the steps it averages, e.g. "200,300,400"; else None. It carries its run's
-    config.yaml, so this key is what sets it apart from the run in the grouping."""
+    scalevec_train.evaluate), the steps it averages, e.g. "200,300,400", or for the weight EMA of a
+    checkpoint written out the same way, "ema@<step>"; else None. It carries its run's config.yaml, so
+    this key is what sets it apart from the run in the grouping."""
     state = folder / "train_state.json"
     if not state.is_file():
         return None
     source = json.loads(state.read_text()).get("averaged_from")
-    return None if source is None else ",".join(str(s) for s in source["steps"])
+    if source is None:
+        return None
+    steps = ",".join(str(s) for s in source["steps"])
+    return f"ema@{steps}" if source.get("ema") else steps
+
+
+def ema_run(run: Run) -> Run | None:
+    """The weight EMA a run kept (train.ema.half_life_tokens) as a run of its own: its validation curves
+    (val_loss_ema, val_bpb_ema, a mixture's val_loss_ema/<source> as val_loss, val_bpb, val_loss/<source>),
+    marked `ema=half-life <tokens>` (the run's train.ema keys do not group, the EMA changing nothing of
+    the run); None for a run without one."""
+    kept = ("step", "tokens")
+    records = [{**{k: r[k] for k in kept if k in r},
+                **{k.replace("_ema", "", 1): v for k, v in r.items() if k.startswith(EMA_METRICS)}}
+               for r in run.records if "val_loss_ema" in r]
+    if not records:
+        return None
+    half_life = run.config.get("train.ema.half_life_tokens")
+    return Run(f"{run.name} (ema)", {**run.config, EMA_KEY: f"half-life {half_life:g} tokens"}, records,
+               run.params, run.flops_per_token)
 
 
 def _unwrap_wandb_config(config: dict) -> dict:

@@ -1,17 +1,19 @@
 """`python -m scalevec_train.average <run_dir> last=3 out=<dir>` (or steps=[100,200,300]): the mean of
 checkpoints of one run as a checkpoint folder that scalevec_train.load and export read
-(checkpoint/average.py says what it holds)."""
+(checkpoint/average.py says what it holds). `ema=last` (or ema=<step>) writes instead the EMA of the
+weights that the run kept (train.ema.half_life_tokens) in its newest checkpoint (or that step's)."""
 
 import sys
 
-from scalevec_train.checkpoint.average import average
+from scalevec_train.checkpoint.average import average, ema_model
 from scalevec_train.errors import ScalevecError
 
-USAGE = "usage: python -m scalevec_train.average <run_dir> (last=N | steps=[a,b,...]) out=<folder>"
+USAGE = "usage: python -m scalevec_train.average <run_dir> (last=N | steps=[a,b,...] | ema=last | ema=N) out=<folder>"
 
 
 def parse(options: dict[str, str]) -> dict | None:
-    """average()'s keyword arguments from the command line's, or None when they are not usable."""
+    """average()'s keyword arguments from the command line's (`ema`: ema_model()'s step, None for the
+    newest), or None when they are not usable."""
     if "out" not in options or not options["out"] or len(set(options) - {"out"}) != 1:
         return None
     try:
@@ -20,6 +22,8 @@ def parse(options: dict[str, str]) -> dict | None:
         if "steps" in options:
             steps = [int(s) for s in options["steps"].strip("[]").split(",") if s.strip()]
             return {"out": options["out"], "steps": steps}
+        if "ema" in options:
+            return {"out": options["out"], "ema": None if options["ema"] == "last" else int(options["ema"])}
     except ValueError:
         return None
     return None
@@ -32,11 +36,14 @@ def main(argv: list[str]) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     try:
-        out = average(positional[0], **kwargs)
+        if "ema" in kwargs:
+            out = ema_model(positional[0], kwargs["out"], kwargs["ema"])
+        else:
+            out = average(positional[0], **kwargs)
     except ScalevecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"averaged into {out}", file=sys.stderr)
+    print(f"{'the EMA written' if 'ema' in kwargs else 'averaged'} into {out}", file=sys.stderr)
     return 0
 
 

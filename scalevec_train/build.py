@@ -44,7 +44,9 @@ from scalevec_train.training.callbacks import (
     StabilityGuard,
     StepProfiler,
     TaskEvaluator,
+    WeightEMA,
 )
+from scalevec_train.training.callbacks.ema import ema_decay
 from scalevec_train.training.guards import FaultInjection
 from scalevec_train.training.trainer import Trainer, checkpointed, training_loss
 
@@ -153,11 +155,17 @@ def build(cfg: Config) -> Run:
                   {entry.name: entry.weight for entry, _ in data.sources} if isinstance(data, MixtureData) else None),
         *([TaskEvaluator(tasks, cfg.tasks.every, cfg.tasks.batch_size, rank_, world)] if tasks else []),
     ]
+    # after the evaluator (it evaluates at its steps), before the checkpointer (which saves it)
+    evaluator = next(cb for cb in callbacks if isinstance(cb, Evaluator))
+    ema = (WeightEMA(model, ema_decay(cfg.train.ema.half_life_tokens, tokens_per_step), evaluator)
+           if cfg.train.ema.half_life_tokens else None)
     manager = CheckpointManager(
-        run_dir, tensors={"model": ModelState(model), "optim": OptimizerState(model, optimizer)},
+        run_dir, tensors={"model": ModelState(model), "optim": OptimizerState(model, optimizer),
+                          **({"ema": ema} if ema else {})},
         records={"loader": train_loader, **checkpointed(callbacks)},
         info={"model_config": cfg.model.architecture(), "optimizer": cfg.optim.name},
-        keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save)
+        keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save, optional=frozenset({"ema"}))
+    callbacks += [ema] if ema else []
     if resume_from is not None:
         manager.load(resume_from, train_state)
     start_step = train_state["step"] if train_state else 0

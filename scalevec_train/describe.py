@@ -130,8 +130,8 @@ def memory(raw: DictConfig, world: int, device_gb: float) -> dict:
 def format_memory(m: dict) -> str:
     if "error" in m:
         return f"memory per rank on {m['world_size']} GPU(s): not estimated: {m['error']}"
-    rows = ["params", "grads", "accumulated_grads", "optimizer", "skip_copies", "activations", "recompute", "logits",
-            "fsdp_buffers", "optimizer_step", "overhead", "total"]
+    rows = ["params", "grads", "accumulated_grads", "optimizer", "skip_copies", "ema", "activations", "recompute",
+            "logits", "fsdp_buffers", "optimizer_step", "overhead", "total"]
     lines = [f"memory per rank on {m['world_size']} GPU(s) (sharded over {m['shard_size']}), micro-batch of "
              f"{m['micro_batch_tokens']:,} tokens x {m['accumulation']}, activation checkpointing "
              f"{m['activation_checkpointing']}:"]

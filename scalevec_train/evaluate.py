@@ -4,7 +4,8 @@ compare), in one process; with --tasks, also the downstream tasks of a preset of
 (`embedded`: the task the embedded corpus brings; `standard`: the public task files under the run's
 tasks.dir) or `run` (the tasks the run's config names), as the trainer's task/<name>/<metric>.
 
-For an averaged checkpoint (checkpoint/average.py) it also writes metrics.jsonl into that folder, one
+For an averaged checkpoint (checkpoint/average.py; also a run's weight EMA written out with
+`average ... ema=last`) it also writes metrics.jsonl into that folder, one
 record {"step": the step it stands for, "tokens": trained by then, "val_loss": ..., task metrics}: with
 the config.yaml the folder already holds, scripts/compare_runs.py reads it as a run of its own
 (scalevec_analysis marks it as averaged), beside the run and its WSD cooldown branches.

@@ -11,6 +11,8 @@ Counted from the config on the meta device (no weights are allocated):
   skip_copies        the copies of parameters, optimizer state and buffers that training/skip.py keeps
                      between steps to undo a skipped one, for the optimizer that cannot skip it
                      itself: torch's for-loop AdamW (CPU). None for fused AdamW (CUDA) and Muon.
+  ema                the weight EMA (train.ema.half_life_tokens): a fp32 copy of the rank's share of the
+                     parameters and of the floating-point buffers a checkpoint holds.
   activations        what autograd keeps through one micro-batch's forward (activations.py), for the
                      activation-checkpointing mode; `recompute`: one block's tensors again during its
                      backward when blocks are checkpointed.
@@ -66,6 +68,7 @@ class MemoryEstimate:
     accumulated_grads: int
     optimizer: int
     skip_copies: int
+    ema: int
     activations: int
     recompute: int
     logits: int
@@ -75,7 +78,7 @@ class MemoryEstimate:
 
     @property
     def states(self) -> int:
-        return self.params + self.grads + self.accumulated_grads + self.optimizer + self.skip_copies
+        return self.params + self.grads + self.accumulated_grads + self.optimizer + self.skip_copies + self.ema
 
     @property
     def total(self) -> int:
@@ -138,6 +141,11 @@ def estimate(cfg: Config, world: int, device: str = "cuda") -> MemoryEstimate:
     skip_copies = 0.0
     if cfg.optim.name != "muon" and device == "cpu":
         skip_copies = FP32 * held + optimizer + sum(b.numel() * b.element_size() for b in model.buffers())
+    ema = 0.0
+    if cfg.train.ema.half_life_tokens:
+        param_ids = {id(p) for p in params}
+        ema = FP32 * (held + sum(t.numel() for t in model.state_dict(keep_vars=True).values()
+                                 if id(t) not in param_ids and t.is_floating_point()))
     accumulation = cfg.train.global_batch // (cfg.train.micro_batch * world)
     sharded = sum(t.numel() for t in params if id(t) not in sites)
     tokens = cfg.train.micro_batch * cfg.train.seq_len
@@ -169,7 +177,8 @@ def estimate(cfg: Config, world: int, device: str = "cuda") -> MemoryEstimate:
         micro_batch_tokens=tokens, accumulation=accumulation,
         params=round(FP32 * held), grads=round(FP32 * held),
         accumulated_grads=FP32 * sharded if world > 1 and accumulation > 1 else 0,
-        optimizer=round(optimizer), skip_copies=round(skip_copies), activations=round(tokens * kept + kept_copies),
+        optimizer=round(optimizer), skip_copies=round(skip_copies), ema=round(ema),
+        activations=round(tokens * kept + kept_copies),
         recompute=round(tokens * recompute + recompute_copies),
         logits=round(tokens * logits_peak_bytes(cfg.model, p)), fsdp_buffers=round(fsdp),
         optimizer_step=round(step), overhead=OVERHEAD if device == "cuda" else 0)

@@ -4,6 +4,7 @@ import argparse
 import sys
 
 from scalevec_analysis import (
+    ema_run,
     load_run_dir,
     load_wandb,
     write_comparison,
@@ -17,7 +18,10 @@ DESCRIPTION = """\
 Groups runs by their resolved config minus the seed and bookkeeping (run_dir, resume, branch_from,
 logger.*, checkpoint.*, tasks.*, data.cache_dir, path-like keys; more with --ignore) and compares the groups. A WSD
 branch's run directory holds its trunk's records up to the branch point, so branches and their trunk
-overlay as runs of their own lengths.
+overlay as runs of their own lengths. An averaged checkpoint folder evaluated by scalevec_train.evaluate
+is a run of its own (averaged=<steps>, or averaged=ema@<step> for a run's weight EMA written out), and
+--weight-ema adds the validation curve of each run's weight EMA (val_loss_ema, train.ema.*) as a run of
+its own (ema=half-life <tokens>).
 
 Default mode writes OUT/curves.png (loss and validation loss against tokens), OUT/summary.md and
 OUT/summary.csv, and prints the table:
@@ -84,6 +88,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--last-k", type=int, default=10,
                    help="--metric loss: average the last K logged training losses (default 10)")
     p.add_argument("--ema", type=float, help="plot only: smooth training-loss curves with this EMA factor")
+    p.add_argument("--weight-ema", action="store_true",
+                   help="also compare each run's weight EMA (its val_loss_ema curve) as a run of its own")
     p.add_argument("--logx", action="store_true", help="log-scale tokens axis")
     p.add_argument("--logy", action="store_true", help="log-scale loss axis")
     p.add_argument("--ignore", action="append", default=[], metavar="KEY",
@@ -119,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = [load_run_dir(d) for d in args.run_dirs]
         if args.wandb or args.wandb_filter:
             runs += load_wandb(args.wandb, args.wandb_filter)
+        if args.weight_ema:
+            runs += [e for e in map(ema_run, runs) if e is not None]
         if args.scaling:
             table = write_scaling(runs, args.out, args.metric, args.last_k, args.series or ["scale"],
                                   args.ignore)

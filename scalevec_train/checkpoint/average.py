@@ -14,6 +14,11 @@ model only, train_state.json (the newest source's, with `averaged_from`: the sou
 and tokenizer so that `scalevec_train.load(<folder>)`, export and `init_from`-style loading find what
 they need wherever the folder lies. It holds no optimizer state and no data position: it is for
 evaluation, export and starting new runs, never for resuming (find_resume refuses it).
+
+The EMA of the weights a run keeps (train.ema.half_life_tokens, training/callbacks/ema.py) lies in each of
+its checkpoints beside the model; `ema_model` writes it out as the same kind of folder (`averaged_from`
+with `steps`: the checkpoint's step, and `ema`: true), tensors absent from the EMA (none today) taken
+from the checkpoint's model.
 """
 
 import json
@@ -45,6 +50,7 @@ from scalevec_train.data.tokenizer import HF_FILE, SENTENCEPIECE_FILE
 from scalevec_train.errors import ScalevecError
 
 RUN_FILES = ("config.yaml", SENTENCEPIECE_FILE, HF_FILE)
+EMA_PREFIX = "ema.weights."  # the EMA's tensors in a run's checkpoint (training/callbacks/ema.py)
 
 
 def choose(run_dir: Path, last: int | None = None, steps: list[int] | None = None) -> list[Path]:
@@ -76,16 +82,22 @@ def choose(run_dir: Path, last: int | None = None, steps: list[int] | None = Non
     return chosen
 
 
-def read_model(path: Path) -> dict[str, torch.Tensor]:
-    """The model tensors of checkpoint `path`, whole and in their saved dtypes, read in this process
-    (no process group) whatever number of ranks wrote them."""
+def read_model(path: Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """The model tensors of checkpoint `path` (those under `prefix`: "ema.weights." for the EMA), whole
+    and in their saved dtypes, read in this process (no process group) whatever number of ranks wrote them."""
     metadata = read_metadata(path)
-    check_files(path, metadata, prefix="model.")
-    state = {k.removeprefix("model."): torch.empty(v.size, dtype=v.properties.dtype)
+    check_files(path, metadata, prefix=prefix)
+    state = {k.removeprefix(prefix): torch.empty(v.size, dtype=v.properties.dtype)
              for k, v in metadata.state_dict_metadata.items()
-             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+             if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
+    if not state:
+        raise ScalevecError(str(path), f"holds no tensors {prefix}*.", DAMAGED)
+    keys = prefix.rstrip(".").split(".")
+    nested = state
+    for key in reversed(keys):  # DCP names nested dicts with dots: {"ema": {"weights": ...}}
+        nested = {key: nested}
     try:
-        dcp.load({"model": state}, storage_reader=SafeReader(path))
+        dcp.load(nested, storage_reader=SafeReader(path))
     except (CheckpointException, Exception) as e:  # CheckpointException is a BaseException
         raise ScalevecError(str(path), f"cannot be read ({first_failure(e)}).", DAMAGED) from None
     return state
@@ -130,15 +142,50 @@ def average(run_dir: str | Path, out: str | Path, last: int | None = None,
     states = [inspect(p) for p in checkpoints]
     check_one_run(checkpoints, states)
     averaged = mean([read_model(p) for p in checkpoints], checkpoints)
-    train_state = {**states[-1], "world_size": 1,
-                   AVERAGED: {"run_dir": str(run_dir.resolve()), "steps": [checkpoint_step(p) for p in checkpoints]}}
+    source = {"run_dir": str(run_dir.resolve()), "steps": [checkpoint_step(p) for p in checkpoints]}
+    return write_model(out, run_dir, checkpoints[-1], states[-1], averaged, source)
+
+
+def ema_model(run_dir: str | Path, out: str | Path, step: int | None = None) -> Path:
+    """The EMA of the weights kept in run_dir's checkpoint of `step` (None: the newest complete one)
+    as a model in the new folder `out`."""
+    run_dir, out = Path(run_dir), Path(out)
+    check_new_folder(out)
+    if not (run_dir / "config.yaml").is_file():
+        raise ScalevecError(str(run_dir), "is not a run directory (no config.yaml).",
+                            "pass the run_dir of a training run that kept an EMA (train.ema.half_life_tokens).")
+    found = complete_checkpoints(run_dir)
+    if step is None and not found:
+        raise ScalevecError(str(run_dir), "holds no complete checkpoint.", "train it with checkpoints (the "
+                            "last step always saves one), or pass the run that did.")
+    path = found[-1] if step is None else step_dir(run_dir, step)
+    if not (path / COMPLETE).is_file():
+        raise ScalevecError(str(path), "is not a complete checkpoint.",
+                            f"pick a step among the complete ones: {[checkpoint_step(p) for p in found]}.")
+    state = inspect(path)
+    check_one_run([path], [state])
+    if not any(k.startswith(EMA_PREFIX) for k in read_metadata(path).state_dict_metadata):
+        raise ScalevecError(str(path), "holds no EMA of the weights: the run was trained without one.",
+                            "train with train.ema.half_life_tokens=<tokens> (a resume may turn it on), or "
+                            "average checkpoints instead (last=N).")
+    model = read_model(path)
+    ema = read_model(path, EMA_PREFIX)
+    model.update({k: v.to(model[k].dtype) for k, v in ema.items()})
+    source = {"run_dir": str(run_dir.resolve()), "steps": [checkpoint_step(path)], "ema": True}
+    return write_model(out, run_dir, path, state, model, source)
+
+
+def write_model(out: Path, run_dir: Path, newest: Path, train_state: dict, model: dict[str, torch.Tensor],
+                source: dict) -> Path:
+    """The model-only folder `out` (module docstring): `model`'s tensors, the train state of the newest
+    source checkpoint `newest` marked with `source`, and the run's files."""
     with new_folder(out) as tmp:
-        dcp.save({"model": averaged}, checkpoint_id=str(tmp))
+        dcp.save({"model": model}, checkpoint_id=str(tmp))
         # inspect() asks for one RNG file per rank; training draws no random numbers from them.
-        shutil.copyfile(checkpoints[-1] / "rng_rank0.pt", tmp / "rng_rank0.pt")
+        shutil.copyfile(newest / "rng_rank0.pt", tmp / "rng_rank0.pt")
         for name in RUN_FILES:
             if (run_dir / name).is_file():
                 shutil.copyfile(run_dir / name, tmp / name)
-        (tmp / STATE_FILE).write_text(json.dumps(train_state, indent=1))
+        (tmp / STATE_FILE).write_text(json.dumps({**train_state, "world_size": 1, AVERAGED: source}, indent=1))
         (tmp / COMPLETE).write_text("")
     return out

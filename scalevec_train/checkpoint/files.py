@@ -5,7 +5,8 @@ another model fails early, naming the file. The DCP metadata is a pickle: it is 
 that admits only checkpoint metadata classes, so a crafted checkpoint cannot run code.
 
 Layout: run_dir/checkpoints/step_000050/ holds
-    the DCP shards and metadata of model and optimizer  (each rank writes its own shards)
+    the DCP shards and metadata of model and optimizer  (each rank writes its own shards; and of the
+                       weight EMA where the run keeps one, train.ema)
     train_state.json   step, world size, and the plain-data states (the data loader's global sample
                        position, the numerical-guard counters, the model config, the optimizer's name)
     rng_rank<r>.pt     rank r's RNG states

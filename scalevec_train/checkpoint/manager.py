@@ -99,12 +99,14 @@ class _Save:
 
 class CheckpointManager:
     """Saves `tensors` (DCP) and `records` (train_state.json) of a run to run_dir/checkpoints/step_*;
-    loads them back. `info` is written into every train_state.json as it is (e.g. the model config)."""
+    loads them back. `info` is written into every train_state.json as it is (e.g. the model config).
+    `optional`: the names of tensor states a checkpoint may lack (an option turned on at a resume, such
+    as the weight EMA); they keep their fresh state where it does."""
 
     def __init__(self, run_dir: Path, tensors: dict[str, Stateful], records: dict[str, Stateful],
-                 info: dict, keep_last: int, async_save: bool = False):
+                 info: dict, keep_last: int, async_save: bool = False, optional: frozenset[str] = frozenset()):
         self.run_dir, self.tensors, self.records, self.info = run_dir, tensors, records, info
-        self.keep_last, self.async_save = keep_last, async_save
+        self.keep_last, self.async_save, self.optional = keep_last, async_save, optional
         self.pending: _Save | None = None
         self.async_group = None
 
@@ -152,8 +154,10 @@ class CheckpointManager:
         """Restore every state from checkpoint `path` (whose train state, already read, is
         `train_state`), resharding to the current world size; the RNG states only when the world size
         is the one the checkpoint was written with."""
+        saved = {fqn.split(".", 1)[0] for fqn in read_metadata(path).state_dict_metadata}
+        tensors = {k: v for k, v in self.tensors.items() if k in saved or k not in self.optional}
         try:
-            dcp.load(self.tensors, storage_reader=SafeReader(str(path)))
+            dcp.load(tensors, storage_reader=SafeReader(str(path)))
         except (CheckpointException, Exception) as e:  # CheckpointException is a BaseException
             raise ScalevecError(str(path), f"cannot be loaded into this model/optimizer ({first_failure(e)}).",
                                 "resume with the config the checkpoint was written with; if it is damaged, "

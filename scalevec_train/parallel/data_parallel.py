@@ -93,7 +93,9 @@ def parallelize(model: TrainableModel, cfg: DistributedConfig, device: torch.dev
 
 def reshard(model: nn.Module) -> None:
     """Register every sharded parameter's fp32 shard again where a forward left it gathered (the root
-    keeps its parameters gathered after a forward, in the compute dtype); nothing on one process."""
+    keeps its parameters gathered after a forward, in the compute dtype); nothing on one process. Also
+    what makes the next forward gather anew after weights were written into the shards between steps
+    (the weight EMA swapped in for an evaluation, and back)."""
     for module in model.modules():
         if hasattr(module, "reshard"):  # an FSDP2 module
             module.reshard()

@@ -1,10 +1,26 @@
-"""The training loop's options (`train.*`), the checkpoint options (`checkpoint.*`) and the logger's
-(`logger.*`)."""
+"""The training loop's options (`train.*`, the weight EMA's `train.ema.*`), the checkpoint options
+(`checkpoint.*`) and the logger's (`logger.*`)."""
 
 from dataclasses import dataclass, field
 from typing import Literal
 
 from scalevec_train.errors import ScalevecError, check_choices, choice
+
+
+@dataclass
+class EMAConfig:
+    # an exponential moving average (EMA) of the weights, kept beside the run (training/callbacks/ema.py):
+    # its half-life in training tokens, the weight of the weights of a step halving every this many
+    # tokens after it (per step, decay = 0.5 ** (tokens per step / half_life_tokens); in tokens, so that
+    # it means the same at any batch size). Evaluated at every evaluation (val_loss_ema, val_bpb_ema),
+    # checkpointed with the run; `python -m scalevec_train.average <run> ema=last` writes it as a
+    # model. 0: off
+    half_life_tokens: float = 0.0
+
+    def validate(self) -> None:
+        if self.half_life_tokens < 0:
+            raise ScalevecError("train.ema.half_life_tokens", f"must not be negative, got {self.half_life_tokens}.",
+                                "use a number of tokens (e.g. a tenth of the run's), or 0 to turn the EMA off.")
 
 
 @dataclass
@@ -62,6 +78,7 @@ class TrainConfig:
     # map its weight RMS, update-to-weight ratio and column norms with and without its input-side scale;
     # docs/experiments.md, "Diagnostics"); 0: off, and the run is the same as without the option
     diagnostics_every: int = 0
+    ema: EMAConfig = field(default_factory=EMAConfig)
 
     def derive_micro_batch(self, world_size: int) -> None:
         """Fill a null micro_batch: the largest divisor of global_batch / ranks within max_micro_batch_tokens
@@ -75,6 +92,7 @@ class TrainConfig:
 
     def validate(self, world_size: int) -> None:
         check_choices(self, "train.")
+        self.ema.validate()
         for key in ("steps", "global_batch", "seq_len", "log_every", "eval_batches", "max_micro_batch_tokens"):
             if getattr(self, key) <= 0:
                 raise ScalevecError(f"train.{key}", f"must be positive, got {getattr(self, key)}.",

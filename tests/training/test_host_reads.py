@@ -1,6 +1,6 @@
 """A training step that does not log reads nothing back from the device (issue 28): counted with a
 TorchDispatchMode (tests/host_reads.py) over the steps between logs, for dense and MoE, AdamW and Muon
-(and document masking with the z-loss), on 1 process and on 2 gloo ranks. Reads of the optimizer's
+(and document masking with the z-loss, and the weight EMA), on 1 process and on 2 gloo ranks. Reads of the optimizer's
 host-side step counters (torch's for-loop AdamW on CPU) are counted apart and not held against the
 framework; Muon keeps its counters on the device and makes none."""
 
@@ -21,8 +21,11 @@ SHAPE = ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layer
 MODELS = {"dense": ["model=dense-tiny"], "moe": ["model=moe-tiny", "model.moe.expert_dim=32"],
           # counts of counted targets normalize the loss, and the z-loss is recorded on log steps
           "document": ["model=dense-tiny", "model.attention_mask=document", "model.rope_reset=true",
-                       "train.z_loss=1e-4"]}
-CASES = [(model, optim) for model in ("dense", "moe") for optim in ("adamw", "muon")] + [("document", "adamw")]
+                       "train.z_loss=1e-4"],
+          # the weight EMA updates on the device after every step (a skipped one selects no move)
+          "ema": ["model=moe-tiny", "model.moe.expert_dim=32", "train.ema.half_life_tokens=256"]}
+CASES = [(model, optim) for model in ("dense", "moe") for optim in ("adamw", "muon")] + [("document", "adamw"),
+                                                                                         ("ema", "muon")]
 
 
 def overrides(data_overrides, model: str, optim: str, run_dir) -> list[str]:

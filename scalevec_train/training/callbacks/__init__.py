@@ -1,6 +1,7 @@
 """The callbacks that observe a run: each has a small job and the trainer's hooks as its interface.
 
     evaluation.py    Evaluator: val_loss and val_bpb (bits per byte) on fixed batches
+    ema.py           WeightEMA: an exponential moving average of the weights, validated as the run goes
     monitors.py      SpeedMonitor: tokens/s and MFU; ModelMetrics: the model's own metrics (MoE load)
     epochs.py        EpochMonitor: passes over the training data, and a warning when they are many
     scales.py        ScaleMonitor: scale-site values and gradient norms
@@ -13,6 +14,7 @@
 
 from scalevec_train.training.callbacks.checkpointer import Checkpointer
 from scalevec_train.training.callbacks.diagnostics import Diagnostics
+from scalevec_train.training.callbacks.ema import WeightEMA
 from scalevec_train.training.callbacks.epochs import EpochMonitor
 from scalevec_train.training.callbacks.evaluation import Evaluator
 from scalevec_train.training.callbacks.monitors import ModelMetrics, SpeedMonitor
@@ -22,4 +24,4 @@ from scalevec_train.training.callbacks.stability import SigtermStop, StabilityGu
 from scalevec_train.training.callbacks.tasks import TaskEvaluator
 
 __all__ = ["Checkpointer", "Diagnostics", "EpochMonitor", "Evaluator", "ModelMetrics", "ScaleMonitor", "SigtermStop",
-           "SpeedMonitor", "StabilityGuard", "StepProfiler", "TaskEvaluator"]
+           "SpeedMonitor", "StabilityGuard", "StepProfiler", "TaskEvaluator", "WeightEMA"]

@@ -53,36 +53,39 @@ class Evaluator(Callback):
             out[name] = (val_loss, (sums[0] / sums[1] / math.log(2)).float())
         return out
 
-    def _record(self, trainer: Trainer) -> None:
+    def record(self, trainer: Trainer, suffix: str = "") -> None:
+        """Evaluate the model as it is and record val_loss<suffix> (val_bpb<suffix>, and for a mixture each
+        source's val_loss<suffix>/<name>); the weight EMA records its own with suffix "_ema"."""
         results = self.evaluate(trainer)
         if "" in results:
             val_loss, val_bpb = results[""]
         else:
             for name, (loss, bpb) in results.items():
-                trainer.record(f"val_loss/{name}", loss)
+                trainer.record(f"val_loss{suffix}/{name}", loss)
                 if bpb is not None:
-                    trainer.record(f"val_bpb/{name}", bpb)
+                    trainer.record(f"val_bpb{suffix}/{name}", bpb)
             val_loss = sum(self.weights[name] * loss for name, (loss, _) in results.items())
             val_bpb = None if self.bytes is None else sum(self.weights[name] * bpb
                                                           for name, (_, bpb) in results.items())
-        trainer.record("val_loss", val_loss)
+        trainer.record(f"val_loss{suffix}", val_loss)
         if val_bpb is not None:
-            trainer.record("val_bpb", val_bpb)
+            trainer.record(f"val_bpb{suffix}", val_bpb)
 
     def on_fit_start(self, trainer: Trainer) -> None:
         if trainer.step == 0:
-            self._record(trainer)
+            self.record(trainer)
 
-    def _evaluates(self, trainer: Trainer, step: int) -> bool:
+    def evaluates(self, trainer: Trainer, step: int) -> bool:
+        """Whether step `step` is validated (every `every` steps and the last)."""
         return step == trainer.steps or bool(self.every and step % self.every == 0)
 
     def on_step_start(self, trainer: Trainer) -> None:
-        if self._evaluates(trainer, trainer.step + 1):
+        if self.evaluates(trainer, trainer.step + 1):
             trainer.request_read_back()  # it writes a record: what the guard has to write comes first
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
-        if self._evaluates(trainer, trainer.step):
-            self._record(trainer)
+        if self.evaluates(trainer, trainer.step):
+            self.record(trainer)
 
 
 
