@@ -12,29 +12,9 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a source name is a metric-key suffix: 
 
 
 @dataclass
-class MixtureSource:
-    """One source of a mixture (data.mixture): the source-specific options mean what the single-source
-    ones of the same name do; everything else (tokenizer, shard size, workers, cache) is shared."""
+class SourceOptions:
+    """What one source reads: the single source of `data.*`, or one entry of data.mixture."""
 
-    # names the source in metrics (val_loss/<name>, epochs/<name>): letters, digits, _ . -; unique
-    name: str = ""
-    source: str = choice("stdlib", Literal["stdlib", "python_env", "text_dir", "hf", "shards"])
-    path: str = ""
-    # relative share of training samples (the weights need not sum to 1)
-    weight: float = 1.0
-    # train on at most this many tokens of the source's training split, repeating them (0: all of it)
-    max_tokens: int = 0
-    patterns: list[str] = field(default_factory=lambda: ["*.txt", "*.md", "*.rst", "*.py"])
-    text_field: str = "text"
-    hf_config: str = ""
-    hf_split: str = "train"
-    streaming: bool = False
-    max_corpus_bytes: int = 0
-    val_fraction: float = 0.02
-
-
-@dataclass
-class DataConfig:
     # stdlib (the running Python's standard library source, about 10M tokens) | python_env (the standard
     # library plus every package installed beside it, site-packages) | text_dir | hf (a `datasets`
     # dataset) | shards (a folder prepared earlier)
@@ -55,6 +35,23 @@ class DataConfig:
     max_corpus_bytes: int = 0
     # share of documents held out for validation, chosen deterministically by document
     val_fraction: float = 0.02
+
+
+@dataclass
+class MixtureSource(SourceOptions):
+    """One source of a mixture (data.mixture): its SourceOptions, a name and a weight; everything else
+    (tokenizer, shard size, workers, cache) is shared."""
+
+    # names the source in metrics (val_loss/<name>, epochs/<name>): letters, digits, _ . -; unique
+    name: str = ""
+    # relative share of training samples (the weights need not sum to 1)
+    weight: float = 1.0
+    # train on at most this many tokens of the source's training split, repeating them (0: all of it)
+    max_tokens: int = 0
+
+
+@dataclass
+class DataConfig(SourceOptions):
     # tokenizer vocab size; YAML presets set it to ${model.vocab_size}
     vocab_size: int = 4096
     # an existing tokenizer to use instead of training one (empty: train one): a SentencePiece model, or a
@@ -102,7 +99,7 @@ class DataConfig:
 
     def sources(self) -> list[tuple[MixtureSource, "DataConfig"]]:
         """Each mixture entry with the single-source config that prepares it."""
-        shared = {f.name for f in fields(MixtureSource)} & {f.name for f in fields(DataConfig)}
+        shared = [f.name for f in fields(SourceOptions)]
         return [(m, replace(self, mixture=[], **{k: getattr(m, k) for k in shared})) for m in self.mixture]
 
     def _validate_mixture(self) -> None:
