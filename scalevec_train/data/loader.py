@@ -117,12 +117,18 @@ class TokenLoader:
         return {"position": self.position, **self._identity}
 
     def load_state_dict(self, state: dict) -> None:
-        for key, value in self._identity.items():
-            if state.get(key) != value:
-                raise ScalevecError(f"data loader state ({key})",
-                                    f"the checkpoint has {key}={state.get(key)!r}, this run has {value!r}.",
-                                    "resume with the checkpoint's data, seq_len and seed, or start afresh.")
-        position = state.get("position")
-        if not isinstance(position, int) or position < 0:
-            raise ScalevecError("data loader state (position)", f"{position!r} is not a sample count.")
-        self.position = position
+        self.position = checked_position(state, self._identity, "data")
+
+
+def checked_position(state: dict, identity: dict, data: str) -> int:
+    """The sample position of a loader's checkpointed `state`, once every key of `identity` (what the
+    samples depend on) matches it; `data` names the data option to resume with."""
+    for key, value in identity.items():
+        if state.get(key) != value:
+            raise ScalevecError(f"data loader state ({key})",
+                                f"the checkpoint has {key}={state.get(key)!r}, this run has {value!r}.",
+                                f"resume with the checkpoint's {data}, seq_len and seed, or start afresh.")
+    position = state.get("position")
+    if not isinstance(position, int) or position < 0:
+        raise ScalevecError("data loader state (position)", f"{position!r} is not a sample count.")
+    return position

@@ -6,7 +6,7 @@ run resumes on any world size, or branches, with exactly the samples it would ha
 import numpy as np
 import torch
 
-from scalevec_train.data.loader import Batch, TokenLoader, mean_attended_keys
+from scalevec_train.data.loader import Batch, TokenLoader, checked_position, mean_attended_keys
 from scalevec_train.data.mixing import SourceSchedule
 from scalevec_train.data.mixture import MixtureData
 from scalevec_train.errors import ScalevecError
@@ -57,16 +57,7 @@ class MixtureLoader:
         return {"position": self.position, **self._identity}
 
     def load_state_dict(self, state: dict) -> None:
-        for key, value in self._identity.items():
-            if state.get(key) != value:
-                raise ScalevecError(f"data loader state ({key})",
-                                    f"the checkpoint has {key}={state.get(key)!r}, this run has {value!r}.",
-                                    "resume with the checkpoint's data (data.mixture), seq_len and seed, "
-                                    "or start afresh.")
-        position = state.get("position")
-        if not isinstance(position, int) or position < 0:
-            raise ScalevecError("data loader state (position)", f"{position!r} is not a sample count.")
-        self.position = position
+        self.position = checked_position(state, self._identity, "data (data.mixture)")
 
 
 def _identity(loader: TokenLoader) -> dict:
