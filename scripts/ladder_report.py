@@ -62,10 +62,10 @@ def _mean_std(values: list[float]) -> str:
 
 
 def table(out: Path, runs) -> str:
-    cells = defaultdict(dict)  # (optim, params, model, tpp) -> {scale: {seed: run}}
+    cells = defaultdict(dict)  # (optim, rung size, model, tpp) -> {scale: {seed: run}}
     for run in runs:
         c = run.config
-        key = (c["optim.name"], run.params or 0, c["model.name"], c["train.tokens_per_param"])
+        key = (c["optim.name"], c["model.dim"], c["model.name"], c["train.tokens_per_param"])
         cells[key].setdefault(c["scale.name"], {})[c["seed"]] = run
     lines = ["| optimizer | rung | tokens/param | metric | baseline | unified | unified - baseline per seed "
              "| mean Δ | seeds better |", "|---|---|---:|---|---:|---:|---|---:|---:|"]
