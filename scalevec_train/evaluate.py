@@ -1,13 +1,14 @@
-"""`python -m scalevec_train.evaluate <run_dir or checkpoint> [--tasks PRESET]`: the validation loss of a
-checkpoint on its run's validation set (the same batches as the trainer's val_loss, so the numbers
-compare), in one process; with --tasks, also the downstream tasks of a preset of configs/tasks/
-(`embedded`: the task the embedded corpus brings; `standard`: the public task files under the run's
-tasks.dir) or `run` (the tasks the run's config names), as the trainer's task/<name>/<metric>.
+"""`python -m scalevec_train.evaluate <run_dir or checkpoint> [--tasks PRESET]`: the validation loss and
+bits per byte of a checkpoint on its run's validation set (the same batches and computation as the
+trainer's val_loss and val_bpb, so the numbers compare), in one process; with --tasks, also the
+downstream tasks of a preset of configs/tasks/ (`embedded`: the task the embedded corpus brings;
+`standard`: the public task files under the run's tasks.dir) or `run` (the tasks the run's config
+names), as the trainer's task/<name>/<metric>.
 
 For an averaged checkpoint (checkpoint/average.py; also a run's weight EMA written out with
-`average ... ema=last`) it also writes metrics.jsonl into that folder, one
-record {"step": the step it stands for, "tokens": trained by then, "val_loss": ..., task metrics}: with
-the config.yaml the folder already holds, scripts/compare_runs.py reads it as a run of its own
+`average ... ema=last`) it also writes metrics.jsonl into that folder, one record {"step": the step it
+stands for, "tokens": trained by then, "val_loss": ..., "val_bpb": ..., task metrics}: with the
+config.yaml the folder already holds, scripts/compare_runs.py reads it as a run of its own
 (scalevec_analysis marks it as averaged), beside the run and its WSD cooldown branches.
 """
 
@@ -21,12 +22,13 @@ from scalevec_train.build import autocast_for, resolve_device, validation_batche
 from scalevec_train.checkpoint.files import AVERAGED, read_train_state
 from scalevec_train.config import CONFIG_DIR, Config
 from scalevec_train.data import check_vocab, prepare_data
+from scalevec_train.data.tokenizer import token_bytes
 from scalevec_train.errors import ScalevecError
 from scalevec_train.interop.api import load, read_config, resolve
 from scalevec_train.tasks.config import TasksConfig
 from scalevec_train.tasks.load import load_tasks
 from scalevec_train.tasks.scoring import score
-from scalevec_train.training.callbacks.evaluation import counted_targets, validation_loss
+from scalevec_train.training.callbacks.evaluation import Evaluator
 
 USAGE = ("usage: python -m scalevec_train.evaluate <run_dir or checkpoints/step_N or averaged folder> "
          "[--tasks embedded|standard|run]")
@@ -41,8 +43,9 @@ def evaluate(path: str | Path) -> tuple[float, Path | None]:
 
 
 def evaluate_metrics(path: str | Path, tasks: str = "") -> tuple[dict[str, float], Path | None]:
-    """({"val_loss": ..., "task/<name>/<metric>": ... for the tasks of `tasks` (see the module docstring;
-    empty: none)}, the metrics.jsonl written for an averaged checkpoint or None)."""
+    """({"val_loss": ..., "val_bpb": ... (a mixture's also per source, as the trainer records them),
+    "task/<name>/<metric>": ... for the tasks of `tasks` (see the module docstring; empty: none)}, the
+    metrics.jsonl written for an averaged checkpoint or None)."""
     run_dir, checkpoint = resolve(Path(path))
     cfg = read_config(run_dir)
     tasks_cfg = tasks_config(cfg, tasks) if tasks else None
@@ -51,15 +54,11 @@ def evaluate_metrics(path: str | Path, tasks: str = "") -> tuple[dict[str, float
     check_vocab(data, cfg.model.vocab_size)
     encoded = load_tasks(tasks_cfg, cfg.data, data.load_tokenizer(), cfg.train.seq_len) if tasks_cfg else []
     model, _ = load(checkpoint, device=device)
-    sets = validation_batches(cfg, data, 0, 1)
-    sets = sets if isinstance(sets, dict) else {"": sets}
+    # the trainer's own evaluator on the same batches: the same val_loss, val_bpb and a mixture's per source
+    evaluator = Evaluator(validation_batches(cfg, data, 0, 1), 0, token_bytes(data.load_tokenizer()),
+                          {m.name: m.weight for m in cfg.data.mixture} or None)
     autocast = autocast_for(cfg.train.dtype, device)
-    losses = {name: validation_loss(model, batches, device, autocast, counted_targets(batches))[0].item()
-              for name, batches in sets.items()}
-    # a mixture's val_loss: its sources' weighted mean (as the trainer's Evaluator records it)
-    weights = {m.name: m.weight for m in cfg.data.mixture} or {"": 1.0}
-    metrics = {"val_loss": sum(weights[name] * value for name, value in losses.items()) / sum(weights.values()),
-               **{f"val_loss/{name}": value for name, value in losses.items() if name}}
+    metrics = {name: value.item() for name, value in evaluator.metrics(model, device, autocast).items()}
     for task in encoded:
         for name, value in score(model, task, device, autocast, tasks_cfg.batch_size).items():
             metrics[f"task/{task.name}/{name}"] = float(value)

@@ -240,6 +240,7 @@ def test_resumed_on_1_and_2_ranks_and_per_source_val_losses(folders, tmp_path, p
     computed here with plain PyTorch, and val_loss is their 0.75/0.25 weighted mean."""
     from scalevec_train.build import validation_batches
     from scalevec_train.checkpoint import files as checkpoint_files
+    from scalevec_train.evaluate import evaluate_metrics
     from scalevec_train.interop.api import load
     from scalevec_train.train import run
 
@@ -273,3 +274,8 @@ def test_resumed_on_1_and_2_ranks_and_per_source_val_losses(folders, tmp_path, p
     assert direct["a"] != pytest.approx(direct["b"], rel=1e-3)
     assert final["val_loss"] == pytest.approx(0.75 * direct["a"] + 0.25 * direct["b"], rel=1e-5)
     assert {"val_bpb/a", "val_bpb/b", "epochs/a", "epochs/b"} <= final.keys()
+    # the evaluate command on the final checkpoint: the trainer's validation numbers at that step
+    evaluated, _ = evaluate_metrics(reference)
+    assert evaluated.keys() == {"val_loss", "val_bpb", "val_loss/a", "val_loss/b", "val_bpb/a", "val_bpb/b"}
+    for key, value in evaluated.items():
+        assert value == pytest.approx(final[key], rel=1e-5), key

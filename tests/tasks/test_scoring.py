@@ -154,5 +154,6 @@ def test_scoring_tasks_leaves_training_unchanged(tmp_path, data_overrides, capsy
     for metric in ("acc", "acc_norm", "bpb", "chance"):
         assert float(printed[f"task/toy/{metric}"]) == pytest.approx(last[f"task/toy/{metric}"], abs=1e-6)
     assert float(printed["val_loss"]) == pytest.approx(last["val_loss"], rel=1e-6)
+    assert float(printed["val_bpb"]) == pytest.approx(last["val_bpb"], rel=1e-5)
     assert evaluate_cli.main([str(scored), "--tasks", "nonesuch"]) == 2
     assert "--tasks: 'nonesuch' is no preset" in capsys.readouterr().err

@@ -7,7 +7,6 @@ import json
 import math
 from contextlib import nullcontext
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -90,8 +89,7 @@ def text_bytes(tok: tokenizer.Tokenizer, ids: list[int]) -> int:
 
 def evaluate(model: torch.nn.Module, batches: list[Batch], tok: tokenizer.Tokenizer) -> tuple[float, float, int]:
     evaluator = Evaluator(batches, every=0, token_bytes=tokenizer.token_bytes(tok))
-    trainer = SimpleNamespace(model=model, device=torch.device("cpu"), autocast=nullcontext)
-    val_loss, val_bpb = evaluator.evaluate(trainer)[""]
+    val_loss, val_bpb = evaluator.evaluate(model, torch.device("cpu"), nullcontext)[""]
     return val_loss.item(), val_bpb.item(), evaluator.bytes[""]
 
 

@@ -5,6 +5,7 @@ are the same bit for bit; a resume continues it bit for bit; val_loss_ema is the
 weights loaded as a model; the EMA written out as a folder loads, exports, evaluates and shows in
 compare_runs. tests/parallel/test_ema_ranks.py has 2 ranks and resumes across world sizes."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -99,6 +100,8 @@ def test_val_loss_ema_is_the_val_loss_of_the_ema_weights(runs, tmp_path):
     assert written == out / "metrics.jsonl"
     assert loss == pytest.approx(curve(runs["on"], "val_loss_ema")[STEPS], rel=1e-6)
     assert loss != pytest.approx(curve(runs["on"], "val_loss")[STEPS], rel=1e-4)
+    assert json.loads(written.read_text())["val_bpb"] == pytest.approx(curve(runs["on"], "val_bpb_ema")[STEPS],
+                                                                       rel=1e-6)
     assert (export(out, tmp_path / "hf") / "model.safetensors").is_file()
 
 

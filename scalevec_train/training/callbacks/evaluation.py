@@ -38,38 +38,46 @@ class Evaluator(Callback):
             int(token_bytes[b.targets[b.targets != IGNORE].numpy()].sum()) for b in batches)
             for name, batches in self.sets.items()}
 
-    def evaluate(self, trainer: Trainer) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    def evaluate(self, model: torch.nn.Module, device: torch.device, autocast
+                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """Each validation set's loss and bits per byte (None without token_bytes), on the device, by the
         set's name ("" for a single source's)."""
         out = {}
         for name, batches in self.sets.items():
-            val_loss, nll = validation_loss(trainer.model, batches, trainer.device, trainer.autocast,
-                                            self.counts[name])
+            val_loss, nll = validation_loss(model, batches, device, autocast, self.counts[name])
             if self.bytes is None:
                 out[name] = (val_loss, None)
                 continue
             sums = all_reduce_sum(torch.stack([nll, torch.tensor(float(self.bytes[name]), dtype=torch.float64,
-                                                                 device=trainer.device)]))
+                                                                 device=device)]))
             out[name] = (val_loss, (sums[0] / sums[1] / math.log(2)).float())
         return out
 
-    def record(self, trainer: Trainer, suffix: str = "") -> None:
-        """Evaluate the model as it is and record val_loss<suffix> (val_bpb<suffix>, and for a mixture each
-        source's val_loss<suffix>/<name>); the weight EMA records its own with suffix "_ema"."""
-        results = self.evaluate(trainer)
+    def metrics(self, model: torch.nn.Module, device: torch.device, autocast,
+                suffix: str = "") -> dict[str, torch.Tensor]:
+        """{val_loss<suffix>: ..., val_bpb<suffix>: ...} of `model` as it is, on the device; for a mixture
+        each source's val_loss<suffix>/<name> (val_bpb<suffix>/<name>) first. The trainer records them
+        (the weight EMA with suffix "_ema"); scalevec_train/evaluate.py prints them for a checkpoint."""
+        results = self.evaluate(model, device, autocast)
+        out = {}
         if "" in results:
             val_loss, val_bpb = results[""]
         else:
             for name, (loss, bpb) in results.items():
-                trainer.record(f"val_loss{suffix}/{name}", loss)
+                out[f"val_loss{suffix}/{name}"] = loss
                 if bpb is not None:
-                    trainer.record(f"val_bpb{suffix}/{name}", bpb)
+                    out[f"val_bpb{suffix}/{name}"] = bpb
             val_loss = sum(self.weights[name] * loss for name, (loss, _) in results.items())
             val_bpb = None if self.bytes is None else sum(self.weights[name] * bpb
                                                           for name, (_, bpb) in results.items())
-        trainer.record(f"val_loss{suffix}", val_loss)
+        out[f"val_loss{suffix}"] = val_loss
         if val_bpb is not None:
-            trainer.record(f"val_bpb{suffix}", val_bpb)
+            out[f"val_bpb{suffix}"] = val_bpb
+        return out
+
+    def record(self, trainer: Trainer, suffix: str = "") -> None:
+        for name, value in self.metrics(trainer.model, trainer.device, trainer.autocast, suffix).items():
+            trainer.record(name, value)
 
     def on_fit_start(self, trainer: Trainer) -> None:
         if trainer.step == 0:
