@@ -97,7 +97,7 @@ class WeightEMA(Callback, Stateful):
         weight = weight.float()
         for ema, live in self._pairs():
             ema.lerp_(live.to(ema.dtype), weight)
-        if self.evaluator.evaluates(trainer, trainer.step):
+        if self.evaluator.due(trainer, trainer.step):
             self._record(trainer)
 
     @torch.no_grad()

@@ -11,10 +11,36 @@ from scalevec_train.parallel.process_group import all_reduce_mean, all_reduce_su
 from scalevec_train.training.trainer import Callback, StepResult, Trainer, cross_entropy, micro_weights
 
 
-class Evaluator(Callback):
-    """val_loss (and val_bpb) at step 0 of a fresh run, every `every` steps (0: never in between) and at
-    the last step. `batches`: this rank's share of the validation batches. With document ids, the loss is the
-    mean over the counted targets of all batches and ranks (as the training loss).
+class Periodic(Callback):
+    """A callback that records something (`record`, a subclass's) at step 0 of a fresh run, every `every`
+    steps (0: never in between) and at the last step."""
+
+    every: int
+
+    def record(self, trainer: Trainer) -> None:
+        raise NotImplementedError
+
+    def due(self, trainer: Trainer, step: int) -> bool:
+        """Whether step `step` records."""
+        return step == trainer.steps or bool(self.every and step % self.every == 0)
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        if trainer.step == 0:
+            self.record(trainer)
+
+    def on_step_start(self, trainer: Trainer) -> None:
+        if self.due(trainer, trainer.step + 1):
+            trainer.request_read_back()  # it writes a record: what the guard has to write comes first
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        if self.due(trainer, trainer.step):
+            self.record(trainer)
+
+
+class Evaluator(Periodic):
+    """val_loss (and val_bpb) at the steps Periodic says. `batches`: this rank's share of the validation
+    batches. With document ids, the loss is the mean over the counted targets of all batches and ranks (as
+    the training loss).
 
     With `token_bytes` (data.tokenizer.token_bytes: the UTF-8 bytes of text each id stands for) it also
     records val_bpb = (sum of the counted targets' NLL in nats) / ln 2 / (bytes those targets stand for),
@@ -76,25 +102,9 @@ class Evaluator(Callback):
         return out
 
     def record(self, trainer: Trainer, suffix: str = "") -> None:
+        """Record the model's numbers as they are now (see metrics)."""
         for name, value in self.metrics(trainer.model, trainer.device, trainer.autocast, suffix).items():
             trainer.record(name, value)
-
-    def on_fit_start(self, trainer: Trainer) -> None:
-        if trainer.step == 0:
-            self.record(trainer)
-
-    def evaluates(self, trainer: Trainer, step: int) -> bool:
-        """Whether step `step` is validated (every `every` steps and the last)."""
-        return step == trainer.steps or bool(self.every and step % self.every == 0)
-
-    def on_step_start(self, trainer: Trainer) -> None:
-        if self.evaluates(trainer, trainer.step + 1):
-            trainer.request_read_back()  # it writes a record: what the guard has to write comes first
-
-    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
-        if self.evaluates(trainer, trainer.step):
-            self.record(trainer)
-
 
 
 def counted_targets(batches: list[Batch]) -> list[int]:
