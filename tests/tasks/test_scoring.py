@@ -5,11 +5,13 @@ own, log-softmax, the choice's log-probabilities summed), on 1 process and on 2 
 import json
 import math
 from contextlib import nullcontext
+from functools import partial
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch._dynamo.utils import counters
 
 from scalevec_train import evaluate as evaluate_cli
 from scalevec_train.data import tokenizer
@@ -132,15 +134,19 @@ RUN = [*SHORT_RUN, "train.steps=4", "train.log_every=2", "model=moe-tiny", "mode
 NUMBERS = ("step", "loss", "grad_norm", "val_loss", "val_bpb")
 
 
+def task_overrides(tmp_path) -> list[str]:
+    """ITEMS as a JSONL task file, scored every 2 steps."""
+    path = tmp_path / "items.jsonl"
+    path.write_text("".join(json.dumps({"context": i.context, "choices": list(i.choices), "label": i.label}) + "\n"
+                            for i in ITEMS))
+    return [f"tasks.items=[{{name:toy,format:jsonl,path:{path}}}]", "tasks.every=2"]
+
+
 def test_scoring_tasks_leaves_training_unchanged(tmp_path, data_overrides, capsys):
     """A MoE run (its routers' bias moves with every training forward) scores a task at steps 0, 2 and 4:
     its losses, gradient norms and validation numbers are bit for bit those of the run without tasks.
     `evaluate --tasks run` on its final checkpoint scores what the trainer scored at the last step."""
-    path = tmp_path / "items.jsonl"
-    path.write_text("".join(json.dumps({"context": i.context, "choices": list(i.choices), "label": i.label}) + "\n"
-                            for i in ITEMS))
-    scored = run(make_config(*data_overrides, *RUN, f"tasks.items=[{{name:toy,format:jsonl,path:{path}}}]",
-                             "tasks.every=2", f"run_dir={tmp_path / 'tasks'}"))
+    scored = run(make_config(*data_overrides, *RUN, *task_overrides(tmp_path), f"run_dir={tmp_path / 'tasks'}"))
     plain = run(make_config(*data_overrides, *RUN, f"run_dir={tmp_path / 'plain'}"))
     with_tasks = records(scored)
     assert [r["step"] for r in with_tasks if "task/toy/acc" in r] == [0, 2, 4]
@@ -157,3 +163,18 @@ def test_scoring_tasks_leaves_training_unchanged(tmp_path, data_overrides, capsy
     assert float(printed["val_bpb"]) == pytest.approx(last["val_bpb"], rel=1e-5)
     assert evaluate_cli.main([str(scored), "--tasks", "nonesuch"]) == 2
     assert "--tasks: 'nonesuch' is no preset" in capsys.readouterr().err
+
+
+def test_scoring_under_compile_compiles_nothing(tmp_path, data_overrides, monkeypatch):
+    """Under distributed.compile the items' shapes (other batch sizes and lengths than training's) stay out
+    of the compiled blocks, so training keeps its graphs for static shapes: a run scoring a task every 2
+    steps compiles exactly as many graphs as the run without. Dynamo's eager backend: the same guards,
+    recompiles and dynamic-shape decisions as inductor, without generating code."""
+    monkeypatch.setattr(torch, "compile", partial(torch.compile, backend="eager"))
+    graphs = {}
+    for name, extra in (("plain", []), ("tasks", task_overrides(tmp_path))):
+        torch._dynamo.reset()
+        counters.clear()
+        run(make_config(*data_overrides, *RUN, "distributed.compile=true", *extra, f"run_dir={tmp_path / name}"))
+        graphs[name] = counters["stats"]["unique_graphs"]
+    assert graphs["tasks"] == graphs["plain"] > 0
