@@ -7,6 +7,8 @@
 #                                        an LR grid on dense-l2, then dense-l1..l3 x baseline, unified x
 #                                        AdamW, Muon x 3 seeds with WSD branches, and the 5x-budget check;
 #                                        runs to runs/ladder/, tables to docs/results/ladder/
+#   bash scripts/run_study.sh ladder_grid_l3  after the ladder: its LR grid again on dense-l3 (all arms,
+#                                        seed 0), to docs/results/ladder/lr_grid_l3.md
 # Two workers, one CPU thread each, take the sweeps from a queue, longest first (Muon's bf16
 # Newton-Schulz makes its runs about twice as long on a CPU), so both cores stay busy to the end; the same
 # seeds give the same numbers on the same machine whichever worker runs them. Finished runs are reused
@@ -148,8 +150,22 @@ case ${1:-main} in
     done
     compare ladder/study800 scale=baseline $L/study800/dense-study-*-s*
     ;;
+  ladder_grid_l3)
+    # Supplementary, after the ladder: the same LR grid for every arm again on dense-l3 (seed 0 trunks),
+    # to see whether an arm's best LR moves between dense-l2, where the ladder's LRs were picked, and
+    # dense-l3. The ladder's own dense-l3 seed-0 trunks are reused.
+    L=runs/ladder
+    test -f "$L/dense-l3-unified-adamw-lr0.01-tpp10.0-s0/metrics.jsonl" || {
+      echo "error: the ladder's dense-l3 trunks are missing. Fix: run bash scripts/run_study.sh ladder first." >&2
+      exit 2
+    }
+    for scale in baseline unified; do for optim in adamw muon; do for lr in $LADDER_LRS; do
+      echo ladder_run dense-l3 $scale $optim $lr 0 trunk
+    done; done; done | on_two_workers
+    $PY scripts/ladder_report.py lr docs/results/ladder/lr_grid_l3.md $L/dense-l3-*-lr*-tpp10.0-s0
+    ;;
   *)
-    echo "error: unknown part '$1'. Fix: use main (the default), lr_sweep or ladder." >&2
+    echo "error: unknown part '$1'. Fix: use main (the default), lr_sweep, ladder or ladder_grid_l3." >&2
     exit 2
     ;;
 esac
