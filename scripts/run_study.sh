@@ -7,8 +7,9 @@
 #                                        an LR grid on dense-l2, then dense-l1..l3 x baseline, unified x
 #                                        AdamW, Muon x 3 seeds with WSD branches, and the 5x-budget check;
 #                                        runs to runs/ladder/, tables to docs/results/ladder/
-#   bash scripts/run_study.sh ladder_grid_l3  after the ladder: its LR grid again on dense-l3 (all arms,
-#                                        seed 0), to docs/results/ladder/lr_grid_l3.md
+#   bash scripts/run_study.sh ladder_grid_l3 ["adamw muon"]  after the ladder: its LR grid again on
+#                                        dense-l3 (both strategies of the optimizers named, seed 0), to
+#                                        docs/results/ladder/lr_grid_l3.md
 # Two workers, one CPU thread each, take the sweeps from a queue, longest first (Muon's bf16
 # Newton-Schulz makes its runs about twice as long on a CPU), so both cores stay busy to the end; the same
 # seeds give the same numbers on the same machine whichever worker runs them. Finished runs are reused
@@ -159,10 +160,12 @@ case ${1:-main} in
       echo "error: the ladder's dense-l3 trunks are missing. Fix: run bash scripts/run_study.sh ladder first." >&2
       exit 2
     }
-    for scale in baseline unified; do for optim in adamw muon; do for lr in $LADDER_LRS; do
+    optims=${2:-adamw muon}
+    for scale in baseline unified; do for optim in $optims; do for lr in $LADDER_LRS; do
       echo ladder_run dense-l3 $scale $optim $lr 0 trunk
     done; done; done | on_two_workers
-    $PY scripts/ladder_report.py lr docs/results/ladder/lr_grid_l3.md $L/dense-l3-*-lr*-tpp10.0-s0
+    $PY scripts/ladder_report.py lr docs/results/ladder/lr_grid_l3.md \
+      $(for optim in $optims; do ls -d $L/dense-l3-*-$optim-lr*-tpp10.0-s0; done)
     ;;
   *)
     echo "error: unknown part '$1'. Fix: use main (the default), lr_sweep, ladder or ladder_grid_l3." >&2
