@@ -98,6 +98,7 @@ def _rank(rank: int, world: int, store: str, checkpoint: str, out: str) -> None:
         dcp.load({"model": ModelState(model)}, storage_reader=SafeReader(checkpoint))
         full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
         torch.save(full, f"{out}/rank{rank}.pt")
+        dist.barrier()  # leave together (parallel.process_group.shutdown says why)
     finally:
         dist.destroy_process_group()
 

@@ -52,6 +52,7 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
         model(tokens()).float().sum().backward()
         params = {n: p.dtype for n, p in model.named_parameters() if "site" in n}
         torch.save({"seen": seen, "param_dtypes": params}, f"{out}/rank{rank}.pt")
+        dist.barrier()  # leave together (parallel.process_group.shutdown says why)
     finally:
         dist.destroy_process_group()
 

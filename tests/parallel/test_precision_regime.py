@@ -99,6 +99,7 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         torch.save({case: run_case(case, world) for case in CASES}, f"{out}/rank{rank}.pt")
+        dist.barrier()  # leave together (parallel.process_group.shutdown says why)
     finally:
         dist.destroy_process_group()
 

@@ -109,6 +109,7 @@ def _rank(rank: int, world: int, store: str, out: str, model_file: str, tok_file
         task = encode_task("t", ITEMS, tok, MAX_LEN)
         scores = choice_logprobs(model, task, torch.device("cpu"), nullcontext, 2, rank, world)
         torch.save(scores, f"{out}/rank{rank}.pt")
+        dist.barrier()  # leave together (parallel.process_group.shutdown says why)
     finally:
         dist.destroy_process_group()
 

@@ -120,6 +120,7 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
         mine = [parts[rank], parts[rank + 2]]  # rank 0 counts 13 + 15 targets, rank 1 16 + 14
         result, grads = train_step(m, mine, 1e-2)
         torch.save({"loss": result.loss, "z": result.z_loss, "grads": grads}, f"{out}/rank{rank}.pt")
+        dist.barrier()  # leave together (parallel.process_group.shutdown says why)
     finally:
         dist.destroy_process_group()
 
