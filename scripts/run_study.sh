@@ -8,8 +8,9 @@
 #                                        AdamW, Muon x 3 seeds with WSD branches, and the 5x-budget check;
 #                                        runs to runs/ladder/, tables to docs/results/ladder/
 #   bash scripts/run_study.sh ladder_grid_l3 ["adamw muon"]  after the ladder: its LR grid again on
-#                                        dense-l3 (both strategies of the optimizers named, seed 0), to
-#                                        docs/results/ladder/lr_grid_l3.md
+#                                        dense-l3 (both strategies of the optimizers named, seed 0), then
+#                                        each arm at its dense-l3 pick with 3 seeds (trunks), to
+#                                        docs/results/ladder/{lr_grid_l3,terminal_l3_picks}.md
 # Two workers, one CPU thread each, take the sweeps from a queue, longest first (Muon's bf16
 # Newton-Schulz makes its runs about twice as long on a CPU), so both cores stay busy to the end; the same
 # seeds give the same numbers on the same machine whichever worker runs them. Finished runs are reused
@@ -164,8 +165,15 @@ case ${1:-main} in
     for scale in baseline unified; do for optim in $optims; do for lr in $LADDER_LRS; do
       echo ladder_run dense-l3 $scale $optim $lr 0 trunk
     done; done; done | on_two_workers
-    $PY scripts/ladder_report.py lr docs/results/ladder/lr_grid_l3.md \
-      $(for optim in $optims; do ls -d $L/dense-l3-*-$optim-lr*-tpp10.0-s0; done)
+    picks=$($PY scripts/ladder_report.py lr docs/results/ladder/lr_grid_l3.md \
+      $(for optim in $optims; do ls -d $L/dense-l3-*-$optim-lr*-tpp10.0-s0; done))
+    # each arm at its dense-l3 pick with seeds 0, 1, 2 (trunks; the ladder's runs are reused where the
+    # pick is the ladder's), compared per seed
+    echo "$picks" | while read -r scale optim lr; do
+      for seed in 1 2; do echo ladder_run dense-l3 $scale $optim $lr $seed trunk; done
+    done | on_two_workers
+    $PY scripts/ladder_report.py table docs/results/ladder/terminal_l3_picks.md \
+      $(echo "$picks" | while read -r scale optim lr; do ls -d $L/dense-l3-$scale-$optim-lr$lr-tpp10.0-s[012]; done)
     ;;
   *)
     echo "error: unknown part '$1'. Fix: use main (the default), lr_sweep, ladder or ladder_grid_l3." >&2
