@@ -1,8 +1,15 @@
-"""Shared test utilities: composing configs the way the entry points do, loading a script as a module."""
+"""Shared test utilities: composing configs the way the entry points do, loading or running a script,
+writing a run directory as the trainer does."""
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
+
+from omegaconf import OmegaConf
 
 from scalevec_train.config import Config, compose_config
 
@@ -20,6 +27,25 @@ def load_script(path: Path, name: str | None = None) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def run_script(name: str, *args) -> subprocess.CompletedProcess:
+    """scripts/<name> run in a child Python from the repository root, its output captured."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, str(REPO / "scripts" / name), *map(str, args)],
+                          capture_output=True, text=True, env=env, cwd=REPO)
+
+
+def write_run(root: Path, name: str, cfg: dict, rows: list[dict], params: float | None = None) -> Path:
+    """A run directory as the trainer writes it: config.yaml, metrics.jsonl, and with `params`,
+    describe.json's total_params."""
+    d = root / name
+    d.mkdir()
+    OmegaConf.save(OmegaConf.create(cfg), d / "config.yaml")
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if params is not None:
+        (d / "describe.json").write_text(json.dumps({"total_params": params, "layers": 2}))
+    return d
 
 
 # Shared model presets (overrides) for tests: the same tiny shapes everywhere, so that a test file says

@@ -5,14 +5,10 @@ import csv
 import importlib.util
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
 
 from scalevec_analysis import (
     Run,
@@ -34,7 +30,7 @@ from scalevec_analysis import (
 )
 from scalevec_analysis.groups import summary_markdown, write_summary_csv
 from scalevec_train.errors import ScalevecError
-from tests.helpers import REPO
+from tests.helpers import run_script, write_run
 
 # The plots need matplotlib (an optional package): the tests that write them skip without it.
 needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
@@ -83,16 +79,6 @@ def metric_rows(curve, steps, offset, separate_val=True):
         else:
             rows.append({**row, **val})
     return rows
-
-
-def write_run(root, name, cfg, rows, params=None):
-    d = root / name
-    d.mkdir()
-    OmegaConf.save(OmegaConf.create(cfg), d / "config.yaml")
-    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    if params is not None:
-        (d / "describe.json").write_text(json.dumps({"total_params": params, "layers": 2}))
-    return d
 
 
 # name -> (curve, train.steps, val offsets of its seeds)
@@ -398,9 +384,7 @@ def test_write_scaling_files(tmp_path):
 
 
 def cli(*args):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "compare_runs.py"), *map(str, args)],
-                          capture_output=True, text=True, env=env, cwd=REPO)
+    return run_script("compare_runs.py", *args)
 
 
 @needs_matplotlib
