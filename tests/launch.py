@@ -17,14 +17,17 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from scalevec_train.checkpoint import files as checkpoint_files
+from scalevec_train.parallel.process_group import shutdown
 from scalevec_train.training.guards import FAULT_INF_GRAD_ENV, FAULT_NAN_ENV
 from scalevec_train.training.logger import read_records
 from tests.helpers import REPO
@@ -35,6 +38,20 @@ MARK_ENV = "SCALEVEC_TEST_PROCESS"
 LAUNCH_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                    "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", "HYDRA_FULL_ERROR", FAULT_NAN_ENV,
                    FAULT_INF_GRAD_ENV, MARK_ENV)
+
+
+@contextmanager
+def gloo_group(store: str, rank: int, world: int) -> Iterator[None]:
+    """A gloo process group for a spawned test worker (mp.spawn), meeting in the file `store`. Left as the
+    trainer leaves it (parallel.process_group.shutdown): together when the work finished, at once when
+    it failed."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    finished = False
+    try:
+        yield
+        finished = True
+    finally:
+        shutdown(finished)
 
 
 def child_env(**extra: str) -> dict[str, str]:

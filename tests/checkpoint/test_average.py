@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
@@ -28,7 +27,7 @@ from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.train import run
 from scalevec_train.training.logger import read_records
 from tests.helpers import SHORT_RUN, TINY_MODEL, make_config
-from tests.launch import checkpoint_state
+from tests.launch import checkpoint_state, gloo_group
 
 STEPS = [2, 4, 6]
 RUN = [*TINY_MODEL, *SHORT_RUN, "train.steps=6", "train.log_every=6", "optim.lr=1e-2", "checkpoint.every=2",
@@ -88,8 +87,7 @@ def test_load_reads_the_average_on_one_process(runs, averaged, tmp_path, name):
 
 
 def _rank(rank: int, world: int, store: str, checkpoint: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
+    with gloo_group(store, rank, world):
         cfg = read_config(Path(checkpoint))
         with torch.device("meta"):
             model = Transformer(cfg.model, cfg.scale)
@@ -98,9 +96,6 @@ def _rank(rank: int, world: int, store: str, checkpoint: str, out: str) -> None:
         dcp.load({"model": ModelState(model)}, storage_reader=SafeReader(checkpoint))
         full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
         torch.save(full, f"{out}/rank{rank}.pt")
-        dist.barrier()  # leave together (parallel.process_group.shutdown says why)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("name", RUNS)

@@ -3,7 +3,6 @@ MixedPrecisionPolicy on 2 gloo ranks, the s every site hands the forward pass is
 one-process value, while the matrices compute in bf16."""
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -12,6 +11,7 @@ from scalevec_train.model.strategies import ScaleSite, scale_sites
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.parallel.data_parallel import parallelize
 from tests.helpers import make_config
+from tests.launch import gloo_group
 
 OVERRIDES = ["scale=unified", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=96",
              "model.n_layers=2", "model.vocab_size=128", "train.dtype=bf16", "device=cpu",
@@ -35,8 +35,7 @@ def tokens() -> torch.Tensor:
 
 
 def _rank(rank: int, world: int, store: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
+    with gloo_group(store, rank, world):
         cfg = make_config(*OVERRIDES, world_size=world)
         with torch.device("meta"):
             model = Transformer(cfg.model, cfg.scale)
@@ -52,9 +51,6 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
         model(tokens()).float().sum().backward()
         params = {n: p.dtype for n, p in model.named_parameters() if "site" in n}
         torch.save({"seen": seen, "param_dtypes": params}, f"{out}/rank{rank}.pt")
-        dist.barrier()  # leave together (parallel.process_group.shutdown says why)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_sites_stay_fp32_and_equal_one_process_under_bf16_fsdp(tmp_path):

@@ -11,7 +11,6 @@ of its tensor arguments, of its outputs, and of the tensors autograd saves insid
 import contextlib
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import scalevec_train.model.layers as layers
@@ -22,6 +21,7 @@ from scalevec_train.model.transformer import Transformer
 from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.training.trainer import cross_entropy
 from tests.helpers import make_config
+from tests.launch import gloo_group
 from tests.parallel.test_precision import site_values
 
 SMALL = ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=96", "model.n_layers=2",
@@ -96,12 +96,8 @@ def run_case(case: str, world: int) -> dict:
 
 
 def _rank(rank: int, world: int, store: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
+    with gloo_group(store, rank, world):
         torch.save({case: run_case(case, world) for case in CASES}, f"{out}/rank{rank}.pt")
-        dist.barrier()  # leave together (parallel.process_group.shutdown says why)
-    finally:
-        dist.destroy_process_group()
 
 
 def check_design(case: str, calls: list) -> None:

@@ -9,7 +9,6 @@ from functools import partial
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch._dynamo.utils import counters
 
@@ -21,7 +20,7 @@ from scalevec_train.tasks.formats import Item
 from scalevec_train.tasks.scoring import choice_logprobs, encode_task, score
 from scalevec_train.train import run
 from tests.helpers import SHORT_RUN, TINY_MODEL, make_config
-from tests.launch import records
+from tests.launch import gloo_group, records
 
 MAX_LEN = 24
 # 7 items of 2 to 4 choices; the last context is longer than MAX_LEN tokens, so it loses its beginning
@@ -95,8 +94,7 @@ def test_scores_match_a_direct_computation(tok):
 
 
 def _rank(rank: int, world: int, store: str, out: str, model_file: str, tok_file: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
+    with gloo_group(store, rank, world):
         tok = tokenizer.load(tok_file)
         cfg = make_config(*TINY_MODEL, f"model.vocab_size={tok.get_piece_size()}", "scale=unified", world_size=world)
         with torch.device("meta"):
@@ -109,9 +107,6 @@ def _rank(rank: int, world: int, store: str, out: str, model_file: str, tok_file
         task = encode_task("t", ITEMS, tok, MAX_LEN)
         scores = choice_logprobs(model, task, torch.device("cpu"), nullcontext, 2, rank, world)
         torch.save(scores, f"{out}/rank{rank}.pt")
-        dist.barrier()  # leave together (parallel.process_group.shutdown says why)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_two_ranks_give_the_scores_of_one(tok, tmp_path):

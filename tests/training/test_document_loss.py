@@ -8,7 +8,6 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
@@ -18,6 +17,7 @@ from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.parallel.process_group import full_value
 from scalevec_train.training.trainer import Callback, Trainer, z_loss
 from tests.helpers import make_config
+from tests.launch import gloo_group
 
 EOS, SEQ = 1, 16
 # EOS positions per row: 3, 0, 1 and 2 documents end in the rows, so they count 13, 16, 15, 14 targets
@@ -110,8 +110,7 @@ def test_the_plain_mean_of_micro_batch_means_would_differ():
 
 
 def _rank(rank: int, world: int, store: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
+    with gloo_group(store, rank, world):
         cfg = make_config(*MODEL, world_size=world)
         with torch.device("meta"):
             m = Transformer(cfg.model, cfg.scale)
@@ -120,9 +119,6 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
         mine = [parts[rank], parts[rank + 2]]  # rank 0 counts 13 + 15 targets, rank 1 16 + 14
         result, grads = train_step(m, mine, 1e-2)
         torch.save({"loss": result.loss, "z": result.z_loss, "grads": grads}, f"{out}/rank{rank}.pt")
-        dist.barrier()  # leave together (parallel.process_group.shutdown says why)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_two_ranks_of_two_micro_batches_give_the_global_mean(tmp_path):
