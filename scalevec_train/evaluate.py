@@ -52,10 +52,11 @@ def evaluate_metrics(path: str | Path, tasks: str = "") -> tuple[dict[str, float
     device = resolve_device(cfg.device)
     data = prepare_data(cfg.data)
     check_vocab(data, cfg.model.vocab_size)
-    encoded = load_tasks(tasks_cfg, cfg.data, data.load_tokenizer(), cfg.train.seq_len) if tasks_cfg else []
+    tok = data.load_tokenizer()
+    encoded = load_tasks(tasks_cfg, cfg.data, tok, cfg.train.seq_len) if tasks_cfg else []
     model, _ = load(checkpoint, device=device)
     # the trainer's own evaluator on the same batches: the same val_loss, val_bpb and a mixture's per source
-    evaluator = Evaluator(validation_batches(cfg, data, 0, 1), 0, token_bytes(data.load_tokenizer()),
+    evaluator = Evaluator(validation_batches(cfg, data, 0, 1), 0, token_bytes(tok),
                           {m.name: m.weight for m in cfg.data.mixture} or None)
     autocast = autocast_for(cfg.train.dtype, device)
     metrics = {name: value.item() for name, value in evaluator.metrics(model, device, autocast).items()}

@@ -7,7 +7,7 @@
 #                                        an LR grid on dense-l2, then dense-l1..l3 x baseline, unified x
 #                                        AdamW, Muon x 3 seeds with WSD branches, and the 5x-budget check;
 #                                        runs to runs/ladder/, tables to docs/results/ladder/
-#   bash scripts/run_study.sh ladder_grid_l3 ["adamw muon"]  after the ladder: its LR grid again on
+#   bash scripts/run_study.sh ladder_grid_l3 ["adamw muon"]  the ladder's LR grid again on
 #                                        dense-l3 (both strategies of the optimizers named, seed 0), then
 #                                        each arm at its dense-l3 pick with 3 seeds (trunks), to
 #                                        docs/results/ladder/{lr_grid_l3,terminal_l3_picks}.md
@@ -153,14 +153,10 @@ case ${1:-main} in
     compare ladder/study800 scale=baseline $L/study800/dense-study-*-s*
     ;;
   ladder_grid_l3)
-    # Supplementary, after the ladder: the same LR grid for every arm again on dense-l3 (seed 0 trunks),
-    # to see whether an arm's best LR moves between dense-l2, where the ladder's LRs were picked, and
-    # dense-l3. The ladder's own dense-l3 seed-0 trunks are reused.
+    # Supplementary: the same LR grid for every arm again on dense-l3 (seed 0 trunks), to see whether an
+    # arm's best LR moves between dense-l2, where the ladder's LRs were picked, and dense-l3. Trunks the
+    # ladder already ran are reused; without it, they are run here.
     L=runs/ladder
-    test -f "$L/dense-l3-unified-adamw-lr0.01-tpp10.0-s0/metrics.jsonl" || {
-      echo "error: the ladder's dense-l3 trunks are missing. Fix: run bash scripts/run_study.sh ladder first." >&2
-      exit 2
-    }
     optims=${2:-adamw muon}
     for scale in baseline unified; do for optim in $optims; do for lr in $LADDER_LRS; do
       echo ladder_run dense-l3 $scale $optim $lr 0 trunk
