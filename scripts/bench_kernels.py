@@ -32,6 +32,7 @@ issue's targets that the fused RMSNorm kernels miss and the shapes where fused S
 import argparse
 import datetime
 import importlib.util
+import time
 
 import torch
 import torch.nn.functional as F
@@ -87,13 +88,38 @@ def liger(scales):
 RMS_IMPLS = {"fused": fused, "eager": eager, "compile": compiled_reference, "liger": liger}
 
 
-def time_fwd_bwd(fn, inputs: list[torch.Tensor], leaves: list[torch.Tensor]) -> tuple[float, float]:
+def profile_call(fn, calls: int = 20) -> tuple[float, float, list[tuple[str, float]]]:
+    """(host us, device us, [(kernel, device us)]) per call of fn. Host: the time to issue one call, the
+    device synchronized only around a batch of calls (when it is close to the wall time, the host is
+    the bottleneck). Device: the GPU time of the call's kernels, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = sorted(((e.key, e.self_device_time_total / calls) for e in prof.key_averages()
+                      if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda kv: -kv[1])
+    return host, sum(us for _, us in kernels), kernels
+
+
+def time_fwd_bwd(fn, inputs: list[torch.Tensor], leaves: list[torch.Tensor],
+                 profiled: list | None = None) -> tuple[float, float]:
     """(forward ms, backward ms) of fn(*inputs); backward replays the same autograd graph into `leaves`.
     Each pass runs once untimed first: whatever it compiles (the forward graph, the backward graph, the
-    Triton kernels) is compiled outside the timing."""
+    Triton kernels) is compiled outside the timing. With `profiled`, each pass's profile_call is
+    appended to it."""
     with torch.no_grad():
         fn(*inputs)
         fwd = bench_ms(lambda: fn(*inputs))
+        if profiled is not None:
+            profiled.append(profile_call(lambda: fn(*inputs)))
     outs = fn(*inputs)
     outs = outs if isinstance(outs, tuple) else (outs,)
     upstream = [torch.randn_like(o) for o in outs]
@@ -102,17 +128,20 @@ def time_fwd_bwd(fn, inputs: list[torch.Tensor], leaves: list[torch.Tensor]) -> 
         return torch.autograd.grad(outs, leaves, upstream, retain_graph=True)
 
     backward()
-    return fwd, bench_ms(backward)
+    bwd = bench_ms(backward)
+    if profiled is not None:
+        profiled.append(profile_call(backward))
+    return fwd, bwd
 
 
-def time_impl(make, m: int, n: int, k: int) -> tuple[float, float]:
+def time_impl(make, m: int, n: int, k: int, profiled: list | None = None) -> tuple[float, float]:
     """(forward ms, backward ms) of one RMSNorm implementation."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(m, n, device="cuda", dtype=DTYPE, generator=gen).requires_grad_()
     torch._dynamo.maybe_mark_dynamic(x, 0)  # the compiled reference: one graph for every M
     scales = [torch.nn.Parameter(1 + 0.1 * torch.randn(n, device="cuda", dtype=DTYPE, generator=gen))
               for _ in range(k)]
-    return time_fwd_bwd(make(scales), [x], [x, *scales])
+    return time_fwd_bwd(make(scales), [x], [x, *scales], profiled)
 
 
 def byte_model(m: int, n: int, k: int) -> tuple[int, int]:
@@ -139,7 +168,7 @@ def swiglu_compiled(offsets):
 SWIGLU_IMPLS = {"fused": swiglu_fused, "eager": swiglu_eager, "compile": swiglu_compiled}
 
 
-def time_swiglu(make, m: int, f: int, experts: int) -> tuple[float, float]:
+def time_swiglu(make, m: int, f: int, experts: int, profiled: list | None = None) -> tuple[float, float]:
     """(forward ms, backward ms) of one SwiGLU implementation; experts = 0: scales shared by every row."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     gate, up = (torch.randn(m, f, device="cuda", dtype=DTYPE, generator=gen).requires_grad_() for _ in range(2))
@@ -148,7 +177,7 @@ def time_swiglu(make, m: int, f: int, experts: int) -> tuple[float, float]:
     shape = (experts, f) if experts else (f,)
     scales = [torch.nn.Parameter(1 + 0.1 * torch.randn(shape, device="cuda", generator=gen)) for _ in range(2)]
     offsets = torch.arange(1, experts + 1, device="cuda") * m // experts if experts else None
-    return time_fwd_bwd(make(offsets), [gate, up, *scales], [gate, up, *scales])
+    return time_fwd_bwd(make(offsets), [gate, up, *scales], [gate, up, *scales], profiled)
 
 
 def swiglu_byte_model(m: int, f: int, experts: int) -> tuple[int, int]:
@@ -174,35 +203,64 @@ def _rows(shape: list, byte_model: tuple[int, int], times: dict, copy_bw: float)
     return out
 
 
+def _profile_rows(shape: list, impl: str, times: tuple[float, float], profiled: list | None) -> list[str]:
+    """One row per pass of a --profile table: wall time, host time to issue the call, device time of
+    its kernels, and the kernels (longest first)."""
+    if profiled is None:
+        return []
+    out = []
+    for label, wall, (host, device, kernels) in zip(("fwd", "bwd"), times, profiled, strict=True):
+        names = "; ".join(f"{name[:48]} {us:.1f}" for name, us in kernels[:4])
+        out.append(_row([*shape, label, impl, f"{wall * 1e3:.1f}", f"{host:.1f}", f"{device:.1f}", names]))
+    return out
+
+
+def _print_profiles(shape_columns: list[str], rows: list[str]) -> None:
+    if rows:
+        print("\nProfile (us per call; host: issuing the call, device: its kernels by torch.profiler):\n")
+        print(_row([*shape_columns, "pass", "impl", "wall", "host", "device", "kernels (device us)"]))
+        print("|---" * (len(shape_columns) + 6) + "|")
+        print("\n".join(rows), flush=True)
+
+
 def bench_rms_norm(args, copy_bw: float) -> None:
     impls = {name: RMS_IMPLS[name] for name in ("fused", *args.against)}
     print("| M | N | K | pass | impl | time (us) | GB/s | % copy | x floor |")
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
-    misses = []
+    misses, profiles = [], []
     for n in args.n:
         for k in args.k:
             torch._dynamo.reset()  # one group's graphs at a time: never dynamo's recompile limit
             for m in args.m:
-                times = {name: time_impl(make, m, n, k) for name, make in impls.items()}
+                times = {}
+                for name, make in impls.items():
+                    profiled = [] if args.profile else None
+                    times[name] = time_impl(make, m, n, k, profiled)
+                    profiles += _profile_rows([m, n, k], name, times[name], profiled)
                 print("\n".join(_rows([m, n, k], byte_model(m, n, k), times, copy_bw)), flush=True)
                 for p, (label, nbytes) in enumerate(zip(("fwd", "bwd"), byte_model(m, n, k), strict=True)):
                     misses += _missed_targets(m, n, k, label, nbytes, times, p, copy_bw)
     print(f"\nTargets missed (issue 7: fwd >= 90% / bwd >= 80% of copy for N >= 1024; faster than "
           f"{', '.join(args.against)}; K = 3 within 1.1x of the floor):")
     print("\n".join(f"- {line}" for line in misses) if misses else "- none")
+    _print_profiles(["M", "N", "K"], profiles)
 
 
 def bench_swiglu_norm(args, copy_bw: float) -> None:
     impls = {name: make for name, make in SWIGLU_IMPLS.items() if name == "fused" or name in args.against}
     print("| M | F | scales | pass | impl | time (us) | GB/s | % copy | x floor |")
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
-    slower = []
+    slower, profiles = [], []
     for f in args.f:
         for experts in args.experts:
             torch._dynamo.reset()
             for m in args.m:
-                times = {name: time_swiglu(make, m, f, experts) for name, make in impls.items()}
                 scales = f"{experts} experts" if experts else "shared"
+                times = {}
+                for name, make in impls.items():
+                    profiled = [] if args.profile else None
+                    times[name] = time_swiglu(make, m, f, experts, profiled)
+                    profiles += _profile_rows([m, f, scales], name, times[name], profiled)
                 print("\n".join(_rows([m, f, scales], swiglu_byte_model(m, f, experts), times, copy_bw)),
                       flush=True)
                 for p, label in enumerate(("fwd", "bwd")):
@@ -211,6 +269,7 @@ def bench_swiglu_norm(args, copy_bw: float) -> None:
                         slower.append(f"M={m} F={f} {scales} {label}: not faster than {', '.join(faster)}")
     print("\nShapes where fused SwiGLU is not the fastest:")
     print("\n".join(f"- {line}" for line in slower) if slower else "- none")
+    _print_profiles(["M", "F", "scales"], profiles)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -227,6 +286,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="swiglu_norm: hidden widths F")
     parser.add_argument("--experts", type=int, nargs="+", default=[0, 8],
                         help="swiglu_norm: experts E of per-expert scales (0: scales shared by every row)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also a table per op of host and device time per call, and the kernels run")
     args = parser.parse_args(argv)
     has_liger = importlib.util.find_spec("liger_kernel") is not None
     if args.against is None:

@@ -57,8 +57,9 @@ def run(name: str, cmd: list[str], log: Path, env: dict | None = None) -> str:
         f.flush()
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
     text = log.read_text()
-    if proc.returncode:
-        sys.exit(f"error: {name} exited with {proc.returncode}; its log: {log}")
+    if proc.returncode:  # the log's end here too: a GPU session brings back this output, not the log
+        tail = "\n".join(text.splitlines()[-40:])
+        sys.exit(f"{tail}\nerror: {name} exited with {proc.returncode}; its log: {log}")
     return text
 
 

@@ -11,7 +11,9 @@ MFU = tokens/s per device * training FLOPs per token / the device's dense bf16 p
 attention included, is documented in scalevec_train/accounting.py). Peak memory is the most GPU memory
 allocated (torch.cuda.max_memory_allocated) from the first warm-up step to the end of phase 2: the
 counter is reset once the run is built (weights initialized, data in place), so the build itself is left
-out, and the optimizer state, created by the first step, is counted.
+out, and the optimizer state, created by the first step, is counted. "build s" is the build (data
+preparation on first use included), "warm-up s" the untimed steps (compilation included): what a
+budget for the next run needs.
 
     python scripts/bench_train.py --presets dense-0.12b,dense-1b --scales baseline,unified
     python scripts/bench_train.py --presets dense-1b --micro-batch 4 -- distributed.activation_checkpointing=full
@@ -45,7 +47,7 @@ from scalevec_train.errors import ScalevecError
 from scalevec_train.parallel import process_group
 
 COLUMNS = ["preset", "scale", "ranks", "params", "tokens/step", "step ms", "tokens/s/device", "MFU",
-           "peak mem GiB", "fwd+bwd ms", "optimizer ms", "data ms"]
+           "peak mem GiB", "fwd+bwd ms", "optimizer ms", "data ms", "build s", "warm-up s"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="torch.compile each block (distributed.compile)")
+    p.add_argument("--profile", action="store_true",
+                   help="then, per pair, the GPU kernels of two more steps by torch.profiler (CUDA only)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides applied to every run (after --)")
     return p.parse_args(argv)
 
@@ -106,17 +110,23 @@ def bench(preset: str, scale: str, args: argparse.Namespace) -> dict:
     row = {"preset": preset, "scale": scale, "ranks": world}
     device = None
     try:
+        start = time.perf_counter()
         trainer = build(cfg).trainer
         device = trainer.device
+        sync(device)
+        row["build s"] = f"{time.perf_counter() - start:.1f}"
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         row["params"] = f"{total_params(trainer.model) / 1e6:.1f}M"
         tokens = cfg.train.global_batch * cfg.train.seq_len
         row["tokens/step"] = tokens
+        start = time.perf_counter()
         for _ in range(args.warmup):
             trainer.train_step()
-
         sync(device)
+        row["warm-up s"] = f"{time.perf_counter() - start:.1f}"
+
+
         start = time.perf_counter()
         for _ in range(args.steps):
             trainer.train_step()
@@ -140,6 +150,8 @@ def bench(preset: str, scale: str, args: argparse.Namespace) -> dict:
         row["fwd+bwd ms"] = f"{(total - data.seconds - optim.seconds) / args.steps * 1e3:.1f}"
         row["optimizer ms"] = f"{optim.seconds / args.steps * 1e3:.1f}"
         row["data ms"] = f"{data.seconds / args.steps * 1e3:.1f}"
+        if args.profile and device.type == "cuda":
+            row["kernels"] = profile_steps(trainer, 2)
     except torch.cuda.OutOfMemoryError:
         row["step ms"] = "out of memory"
     finally:
@@ -153,6 +165,29 @@ def bench(preset: str, scale: str, args: argparse.Namespace) -> dict:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return row
+
+
+def profile_steps(trainer, steps: int) -> list[tuple[str, float]]:
+    """The GPU kernels of `steps` training steps by torch.profiler: (name, device ms per step), longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            trainer.train_step()
+        torch.cuda.synchronize()
+    kernels = [(e.key, e.self_device_time_total / steps / 1e3) for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted(kernels, key=lambda kv: -kv[1])
+
+
+def print_profile(row: dict, top: int = 20) -> None:
+    kernels = row["kernels"]
+    total = sum(ms for _, ms in kernels)
+    print(f"\n{row['preset']} {row['scale']}: {total:.1f} ms of GPU kernels per step, the {top} longest "
+          f"({len(kernels)} kernels in all):\n\n| kernel | ms per step | share |\n|---|---|---|")
+    for name, ms in kernels[:top]:
+        print(f"| {name[:90]} | {ms:.2f} | {100 * ms / max(total, 1e-9):.1f}% |")
 
 
 def table_row(row: dict) -> str:
@@ -170,10 +205,14 @@ def main() -> None:
                   f"seq_len {args.seq_len}, micro-batch {args.micro_batch}, compile {args.compile}, "
                   f"overrides {args.overrides or 'none'}")
             print("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS), flush=True)
+        rows = []
         for preset, scale in pairs(args):
-            row = bench(preset, scale, args)
+            rows.append(bench(preset, scale, args))
             if main_rank:
-                print(table_row(row), flush=True)
+                print(table_row(rows[-1]), flush=True)
+        for row in rows:
+            if main_rank and "kernels" in row:
+                print_profile(row)
     except ScalevecError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

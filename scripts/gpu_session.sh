@@ -1,39 +1,47 @@
 #!/usr/bin/env bash
-# Every GPU check and measurement of the project, in phases, for one visit to a lent GPU machine (the device
-# tool: at most 600 s per command and 30 min of device time per session; Python 3.12, torch 2.11, triton,
-# transformers, sentencepiece, matplotlib and pytest-xdist installed; no registry, hydra-core or datasets).
+# The GPU checks and measurements of the project as ONE device command, most valuable phase first, under
+# an internal deadline: a lent GPU machine gives a session 15 min of device time in all (its start, every
+# command, the idle wait and the hand-back), so the default plan is one command of under 9 minutes. The
+# GPU host has Python 3.12, torch 2.11, Triton 3.6, transformers, sentencepiece and pytest-xdist, and no
+# registry, hydra-core or datasets: the missing pure-Python packages travel as wheels in .whl/.
 #
 #   bash ../shared/tools/gpu-wheels.sh $(cat scripts/gpu_wheels.txt)   # here, with the registry: fills .whl/
 #   bash scripts/gpu_session.sh --dry-run [PHASE ...]     # here, no GPU needed: checks, then prints the plan
-#   bash scripts/gpu_session.sh PHASE ...                 # there: one device command, with .whl carried
+#   bash scripts/gpu_session.sh [PHASE ...]               # there: device run, carry [".whl"], timeout_s 540
 #
-# The plan is one device command per entry of CALLS, most valuable first: the first alone brings the fused
-# kernels' share of copy bandwidth and dense-1b's MFU under baseline and unified. --dry-run checks the phase
-# names, the wheels in .whl/, every command's arguments (each bench script's parser, the configs it will
-# compose, pytest's collection with the packages the GPU host lacks hidden) and the budgets: each call's worst
-# case (every phase at its limit) within the 600 s of a device command, the plan's within the session's
-# 30 min; it exits 2 on a plan error, 1 when only wheels are missing. PHASE... given: those phases as one
-# call, checked likewise; none given: the whole plan (a real run then runs every phase, in plan order, for a
-# machine without a per-command limit). A phase's limit can be overridden with GPU_SESSION_LIMIT_<PHASE>
-# (upper case, '-' as '_'), e.g. GPU_SESSION_LIMIT_TRAIN_1B=300. Files go to $OUT (default ./gpu_out):
-# device.txt, one log per phase ending with its exit status and wall time, and times.txt (phase, exit
-# status, wall and limit seconds) for budgeting the next visit: at most 6 files a call of the plan (the
-# device tool brings back 8). Paste the tables into docs/benchmarks.md
-# with the device and date they print; docs/benchmarks.md says how each limit was estimated.
+# No PHASE: the default plan (PLAN below). Each phase starts only if at least its MIN seconds are left
+# before the deadline (GPU_SESSION_DEADLINE seconds after the start, default DEADLINE_S), and runs for at
+# most its LIMIT or what is left, whichever is less; scripts/gpu_phase.py ends every process it started,
+# torchrun's workers included, before the next phase starts. Each phase writes its log into $OUT as it
+# goes (the benchmarks print each row when it is measured), and session.txt gets the device, the versions
+# and one line per phase (status, wall seconds, limit) as each phase ends: a command cut short still
+# brings back what finished. The dry run checks the phase names, the wheels, every command's arguments
+# (scripts/gpu_session_check.py), that the plan's estimates fit its deadline, that the deadline fits the
+# device command and the command the session's device time with a machine's start and the hand-back,
+# and that no more files come back than the device tool returns; it exits 2 on a plan error, 1 when only
+# wheels are missing. GPU_SESSION_LIMIT_<PHASE> (upper case, '-' as '_') overrides a phase's limit.
+# docs/benchmarks.md says how each estimate was made; session.txt tells the next visit how wrong it was.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-CALLS=("kernels train-1b kernels-compile" "torchtitan gpu-tests" "train-2b muon suite")
-# phase limit (s) and log; the estimates behind the limits are in docs/benchmarks.md
-declare -A LIMIT=([kernels]=120 [train-1b]=240 [kernels-compile]=150 [torchtitan]=270 [gpu-tests]=150
-                  [train-2b]=240 [muon]=130 [suite]=150)
-declare -A LOG=([kernels]=bench_kernels.md [train-1b]=bench_train_1b.md [kernels-compile]=bench_kernels_compile.md
-                [torchtitan]=bench_torchtitan.md [gpu-tests]=gpu_tests.log [train-2b]=bench_train_2b.md
-                [muon]=bench_muon.md [suite]=cpu_suite.log)
-# The device tool's limits, and the costs around the phases: a fresh machine's start ("a minute or more"),
-# the tree and $OUT copied each call, the setup of a call (pip-installing .whl: 4 s here; device.txt: one
-# torch import), and the grace a phase gets to die after its limit (timeout -k).
-DEVICE_CALL_S=600 DEVICE_SESSION_S=1800 START_S=120 TRANSFER_S=15 SETUP_S=30 KILL_S=10
+PLAN=(kernels train-1b gpu-tests torchtitan train-1b-eager muon train-2b)
+# Per phase: the estimate (s), the limit (s), the least time worth starting it with (s), its log in $OUT.
+# The estimates are the walls measured on an H200 on 2026-11-26 (docs/benchmarks.md), rounded up by a
+# quarter or more; the limits leave room for a slower compile.
+declare -A EST=([kernels]=60 [train-1b]=90 [gpu-tests]=70 [torchtitan]=80 [train-1b-eager]=35 [muon]=35
+                [train-2b]=100 [suite]=90)
+declare -A LIMIT=([kernels]=100 [train-1b]=180 [gpu-tests]=150 [torchtitan]=170 [train-1b-eager]=70 [muon]=80
+                  [train-2b]=200 [suite]=150)
+declare -A MIN=([kernels]=30 [train-1b]=60 [gpu-tests]=45 [torchtitan]=60 [train-1b-eager]=25 [muon]=30
+                [train-2b]=60 [suite]=60)
+declare -A LOG=([kernels]=kernels.md [train-1b]=train_1b.md [gpu-tests]=gpu_tests.log
+                [torchtitan]=torchtitan.md [train-1b-eager]=train_1b_eager.md [train-2b]=train_2b.md
+                [muon]=muon.md [suite]=cpu_suite.log)
+# The device tool's limits and the costs around the phases: a machine's start (a minute or two), the tree
+# and $OUT copied, the hand-back, the setup of the command (pip-installing .whl, session.txt's torch
+# import), and the grace a phase gets to die at its limit.
+SESSION_S=900 COMMAND_S=540 START_S=150 TRANSFER_S=20 HANDBACK_S=15 SETUP_S=20 GRACE_S=10 FILES_BACK=8
+DEADLINE_S=${GPU_SESSION_DEADLINE:-515}
 # What ../shared/tools/gpu-wheels.sh always fetches, before the specs of scripts/gpu_wheels.txt
 BASE_WHEELS="hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3"
 # Import names the suite uses that the GPU host lacks (its tests skip there); hidden in the dry run's collection
@@ -43,18 +51,26 @@ HOST_LACKS="datasets wandb hydra_plugins.hydra_submitit_launcher"
 cmd() {
   if [ -n "$dry" ]; then printf '%q ' "$@" >> "$checks" && echo >> "$checks"; else "$@"; fi
 }
-phase_kernels() { cmd "$py" scripts/bench_kernels.py --against eager; }
-phase_train_1b() {
-  cmd "$py" scripts/bench_train.py --presets dense-1b --scales baseline,unified --seq-len 4096 --micro-batch 4
+# RMSNorm+scale with K=1 (a stock norm) and K=3 (unified's q/k/v), and the unified FFN's norm+SwiGLU at
+# dense-1b's width, shared and per-expert scales, against eager and torch.compile, at one M
+phase_kernels() {  # --profile: each call's host time and its kernels' device time beside the wall time
+  cmd "$py" scripts/bench_kernels.py --against eager compile --m 16384 --n 1024 2048 4096 --k 1 3 \
+    --f 8192 --experts 0 8 --profile
 }
-phase_kernels_compile() {  # one M and fewer widths: torch.compile compiles once per (N, K) and (F, experts)
-  cmd "$py" scripts/bench_kernels.py --against compile --m 16384 --n 1024 2048 4096 --k 1 3 --f 2304 8192
+phase_train_1b() {  # --profile: then the GPU kernels of a step, longest first
+  cmd "$py" scripts/bench_train.py --presets dense-1b --scales baseline,unified --seq-len 4096 --micro-batch 4 \
+    --profile
 }
-phase_torchtitan() {
-  cmd "$py" scripts/bench_torchtitan.py --preset dense-1b --seq-len 4096 --micro-batch 4 --out "$out"
+phase_gpu_tests() {  # eight workers share the GPU: their Triton JIT and compilation run side by side
+  cmd env SCALEVEC_GPU_TESTS=1 "$py" -m pytest -q -p no:cacheprovider -n 8 tests/gpu
 }
-phase_gpu_tests() {  # six workers share the GPU: their Triton JIT and compilation run side by side
-  cmd env SCALEVEC_GPU_TESTS=1 "$py" -m pytest -q -p no:cacheprovider -n 6 tests/gpu
+phase_torchtitan() {  # its raw logs stay on the machine (the files back are few); a failure prints their end
+  cmd "$py" scripts/bench_torchtitan.py --preset dense-1b --seq-len 4096 --micro-batch 4 --warmup 10 --steps 20 \
+    --out /tmp/torchtitan_logs
+}
+phase_train_1b_eager() {  # the fused kernels' share of an uncompiled step, baseline against unified
+  cmd "$py" scripts/bench_train.py --presets dense-1b --scales baseline,unified --seq-len 4096 --micro-batch 4 \
+    --no-compile --warmup 2 --steps 5
 }
 phase_train_2b() {  # moe-2b runs whatever dense-2b's outcome; the phase fails if either does
   cmd "$py" scripts/bench_train.py --presets dense-2b --scales baseline --micro-batch 2 \
@@ -65,60 +81,63 @@ phase_train_2b() {  # moe-2b runs whatever dense-2b's outcome; the phase fails i
 phase_muon() {
   cmd "$py" scripts/bench_train.py --presets dense-1b --scales baseline --seq-len 4096 --micro-batch 4 -- optim=muon
 }
+# Not in the plan: the CPU suite, on a visit with time to spare
 phase_suite() {  # the CPU suite (GPUs hidden, as on any machine), each test file on one of 12 workers
   cmd "$py" -m pytest -q -p no:cacheprovider -n 12 --dist loadfile
 }
 
 error() { echo "error: $1" >&2; exit 2; }
 limit() { local var=GPU_SESSION_LIMIT_${1^^}; var=${var//-/_}; echo "${!var:-${LIMIT[$1]}}"; }
-worst() { local t=$SETUP_S name; for name in "$@"; do t=$((t + $(limit "$name") + KILL_S)); done; echo "$t"; }
-show_call() {  # number, phases
-  local n=$1 name
-  shift
-  printf 'call %s: bash scripts/gpu_session.sh %s\n' "$n" "$*"
-  printf '  %-16s %4d s\n' setup "$SETUP_S"
-  for name in "$@"; do printf '  %-16s %4d s  (+%d s to stop it)  %s\n' "$name" "$(limit "$name")" "$KILL_S" \
-    "${LOG[$name]}"; done
-  printf '  %-16s %4d s of %d\n' "worst case" "$(worst "$@")" "$DEVICE_CALL_S"
-}
 
 dry=
 [ "${1:-}" = --dry-run ] && { dry=1; shift; }
-ALL=${CALLS[*]}
-for name in "$@"; do  # every name checked before any device time is spent
-  [ -n "${LIMIT[$name]+x}" ] || error "unknown phase '$name'. Fix: use some of: $ALL."
+if [ $# -gt 0 ]; then phases=("$@"); else phases=("${PLAN[@]}"); fi
+for name in "${phases[@]}"; do  # every name checked before any device time is spent
+  [ -n "${LIMIT[$name]+x}" ] || error "unknown phase '$name'. Fix: use some of: ${!LIMIT[*]}."
 done
-declare -A seen=()
-for name in $ALL; do seen[$name]=$((${seen[$name]:-0} + 1)); done
-for name in "${!LIMIT[@]}" "${!seen[@]}"; do
-  [ "${seen[$name]:-0}" = 1 ] && [ -n "${LIMIT[$name]+x}" ] || error "phase '$name' must have a limit and be \
-in exactly one of CALLS (it is in ${seen[$name]:-0})."
+for name in "${!LIMIT[@]}"; do
+  for table in EST MIN LOG; do
+    declare -n entry=$table
+    [ -n "${entry[$name]+x}" ] || error "phase '$name' has a limit but no $table entry."
+  done
   value=$(limit "$name")
   [[ $value =~ ^[1-9][0-9]*$ ]] || error "the limit of $name is '$value'. Fix: a whole number of seconds."
 done
-if [ $# -gt 0 ]; then calls=("$*"); else calls=("${CALLS[@]}"); fi
-# Budgets: a call over a device command's limit would be killed part-way; the plan must fit one session.
-if [ $# -gt 0 ] || [ -n "$dry" ]; then
-  total=$START_S
-  for i in "${!calls[@]}"; do
-    read -ra names <<< "${calls[$i]}"
-    t=$(worst "${names[@]}")
-    total=$((total + t + TRANSFER_S))
-    [ "$t" -le "$DEVICE_CALL_S" ] || error "call $((i + 1)) (${calls[$i]}) takes up to $t s, over the \
-device tool's $DEVICE_CALL_S s per command. Fix: split it as CALLS does, or lower a GPU_SESSION_LIMIT_*."
-  done
-  [ $# -gt 0 ] || [ "$total" -le "$DEVICE_SESSION_S" ] || error "the plan takes up to $total s of device \
-time, over the session's $DEVICE_SESSION_S s. Fix: lower a phase's limit or move a phase to a later visit."
-fi
+[[ $DEADLINE_S =~ ^[1-9][0-9]*$ ]] || error "GPU_SESSION_DEADLINE is '$DEADLINE_S'. Fix: a whole number of seconds."
+# Budgets, before anything runs: a command over the device tool's limit is killed whole, files past the
+# limit do not come back, and a plan past the session's device time never finishes.
+[ $((DEADLINE_S + SETUP_S)) -le "$COMMAND_S" ] || error "the deadline ($DEADLINE_S s) and the setup ($SETUP_S s) \
+exceed the device command's $COMMAND_S s. Fix: lower GPU_SESSION_DEADLINE."
+session_worst=$((START_S + COMMAND_S + TRANSFER_S + HANDBACK_S))
+[ "$session_worst" -le "$SESSION_S" ] || error "a machine's start, the $COMMAND_S s command, copying and the \
+hand-back take up to $session_worst s, over the session's $SESSION_S s of device time."
+files=1
+estimate=$SETUP_S
+for name in "${phases[@]}"; do
+  files=$((files + 1))
+  estimate=$((estimate + EST[$name]))
+done
+[ "$files" -le "$FILES_BACK" ] || error "these phases write $files files into \$OUT; the device tool brings back \
+$FILES_BACK. Fix: run fewer phases in one command."
+[ "$estimate" -le "$DEADLINE_S" ] || error "the phases' estimates add up to $estimate s with the setup, over \
+the deadline of $DEADLINE_S s. Fix: leave out a phase (name the others) or move it to a later visit."
 
 if [ -n "$dry" ]; then
   py=${PYTHON:-python3}
   [ -n "${PYTHON:-}" ] || [ ! -x .venv/bin/python ] || py=.venv/bin/python
   export PYTHONPATH=$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}
-  echo "plan: one device command per call (run with carry [\".whl\"] and timeout_s $DEVICE_CALL_S), in order"
-  for i in "${!calls[@]}"; do read -ra names <<< "${calls[$i]}"; show_call $((i + 1)) "${names[@]}"; done
-  [ $# -gt 0 ] || echo "session worst case: $total s of $DEVICE_SESSION_S (a machine's start $START_S s, \
-$TRANSFER_S s of copying per call, and the calls)"
+  echo "plan: one device command (run with carry [\".whl\"] and timeout_s $COMMAND_S): bash scripts/gpu_session.sh $*"
+  printf '  %-16s %9s %6s %5s  %s\n' phase "estimate" limit min "log in \$OUT"
+  printf '  %-16s %7d s %6s %5s  %s\n' setup "$SETUP_S" - - session.txt
+  end=$SETUP_S
+  for name in "${phases[@]}"; do
+    end=$((end + EST[$name]))
+    printf '  %-16s %7d s %4d s %3d s  %s  (estimated to end at %d s)\n' "$name" "${EST[$name]}" "$(limit "$name")" \
+      "${MIN[$name]}" "${LOG[$name]}" "$end"
+  done
+  echo "  estimates: $estimate s of the $DEADLINE_S s deadline; files back: $files of $FILES_BACK"
+  echo "session worst case: $session_worst s of $SESSION_S (a machine's start $START_S s, the command \
+$COMMAND_S s, copying $TRANSFER_S s, the hand-back $HANDBACK_S s)"
   status=0
   missing=()
   specs=($BASE_WHEELS $(cat scripts/gpu_wheels.txt))
@@ -138,7 +157,7 @@ $TRANSFER_S s of copying per call, and the calls)"
   fi
   checks=$(mktemp)
   out=${OUT:-gpu_out}
-  for call in "${calls[@]}"; do for name in $call; do "phase_${name//-/_}"; done; done
+  for name in "${phases[@]}"; do "phase_${name//-/_}"; done
   echo "commands:"
   "$py" scripts/gpu_session_check.py --host-lacks "$HOST_LACKS" < "$checks" || status=2
   rm -f "$checks"
@@ -146,32 +165,31 @@ $TRANSFER_S s of copying per call, and the calls)"
 fi
 
 # The run, on the GPU machine.
+begin=$SECONDS
 py=${PYTHON:-python3}
 out=${OUT:-gpu_out}
 mkdir -p "$out"
-: > "$out/times.txt"
+report=$out/session.txt
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
 fi
 # the packages from the checkout, without installing: kernels/ holds scalevec_kernels
 export PYTHONPATH=/tmp/site:$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 py out dry
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
-  | tee "$out/device.txt"
-for call in "${calls[@]}"; do
-  for name in $call; do
-    fn=phase_${name//-/_}
-    export -f cmd "$fn"
-    start=$SECONDS
-    timeout -k "$KILL_S" "$(limit "$name")" bash -c "$fn" > "$out/${LOG[$name]}" 2>&1
-    rc=$?
-    echo "rc=$rc wall=$((SECONDS - start))s limit=$(limit "$name")s" >> "$out/${LOG[$name]}"
-    printf '%-16s rc=%-3s wall=%4ss limit=%ss\n' "$name" "$rc" "$((SECONDS - start))" "$(limit "$name")" \
-      >> "$out/times.txt"
-    echo "== $name (${LOG[$name]})"
-    tail -n 20 "$out/${LOG[$name]}"
-  done
+{ date -u +"%Y-%m-%d %H:%M UTC"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1
+  "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1
+  echo "plan: ${phases[*]}; deadline ${DEADLINE_S}s after the start"; } > "$report"
+cat "$report"
+deadline=$(($(date +%s) + DEADLINE_S - (SECONDS - begin)))
+for name in "${phases[@]}"; do
+  fn=phase_${name//-/_}
+  export -f cmd "$fn"
+  "$py" scripts/gpu_phase.py --name "$name" --limit "$(limit "$name")" --min "${MIN[$name]}" --deadline "$deadline" \
+    --grace "$GRACE_S" --log "$out/${LOG[$name]}" --report "$report" --note " estimate=${EST[$name]}s" -- bash -c "$fn"
+  [ $? -eq 125 ] && continue  # skipped: too little time left
+  echo "== $name (${LOG[$name]})"
+  tail -n 25 "$out/${LOG[$name]}"
 done
-echo "== times"
-cat "$out/times.txt"
+echo "== session ($((SECONDS - begin)) s)"
+cat "$report"

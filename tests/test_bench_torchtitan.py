@@ -89,3 +89,13 @@ def test_torchtitan_imports_with_the_datasets_stand_in():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "must not reach a torchtitan text loader" in out.stdout
+
+
+def test_a_failed_run_prints_the_end_of_its_log(bench, tmp_path):
+    """A GPU session brings back the benchmark's output, not the logs it writes: a failure's cause is in it."""
+    script = "for i in range(100):\n    print('line', i)\nraise SystemExit(3)"
+    with pytest.raises(SystemExit) as stopped:
+        bench.run("demo", [sys.executable, "-c", script], tmp_path / "demo.log")
+    message = str(stopped.value)
+    assert "line 99" in message and "line 60" in message and "line 59\n" not in message
+    assert message.endswith(f"error: demo exited with 3; its log: {tmp_path / 'demo.log'}")

@@ -1,91 +1,78 @@
 """scripts/gpu_session.sh short of a GPU: its dry run checks phase names, budgets and every command's
-arguments and prints the plan with each call's worst case; a plan over the device tool's limits, an
-unknown phase and a command that would fail at its start are refused. scripts/gpu_session_check.py is
-the dry run's checker of commands."""
+arguments and prints the one-command plan; a plan over the device tool's limits, an unknown phase and a
+command that would fail at its start are refused. scripts/gpu_phase.py runs each phase: skipped when too
+little time is left, stopped at its limit or the deadline, and every process it started ended with it,
+torchrun-style workers in sessions of their own included."""
 
 import os
 import re
 import shlex
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from tests.helpers import REPO
 
 SCRIPT = REPO / "scripts" / "gpu_session.sh"
-CALL_S, SESSION_S = 600, 1800
+PHASE = REPO / "scripts" / "gpu_phase.py"
+# The device tool's limits: 900 s of device time a session, 8 files back from $OUT
+SESSION_S, FILES_BACK = 900, 8
 
 
 def session(*args: str, **env: str) -> subprocess.CompletedProcess:
-    full = {k: v for k, v in os.environ.items() if not k.startswith("GPU_SESSION_LIMIT_")}
+    full = {k: v for k, v in os.environ.items() if not k.startswith("GPU_SESSION_")}
     return subprocess.run(["bash", str(SCRIPT), *args], env={**full, "PYTHON": sys.executable, **env},
                           capture_output=True, text=True, cwd=REPO)
 
 
-def plan(out: str) -> list[dict]:
-    """The calls the dry run prints: each call's phases with their limits, setup and worst case."""
-    calls = []
-    for line in out.splitlines():
-        if m := re.match(r"call \d+: bash scripts/gpu_session.sh (.+)", line):
-            calls.append({"phases": m.group(1).split(), "limits": {}})
-        elif m := re.match(r"  (\S+(?: case)?) +(\d+) s(?:  \(\+(\d+) s to stop it\))?", line):
-            name, seconds, grace = m.group(1), int(m.group(2)), m.group(3)
-            if name == "setup":
-                calls[-1]["setup"] = seconds
-            elif name == "worst case":
-                calls[-1]["worst"] = seconds
-            else:
-                calls[-1]["limits"][name] = seconds + int(grace)
-    return calls
+def plan(out: str) -> dict:
+    """The plan the dry run prints: phases in order with (estimate, limit, min), setup, the session."""
+    phases = {m.group(1): tuple(map(int, m.groups()[1:]))
+              for m in re.finditer(r"^  (\S+) +(\d+) s +(\d+) s +(\d+) s  \S+  \(estimated", out, re.M)}
+    setup = int(re.search(r"^  setup +(\d+) s", out, re.M).group(1))
+    deadline = int(re.search(r"estimates: \d+ s of the (\d+) s deadline", out).group(1))
+    files = int(re.search(r"files back: (\d+) of", out).group(1))
+    worst = int(re.search(r"session worst case: (\d+) s of", out).group(1))
+    command = int(re.search(r"timeout_s (\d+)", out).group(1))
+    return {"phases": phases, "setup": setup, "deadline": deadline, "files": files, "worst": worst,
+            "command": command}
 
 
-def test_dry_run_checks_one_call_and_prints_its_worst_case():
-    done = session("--dry-run", "kernels", "train-1b", GPU_SESSION_LIMIT_KERNELS="100")
+def test_the_default_plan_is_one_command_in_the_issues_order_that_fits_the_session():
+    done = session("--dry-run")
     assert done.returncode in (0, 1), done.stdout + done.stderr  # 1: wheels missing, nothing else
     if done.returncode:
         assert "wheels: .whl/ lacks" in done.stdout
         assert "bash ../shared/tools/gpu-wheels.sh $(cat scripts/gpu_wheels.txt)" in done.stdout
-    else:
-        assert "wheels: .whl/ holds the 9" in done.stdout
-    [call] = plan(done.stdout)
-    assert call["phases"] == ["kernels", "train-1b"] and call["limits"]["kernels"] == 100 + 10
-    assert call["worst"] == call["setup"] + sum(call["limits"].values()) <= CALL_S
+    p = plan(done.stdout)
+    # the issue's order (kernels, dense-1b compiled, tests/gpu, torchtitan), then what time is left for
+    assert list(p["phases"]) == ["kernels", "train-1b", "gpu-tests", "torchtitan", "train-1b-eager", "muon",
+                                 "train-2b"]
+    assert p["setup"] + sum(est for est, _, _ in p["phases"].values()) <= p["deadline"]
+    assert all(minimum <= est <= limit for est, limit, minimum in p["phases"].values())
+    assert p["deadline"] + p["setup"] <= p["command"] <= 600 and p["worst"] <= SESSION_S
+    assert p["files"] <= FILES_BACK
     checked = done.stdout.split("commands:")[1]
-    assert checked.count("  ok  ") == 2 and "FAIL" not in checked
+    assert checked.count("  ok  ") == 8 and "FAIL" not in checked  # train-2b: dense-2b, then moe-2b
     assert "2 run config(s) compose: dense-1b baseline, dense-1b unified" in checked
 
 
-def test_the_plan_fits_the_session_and_the_first_call_brings_the_headline_numbers():
-    done = session("--dry-run", "no-such-phase")  # names are checked before anything else
-    assert done.returncode == 2 and "unknown phase 'no-such-phase'" in done.stderr
-    text = SCRIPT.read_text()
-    calls = [c.split() for c in re.search(r"^CALLS=\((.*)\)$", text, re.M).group(1).strip('"').split('" "')]
-    limits = {k: int(v) for k, v in re.findall(r"\[([a-z0-9-]+)\]=(\d+)", text.split("declare -A LOG")[0])}
-    consts = {k: int(v) for k, v in re.findall(r"(\w+_S)=(\d+)", text)}
-    worst = [consts["SETUP_S"] + sum(limits[p] + consts["KILL_S"] for p in c) for c in calls]
-    assert calls[0][:2] == ["kernels", "train-1b"] and calls[-1][-1] == "suite"
-    assert sorted(p for c in calls for p in c) == sorted(limits)
-    assert max(worst) <= CALL_S
-    assert consts["START_S"] + sum(worst) + len(calls) * consts["TRANSFER_S"] <= SESSION_S
-
-
-@pytest.mark.parametrize("env,problem", [
-    ({"GPU_SESSION_LIMIT_TRAIN_1B": "500"}, "call 1 (kernels train-1b kernels-compile) takes up to 830 s, over "
-                                            "the device tool's 600 s per command"),
-    ({"GPU_SESSION_LIMIT_TORCHTITAN": "360"}, "the plan takes up to 1875 s of device time, over the session's "
-                                              "1800 s"),
-    ({"GPU_SESSION_LIMIT_SUITE": "2m"}, "the limit of suite is '2m'")])
-def test_a_plan_over_budget_is_refused(env, problem):
-    done = session("--dry-run", **env)
-    assert done.returncode == 2 and problem in done.stderr, done.stderr
-    assert "commands:" not in done.stdout  # refused before any command is checked
-
-
-def test_a_real_call_over_a_device_command_is_refused_before_it_starts(tmp_path):
-    done = session("kernels", "train-1b", "kernels-compile", "torchtitan", OUT=str(tmp_path))
-    assert done.returncode == 2 and "over the device tool's 600 s per command" in done.stderr
-    assert not any(tmp_path.iterdir())
+@pytest.mark.parametrize("args,env,problem", [
+    (["kernels"], {"GPU_SESSION_DEADLINE": "530"}, "exceed the device command's 540 s"),
+    (["kernels", "train-1b", "gpu-tests"], {"GPU_SESSION_DEADLINE": "200"},
+     "the phases' estimates add up to 240 s with the setup, over the deadline of 200 s"),
+    (["kernels", "train-1b", "gpu-tests", "torchtitan", "train-1b-eager", "muon", "train-2b", "suite"], {},
+     "these phases write 9 files"),
+    (["kernels"], {"GPU_SESSION_LIMIT_KERNELS": "2m"}, "the limit of kernels is '2m'"),
+    (["kernels", "no-such-phase"], {}, "unknown phase 'no-such-phase'")])
+def test_a_plan_over_budget_is_refused_before_anything_runs(tmp_path, args, env, problem):
+    for dry in (["--dry-run"], []):
+        done = session(*dry, *args, OUT=str(tmp_path), **env)
+        assert done.returncode == 2 and problem in done.stderr, done.stderr
+        assert "commands:" not in done.stdout and not any(tmp_path.iterdir())
 
 
 def test_the_checker_names_a_command_that_would_fail_at_its_start():
@@ -102,3 +89,60 @@ def test_the_checker_names_a_command_that_would_fail_at_its_start():
     assert verdicts == ["FAIL", "FAIL", "FAIL", "FAIL", "ok"], done.stdout
     assert "dense-9b" in done.stdout and "optim.lr" in done.stdout
     assert "invalid choice: 'nothing'" in done.stdout and "bench_nothing.py does not exist" in done.stdout
+
+
+def phase(tmp_path: Path, script: str, *, limit: float, minimum: float = 0, deadline: float | None = None,
+          grace: float = 2) -> tuple[int, str, str]:
+    """Run `script` (Python) as a phase: (exit status, its log, the report's line)."""
+    log, report = tmp_path / "phase.log", tmp_path / "session.txt"
+    cmd = [sys.executable, str(PHASE), "--name", "demo", "--limit", str(limit), "--min", str(minimum),
+           "--grace", str(grace), "--log", str(log), "--report", str(report), "--note", " estimate=1s"]
+    if deadline is not None:
+        cmd += ["--deadline", str(deadline)]
+    done = subprocess.run([*cmd, "--", sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    return done.returncode, log.read_text() if log.exists() else "", report.read_text()
+
+
+def alive(pid: int) -> bool:
+    """Whether pid runs (a zombie, exited and waiting for its parent to reap it, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# A phase whose child starts a worker in a process session of its own, as torchrun does, writes the
+# worker's pid, then waits (or exits at once with `leave`).
+WORKER = """
+import subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+open({pidfile!r}, "w").write(str(worker.pid))
+print("worker started", flush=True)
+{rest}
+"""
+
+
+@pytest.mark.parametrize("rest,want_rc,running", [("time.sleep(120)", 124, 2), ("sys.exit(3)", 3, 1)],
+                         ids=["stopped-at-its-limit", "exits-leaving-a-worker"])
+def test_a_phase_ends_every_process_it_started(tmp_path, rest, want_rc, running):
+    pidfile = tmp_path / "worker.pid"
+    start = time.monotonic()
+    rc, log, report = phase(tmp_path, WORKER.format(pidfile=str(pidfile), rest=rest), limit=3)
+    worker = int(pidfile.read_text())
+    assert rc == want_rc and not alive(worker)
+    assert time.monotonic() - start < 30
+    assert log.startswith("$ ") and "worker started" in log
+    # at the limit: the command and its worker; after the command's exit: the worker it left behind
+    assert re.search(rf"rc={want_rc} wall=\d+s limit=3s ended {running} process\(es\) still running$", log.strip())
+    assert re.fullmatch(rf"demo +rc={want_rc} +wall= +\d+s limit=3s estimate=1s\n", report)
+
+
+def test_a_phase_is_capped_by_the_deadline_and_skipped_when_too_little_is_left(tmp_path):
+    rc, log, report = phase(tmp_path, "import time; time.sleep(120)", limit=100, minimum=1,
+                            deadline=time.time() + 5, grace=1)
+    assert rc == 124 and re.search(r"limit=[34]s", report)  # 5 s to the deadline, less the grace
+    (tmp_path / "phase.log").unlink()
+    rc, log, report = phase(tmp_path, "print('ran')", limit=100, minimum=30, deadline=time.time() + 20)
+    assert rc == 125 and log == ""  # never started: no log
+    last = report.splitlines()[-1]
+    assert re.fullmatch(r"demo +skipped: 1\ds left before the deadline, it needs 30s estimate=1s", last)

@@ -62,31 +62,57 @@ def test_resume_on_cuda_equals_the_uninterrupted_run(data_overrides, tmp_path):
         assert loss == pytest.approx(want[step], rel=2e-3), step
 
 
+def unified_model_grads(kernels: str, compiled: bool, bf16: bool):
+    """(logits, {name: grad}, model) of a two-block unified model with perturbed scales on one batch."""
+    cfg = make_config("scale=unified", *FAST, f"model.kernels={kernels}")
+    model = Transformer(cfg.model, cfg.scale).cuda()
+    model.init_weights(0)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    with torch.no_grad():
+        for _, site in scale_sites(model):
+            for p in site.parameters():
+                p.add_(0.3 * torch.randn(p.shape, generator=gen, device="cuda"))
+    for block in model.layers:
+        wrap_block(block, "none", compiled)
+    tokens = torch.randint(0, cfg.model.vocab_size, (4, 128), generator=gen, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+        logits = model(tokens)
+    logits.float().logsumexp(-1).mean().backward()
+    return logits.float(), {n: p.grad.float() for n, p in model.named_parameters()}, model
+
+
 def test_compiled_block_on_fused_kernels_matches_eager_torch():
-    """A unified block (per-head norms behind q, k, v; the fused norm + SwiGLU; the residual-fused
-    pre-norms) compiled on the Triton kernels, against the same block eager on the PyTorch path, in bf16."""
-    outs = {}
-    for kernels, compiled in (("torch", False), ("triton", True)):
-        cfg = make_config("scale=unified", *FAST, f"model.kernels={kernels}")
-        model = Transformer(cfg.model, cfg.scale).cuda()
-        model.init_weights(0)
-        gen = torch.Generator(device="cuda").manual_seed(1)
-        with torch.no_grad():
-            for _, site in scale_sites(model):
-                for p in site.parameters():
-                    p.add_(0.3 * torch.randn(p.shape, generator=gen, device="cuda"))
-        for block in model.layers:
-            wrap_block(block, "none", compiled)
-        tokens = torch.randint(0, cfg.model.vocab_size, (4, 128), generator=gen, device="cuda")
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(tokens)
-        logits.float().logsumexp(-1).mean().backward()
-        outs[kernels] = logits.float(), {n: p.grad.float() for n, p in model.named_parameters()}
-    (want, want_grads), (got, got_grads) = outs["torch"], outs["triton"]
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-    for name, g in want_grads.items():
-        err = (got_grads[name] - g).norm() / g.norm().clamp(min=1e-12)
-        assert err < 3e-2, (name, err.item())
+    """A unified model (per-head norms behind q, k, v; the fused norm + SwiGLU; the residual-fused
+    pre-norms) compiled on the Triton kernels in bf16, and the same model eager on the PyTorch path in
+    bf16, each against the PyTorch path in fp32: the fused path's error within twice the eager path's own
+    (at least 3e-2, the tolerance the two bf16 paths met on whole tensors), logits and every gradient.
+
+    Errors are relative to the reference's norm, except for the magnitude of an input site whose every
+    map is normalized right after (unified's q/k/v and gate/up branch sites): it does not reach the loss,
+    so its exact gradient is 0 and each path's is rounding noise (seen on an H200, 2026-11-26: the two
+    bf16 paths 40% apart relative to each other). Its error is relative to the scale an uncancelled
+    magnitude's gradient would have, sqrt(features) * |grad alpha|. (Compared with each other instead of
+    with fp32, the bf16 paths were 3.8% apart on a q output site's magnitude, a reduction over every
+    token, on that H200.)"""
+    ref_logits, ref, model = unified_model_grads("torch", compiled=False, bf16=False)
+    eager_logits, eager, _ = unified_model_grads("torch", compiled=False, bf16=True)
+    fused_logits, fused, _ = unified_model_grads("triton", compiled=True, bf16=True)
+    cancelled = {id(m.site) for m in model.site_maps() if m.cancelled_by}
+    magnitudes = {f"{name}.beta": f"{name}.alpha" for name, site in scale_sites(model) if id(site) in cancelled}
+    assert len(magnitudes) == 2 * 5  # two blocks, each with q, k, v, gate and up branch sites
+
+    def within(name: str, want: torch.Tensor, base: torch.Tensor, got: torch.Tensor, scale: torch.Tensor):
+        eager_err, fused_err = ((t - want).norm() / scale for t in (base, got))
+        assert fused_err <= max(2 * eager_err, 3e-2), (name, fused_err.item(), eager_err.item())
+
+    within("logits", ref_logits, eager_logits, fused_logits, ref_logits.norm())
+    for name, g in ref.items():
+        if name in magnitudes:
+            alpha = ref[magnitudes[name]]
+            scale = alpha.shape[-1] ** 0.5 * alpha.norm()
+        else:
+            scale = g.norm().clamp(min=1e-12)
+        within(name, g, eager[name], fused[name], scale)
 
 
 def test_moe_grouped_mm_matches_the_loop_in_bf16():
