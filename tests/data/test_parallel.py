@@ -93,7 +93,9 @@ def test_torchrun_processes_prepare_what_one_process_does(one_process, corpus, p
     cache = tmp_path / "cache"
     output = processes.run([*torchrun(2), "-m", "scalevec_train.prepare_data", *cli_overrides(corpus[0], cache)],
                            tmp_path)
-    assert "its parts are written" in output and "prepared" in output
+    # Who encodes which part, and so which rank merges and what each prints, is the scheduler's choice
+    # (a rank that starts late may find every part encoded, or the data merged): the outcome is not.
+    assert "prepared" in output
     root = cache / one_process.root.name
     assert folder_bytes(root) == folder_bytes(one_process.root)
     assert sorted(p.name for p in cache.iterdir()) == [".lock", root.name, "tokenizers"]  # no staging left
