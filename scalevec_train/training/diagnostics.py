@@ -19,6 +19,11 @@ Under gradient flow the column j of W diag(g) moves with the preconditioner g_j^
 the self-amplification the paper describes. Sharded (DTensor) weights are reduced by DTensor's own
 collectives, so every rank computes the same values on any mesh, from the fp32 shards.
 
+Scale sites (site_stats), per learnable site, of its vector s as the model applies it (an or/er site's
+beta * alpha / rms(alpha): its scale_rms is the magnitude beta):
+    scale_rms, scale_mean      RMS and mean of s
+    scale_update_ratio         ||s - s_before|| / ||s_before|| over the step (0 for a skipped step)
+
 Activations (activation_stats), from one eager forward of a fixed batch without gradients, through
 forward hooks (the blocks run their own forward meanwhile: parallel.wrap.eager_blocks):
     resid_rms, resid_mid_rms   RMS of the residual stream entering block i, and after its attention
@@ -38,7 +43,7 @@ from torch import nn
 
 from scalevec_train.model.layers import Linear, map_output
 from scalevec_train.model.masking import dense_mask
-from scalevec_train.model.strategies import site_display_name
+from scalevec_train.model.strategies import scale_sites, site_display_name
 from scalevec_train.model.transformer import FeedForward
 from scalevec_train.parallel.data_parallel import reshard
 from scalevec_train.parallel.process_group import full_value
@@ -83,6 +88,31 @@ def weights_before(model: nn.Module) -> dict[str, torch.Tensor]:
     """Copies of the maps' weights (this rank's shards) for the update ratio of the coming step."""
     reshard(model)
     return {key: w.detach().clone() for key, w in linear_maps(model).items()}
+
+
+def scale_vectors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{key prefix: s} of every learnable scale site (a fixed one has no vector)."""
+    return {_key(path): s.detach().float() for path, site in scale_sites(model) if (s := site()) is not None}
+
+
+@torch.no_grad()
+def sites_before(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the sites' vectors for the update ratio of the coming step."""
+    return {key: s.clone() for key, s in scale_vectors(model).items()}
+
+
+@torch.no_grad()
+def site_stats(model: nn.Module, before: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The statistics of every scale site's vector (module docstring); scale_update_ratio against
+    `before` (sites_before() of the step) where given."""
+    out = {}
+    for key, s in scale_vectors(model).items():
+        s = full_value(s)
+        out[f"{key}/scale_rms"], out[f"{key}/scale_mean"] = _rms(s), s.mean()
+        if before is not None:
+            old = full_value(before[key])
+            out[f"{key}/scale_update_ratio"] = (s - old).norm() / old.norm()
+    return out
 
 
 def _rms(x: torch.Tensor) -> torch.Tensor:

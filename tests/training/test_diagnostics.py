@@ -97,6 +97,15 @@ def expected_weights(model, before, strategy: str) -> dict[str, float]:
             key = f"diag/layer{layer}/{within}"
         stats = column_stats(w.detach(), None if g is None else g.detach(), old[name].detach())
         out |= {f"{key}/{k}": v for k, v in stats.items()}
+    old_sites = dict(scale_sites(before))
+    for path, site in scale_sites(model):
+        if site.param == "fixed":
+            continue
+        s, s_old = site().detach().double(), old_sites[path]().detach().double()
+        layer, within = path.split(".", 2)[1:] if path.startswith("layers.") else (None, path)
+        key = f"diag/{within}" if layer is None else f"diag/layer{layer}/{within}"
+        out |= {f"{key}/scale_rms": rms(s), f"{key}/scale_mean": float(s.mean()),
+                f"{key}/scale_update_ratio": float((s - s_old).norm() / s_old.norm())}
     return out
 
 

@@ -4,35 +4,38 @@ what and how)."""
 import torch
 
 from scalevec_train.data.loader import Batch
-from scalevec_train.training.diagnostics import activation_stats, map_stats, weights_before
+from scalevec_train.training.diagnostics import activation_stats, map_stats, site_stats, sites_before, weights_before
 from scalevec_train.training.trainer import Callback, Trainer
 
 
 class Diagnostics(Callback):
     """On every `every`-th step (a log step: train.diagnostics_every is a multiple of log_every, so the
-    host reads nothing more often): the maps' weight statistics after the step, their update over it,
-    and the activation statistics of one forward of `batch`, the same sequences every time. Copies of the
-    weights are taken only for a diagnostic step, after its backward; a step the optimizer skips shows
-    an update of 0, since skipping leaves the weights as they were. Comes after ModelMetrics: its
-    forward replaces the MoE layers' losses of the last forward, which ModelMetrics reports."""
+    host reads nothing more often): the maps' weight and the sites' scale statistics after the step,
+    their update over it, and the activation statistics of one forward of `batch`, the same sequences
+    every time. Copies of the weights and sites are taken only for a diagnostic step, after its backward;
+    a step the optimizer skips shows an update of 0, since skipping leaves the weights as they were.
+    Comes after ModelMetrics: its forward replaces the MoE layers' losses of the last forward, which
+    ModelMetrics reports."""
 
     def __init__(self, every: int, batch: Batch):
         self.every, self.batch = every, batch
-        self.before: dict[str, torch.Tensor] | None = None
+        # the maps' weights and the sites' vectors before a diagnostic step
+        self.before: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
 
     def _due(self, step: int) -> bool:
         return step % self.every == 0
 
     def on_backward_end(self, trainer: Trainer) -> None:
         if self._due(trainer.step + 1):
-            self.before = weights_before(trainer.model)
+            self.before = weights_before(trainer.model), sites_before(trainer.model)
 
     def on_log(self, trainer: Trainer) -> None:
         if not self._due(trainer.step):
             return
         tokens = self.batch.inputs.to(trainer.device)
         doc_ids = None if self.batch.doc_ids is None else self.batch.doc_ids.to(trainer.device)
-        values = {**map_stats(trainer.model, self.before),
+        maps, sites = self.before or (None, None)
+        values = {**map_stats(trainer.model, maps), **site_stats(trainer.model, sites),
                   **activation_stats(trainer.model, tokens, doc_ids, trainer.autocast)}
         self.before = None
         for key, value in values.items():
