@@ -1,0 +1,50 @@
+"""scripts/arm_report.py, the tables of the AdamW dense-l3 study, through its command line on run directories
+written here: per-seed differences against the baseline, the share of unified's gap each group closes,
+the final norm's scale from the last diagnostics record, each expectation worked out by hand; and a
+group missing a seed is refused."""
+
+from tests.helpers import run_script, write_run
+
+FINAL = "diag/final_norm.sites.final/scale_rms"
+
+
+def runs(root, name, terminal: dict[int, float], final_scale: dict[int, float] | None = None) -> str:
+    """Runs <name>-s<seed> whose last val_loss is terminal[seed]; the prefix."""
+    for seed, value in terminal.items():
+        rows = [{"step": 10, "tokens": 100, "val_loss": value + 1.0},
+                {"step": 20, "tokens": 200, "val_loss": value, "loss": value + 0.1}]
+        if final_scale is not None:
+            rows[1][FINAL] = final_scale[seed]
+            rows[0][FINAL] = 9.0  # not the last record: ignored
+        write_run(root, f"{name}-s{seed}", {"seed": seed, "scale": {"name": name}}, rows)
+    return str(root / name)
+
+
+def test_differences_gap_shares_and_the_final_scale(tmp_path):
+    base = runs(tmp_path, "base", {0: 3.0, 1: 3.2, 2: 2.9}, {0: 2.0, 1: 2.2, 2: 2.3})
+    uni = runs(tmp_path, "uni", {0: 3.2, 1: 3.3, 2: 3.1}, {0: 0.8, 1: 0.9, 2: 1.0})
+    # closes 0.15/0.2 = 0.75, 0.05/0.1 = 0.5, 0.2/0.2 = 1.0 of the gap: half or more on every seed
+    half = runs(tmp_path, "half", {0: 3.05, 1: 3.25, 2: 2.9})
+    # lower than the baseline on seed 0 only (share 1.5), worse than unified on seed 2 (share -0.5)
+    mixed = runs(tmp_path, "mixed", {0: 2.9, 1: 3.25, 2: 3.2})
+    out = tmp_path / "tables" / "l3.md"
+    done = run_script("arm_report.py", out, "--baseline", base, "--unified", uni, half, mixed)
+    assert done.returncode == 0, done.stderr
+    lines = out.read_text().splitlines()
+    assert done.stdout == out.read_text() and len(lines) == 6
+    assert lines[2] == ("| base | s0 3.0000, s1 3.2000, s2 2.9000 | s0 +0.0000, s1 +0.0000, s2 +0.0000 | +0.0000 "
+                        "| 0/3 | s0 1.00, s1 1.00, s2 1.00 | yes | 2.167 |")
+    assert lines[3] == ("| uni | s0 3.2000, s1 3.3000, s2 3.1000 | s0 +0.2000, s1 +0.1000, s2 +0.2000 | +0.1667 "
+                        "| 0/3 | s0 0.00, s1 0.00, s2 0.00 | no | 0.900 |")
+    assert lines[4] == ("| half | s0 3.0500, s1 3.2500, s2 2.9000 | s0 +0.0500, s1 +0.0500, s2 +0.0000 | +0.0333 "
+                        "| 0/3 | s0 0.75, s1 0.50, s2 1.00 | yes | - |")
+    assert lines[5] == ("| mixed | s0 2.9000, s1 3.2500, s2 3.2000 | s0 -0.1000, s1 +0.0500, s2 +0.3000 | +0.0833 "
+                        "| 1/3 | s0 1.50, s1 0.50, s2 -0.50 | no | - |")
+
+
+def test_a_group_missing_a_seed_is_refused(tmp_path):
+    base = runs(tmp_path, "base", {0: 3.0, 1: 3.2})
+    uni = runs(tmp_path, "uni", {0: 3.2, 1: 3.3})
+    short = runs(tmp_path, "short", {0: 3.1})
+    done = run_script("arm_report.py", tmp_path / "t.md", "--baseline", base, "--unified", uni, short)
+    assert done.returncode == 1 and "short lacks seed(s) [1] that the baseline has" in done.stderr
