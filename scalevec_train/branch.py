@@ -39,10 +39,11 @@ def read_run_config(run_dir: Path) -> Config:
                             "branch from a run directory written by the trainer, or one of its checkpoints.") from None
 
 
-def peak_lrs(cfg: Config, step: int) -> tuple[float, float | None]:
-    """The learning rates of step `step` (0-based): the optimizer's, and the AdamW groups' under Muon."""
+def peak_lrs(cfg: Config, step: int) -> tuple[float, float, float]:
+    """The learning rates of step `step` (0-based): the hidden matrices', the other AdamW groups' (adamw_lr
+    under Muon) and the scale sites' (scale_lr)."""
     multiplier = lr_multiplier(cfg.schedule, step, cfg.train.steps)
-    return cfg.optim.lr * multiplier, None if cfg.optim.adamw_lr is None else cfg.optim.adamw_lr * multiplier
+    return tuple(lr * multiplier for lr in (cfg.optim.lr, cfg.optim.adamw_peak_lr(), cfg.optim.scale_peak_lr()))
 
 
 def shared_steps(trunk: Config, branch: Config, limit: int) -> int:

@@ -31,6 +31,7 @@ from scalevec_train.memory import GB, estimate, fix
 from scalevec_train.model.config import ScaleConfig
 from scalevec_train.model.strategies import scale_sites, site_display_name
 from scalevec_train.model.transformer import Transformer
+from scalevec_train.optim.groups import param_groups
 from scalevec_train.parallel.config import ActivationCheckpointing
 
 
@@ -46,14 +47,21 @@ def describe(cfg, attended: float | None = None) -> dict:
     baseline = build_meta(cfg.model, ScaleConfig(name="baseline"))
     total = total_params(model)
     cancelled = {id(m.site): m.cancelled_by for m in model.site_maps()}
+    # each site's LR and decay as the optimizer gets them (optim/groups.py), not decided again here
+    group_of = {id(p): g for g in param_groups(model, cfg.optim, cfg.scale) for p in g["params"]}
     sites = []
     for path, site in scale_sites(model):
         layer, name = site_display_name(path)
+        own = {n: group_of[id(p)] for n, p in site.named_parameters()}
+        decay = {n: g.get("log_weight_decay", g["weight_decay"]) for n, g in own.items()}
+        decayed = [n for n, wd in decay.items() if wd]
         sites.append({
             "name": path, "layer": layer, "site": name, "role": site.role, "param": site.param,
             "shape": list(site.shape), "behind_norm": site.behind_norm,
             "params": sum(p.numel() for p in site.parameters()),
-            "weight_decay": cfg.scale.decays(site),
+            # peak LR (None: a fixed site, no parameter); the decay and the parameters it acts on
+            "lr": next((g["base_lr"] for g in own.values()), None),
+            "weight_decay": max(decay.values(), default=0.0), "decayed": decayed,
             "magnitude_cancelled_by": cancelled[id(site)],
         })
     scale_params = sum(s["params"] for s in sites)
@@ -76,14 +84,17 @@ def describe(cfg, attended: float | None = None) -> dict:
 
 
 def format_table(d: dict) -> str:
-    lines = [f"{'layer':>5}  {'site':<28} {'role':<6} {'param':<5} {'shape':<12} {'decay':<5} {'params':>8}  notes"]
+    lines = [f"{'layer':>5}  {'site':<28} {'role':<6} {'param':<5} {'shape':<12} {'lr':<8} {'decay':<16} "
+             f"{'params':>8}  notes"]
     for s in d["sites"]:
         layer = "-" if s["layer"] is None else str(s["layer"])
         shape = "x".join(map(str, s["shape"]))
         site = s["site"] + (" (norm)" if s["behind_norm"] else "")
+        lr = "-" if s["lr"] is None else f"{s['lr']:g}"
+        decay = f"{s['weight_decay']:g} on {'+'.join(s['decayed'])}" if s["decayed"] else "no"
         notes = f"magnitude cancelled by {s['magnitude_cancelled_by']}" if s["magnitude_cancelled_by"] else ""
-        lines.append(f"{layer:>5}  {site:<28} {s['role']:<6} {s['param']:<5} {shape:<12} "
-                     f"{'yes' if s['weight_decay'] else 'no':<5} {s['params']:>8,}  {notes}".rstrip())
+        lines.append(f"{layer:>5}  {site:<28} {s['role']:<6} {s['param']:<5} {shape:<12} {lr:<8} {decay:<16} "
+                     f"{s['params']:>8,}  {notes}".rstrip())
     lines.append("")
     lines.append(f"model {d['model']}, scale {d['scale']}: {d['total_params']:,} parameters"
                  + (f" ({d['active_params']:,} active per token)" if "active_params" in d else ""))
@@ -173,8 +184,8 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if fmt == "json":
-        d = dict(d, sites=[{k: s[k] for k in ("name", "role", "param", "shape", "behind_norm", "weight_decay",
-                                              "magnitude_cancelled_by")} for s in d["sites"]])
+        d = dict(d, sites=[{k: s[k] for k in ("name", "role", "param", "shape", "behind_norm", "lr", "weight_decay",
+                                              "decayed", "magnitude_cancelled_by")} for s in d["sites"]])
         print(json.dumps(d))
     else:
         print(format_table(d))

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from scalevec_train.describe import describe
+from scalevec_train.describe import describe, format_table, main
 from scalevec_train.model import Transformer
 from scalevec_train.model.strategies import scale_sites
 from scalevec_train.training.callbacks.scales import site_grad_norms
@@ -96,3 +96,25 @@ def test_cancelled_magnitudes_get_no_gradient():
             for site, path in paths.items() if site in marked]
     assert len(dead) == 2 * 5 and len(live) == 2 * 5
     assert max(dead) < 1e-3 * min(live)
+
+
+def test_each_site_shows_its_peak_lr_and_decay(capsys):
+    """Per site: the peak LR (optim.scale_lr; null: the other AdamW groups') and the decay rate with the
+    parameters it acts on (unified: the magnitudes of the input sites; decay_final_norm=false: not the
+    final norm's; reparam_decay=all_params: beta and alpha), as the table and the JSON show them."""
+    d = describe(make_config("model=dense-tiny", "scale=unified", "optim=muon", "optim.adamw_lr=1e-3",
+                             "optim.scale_lr=2e-3", "optim.scale_weight_decay=0.05", "scale.decay_final_norm=false"))
+    assert len(d["sites"]) == 4 * 10 + 1
+    for s in d["sites"]:
+        decayed = s["role"] == "input" and s["name"] != "final_norm.sites.final"
+        expected = (2e-3, 0.05, ["beta"]) if decayed else (2e-3, 0.0, [])
+        assert (s["lr"], s["weight_decay"], s["decayed"]) == expected, s["name"]
+    d = describe(make_config("model=dense-tiny", "scale=unified", "scale.reparam_decay=all_params",
+                             "optim.lr=4e-3", "optim.weight_decay=0.2"))
+    for s in d["sites"]:
+        expected = (4e-3, 0.2, ["beta", "alpha"]) if s["role"] == "input" else (4e-3, 0.0, [])
+        assert (s["lr"], s["weight_decay"], s["decayed"]) == expected, s["name"]
+    assert "  -  final_norm.sites.final       input  or    256          0.004    0.2 on beta+alpha" in format_table(d)
+    assert main(["model=dense-tiny", "scale=none", "format=json"]) == 0
+    final = next(s for s in json.loads(capsys.readouterr().out)["sites"] if s["name"] == "final_norm.sites.final")
+    assert (final["lr"], final["weight_decay"], final["decayed"]) == (None, 0.0, [])  # fixed: no parameter

@@ -75,7 +75,9 @@ class ModelState(Stateful):
 
 
 class OptimizerState(Stateful):
-    """An optimizer's state, keyed by parameter names (so that it reshards with the model)."""
+    """An optimizer's state, keyed by parameter names (so that it reshards with the model). Loading keeps
+    the optimizer's own hyperparameters (peak LRs, decays, betas, ...): the resumed run's config sets
+    them, as a fresh run's does (torch would restore the saved groups' values instead)."""
 
     def __init__(self, model: TrainableModel, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
@@ -84,7 +86,10 @@ class OptimizerState(Stateful):
         return get_optimizer_state_dict(self.model, self.optimizer)
 
     def load_state_dict(self, state: dict) -> None:
+        configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         set_optimizer_state_dict(self.model, self.optimizer, state)
+        for group, values in zip(self.optimizer.param_groups, configured, strict=True):
+            group.update(values)
 
 
 @dataclass

@@ -152,6 +152,8 @@ ATTN_MAPS = ("q", "k", "v", "o")
 FFN_MAPS = ("gate", "up", "down")
 # The maps that read a pre-norm's output: the default placement targets.
 PRE_NORM_MAPS = ("q", "k", "v", "gate", "up")
+# The module path of the final norm's site (Transformer.final_norm), which feeds the output head.
+FINAL_NORM_SITE = "final_norm.sites.final"
 
 
 @dataclass
@@ -181,6 +183,9 @@ class ScaleConfig:
     # shifted by log(1 - lr*wd), alpha untouched) | all_params (revision 1: the optimizer's decay on
     # beta or b and on alpha)
     reparam_decay: str = choice("magnitude", Literal["magnitude", "all_params"])
+    # whether the policy's decay (iwd or all) reaches the final norm's site, whose scale sets the logits'
+    # (of a tied head too); false: that site never decays
+    decay_final_norm: bool = True
 
     def validate(self) -> None:
         check_choices(self, "scale.")
@@ -196,18 +201,19 @@ class ScaleConfig:
         """The parameterization of a new site of this role."""
         return self.reparam if self.reparam_sites in ("all", role) else "plain"
 
-    def decays(self, site) -> bool:
-        """Whether `site` (a strategies.ScaleSite) gets weight decay (a fixed one has nothing to decay)."""
-        if site.param == "fixed":
+    def decays(self, path: str, site) -> bool:
+        """Whether `site` (a strategies.ScaleSite at module path `path`) gets weight decay (a fixed one
+        has nothing to decay)."""
+        if site.param == "fixed" or (path == FINAL_NORM_SITE and not self.decay_final_norm):
             return False
         return self.weight_decay == "all" or (self.weight_decay == "iwd" and site.role == "input")
 
-    def decay_rule(self, site, param_name: str) -> str:
-        """How weight decay treats parameter `param_name` (scale, beta, b or alpha) of `site`: `scale`
-        (p <- p (1 - lr wd), the optimizer's decoupled decay), `log` (b <- b + log(1 - lr wd), shrinking
-        exp(b) by the same factor) or `none`. In magnitude mode only an or/er site's magnitude decays, so
-        that decay shrinks s itself."""
-        if not self.decays(site):
+    def decay_rule(self, path: str, site, param_name: str) -> str:
+        """How weight decay treats parameter `param_name` (scale, beta, b or alpha) of `site` at `path`:
+        `scale` (p <- p (1 - lr wd), the optimizer's decoupled decay), `log` (b <- b + log(1 - lr wd),
+        shrinking exp(b) by the same factor) or `none`. In magnitude mode only an or/er site's magnitude
+        decays, so that decay shrinks s itself."""
+        if not self.decays(path, site):
             return "none"
         if self.reparam_decay == "all_params" or param_name in ("scale", "beta"):
             return "scale"

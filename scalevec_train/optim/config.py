@@ -43,14 +43,25 @@ class OptimConfig:
     muon_router: bool = False
     # muon only: the AdamW groups' peak LR; null: lr (right for match_rms_adamw, needed with original)
     adamw_lr: float | None = None
+    # peak LR of every scale-site parameter (scale, beta, b, alpha), under AdamW and in Muon's AdamW
+    # groups; null: the other AdamW groups' (lr, or adamw_lr under muon). The schedule multiplies it too
+    scale_lr: float | None = None
+    # weight decay of the scale-site parameters the strategy decays (scale.weight_decay,
+    # scale.reparam_decay, scale.decay_final_norm); null: weight_decay
+    scale_weight_decay: float | None = None
 
     def validate(self) -> None:
         check_choices(self, "optim.")
         # the checks Muon's groups share; the choices above are the rest of ADAMW_KEYS + MUON_KEYS
         check_options(vars(self), ("weight_decay", "betas", "eps", "momentum", "ns_steps", "ns_eps"),
                       lambda key: f"optim.{key}")
-        if self.adamw_lr is not None and self.adamw_lr <= 0:
-            raise ScalevecError("optim.adamw_lr", f"{self.adamw_lr} is not positive.", "use null or a positive LR.")
+        for key in ("adamw_lr", "scale_lr"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ScalevecError(f"optim.{key}", f"{value} is not positive.", "use null or a positive LR.")
+        if self.scale_weight_decay is not None and self.scale_weight_decay < 0:
+            raise ScalevecError("optim.scale_weight_decay", f"{self.scale_weight_decay} is negative.",
+                                "use null (optim.weight_decay) or 0 or more.")
         if self.lr <= 0:
             raise ScalevecError("optim.lr", f"{self.lr} is not positive.", "use a learning rate > 0.")
         peak = max(self.lr, self.adamw_lr or 0.0)
@@ -58,6 +69,24 @@ class OptimConfig:
             raise ScalevecError("optim.weight_decay", f"lr * weight_decay = {peak * self.weight_decay:g}: a decoupled "
                                 "decay step (1 - lr * wd) would zero or flip the weights.",
                                 "lower optim.weight_decay or the learning rate so that their product is below 1.")
+        product = self.scale_peak_lr() * self.scale_decay()
+        if product >= 1:
+            key = "optim.scale_weight_decay" if self.scale_weight_decay is not None else "optim.scale_lr"
+            raise ScalevecError(key, f"the scale sites' lr * weight_decay = {product:g}: a decay step (1 - lr * wd) "
+                                "would zero or flip their magnitudes.",
+                                "lower optim.scale_weight_decay or optim.scale_lr so that their product is below 1.")
+
+    def adamw_peak_lr(self) -> float:
+        """The peak LR of the AdamW groups but the scale sites': adamw_lr under muon when set, else lr."""
+        return self.adamw_lr if self.name == "muon" and self.adamw_lr is not None else self.lr
+
+    def scale_peak_lr(self) -> float:
+        """The peak LR of every scale-site parameter."""
+        return self.adamw_peak_lr() if self.scale_lr is None else self.scale_lr
+
+    def scale_decay(self) -> float:
+        """The weight decay of the scale-site parameters the strategy decays."""
+        return self.weight_decay if self.scale_weight_decay is None else self.scale_weight_decay
 
 
 @dataclass

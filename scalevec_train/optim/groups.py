@@ -23,8 +23,8 @@ _RULE_KIND = {"scale": "scale_decay", "log": "scale_log_decay", "none": "scale_n
 
 def classify(model: nn.Module, scale: ScaleConfig) -> dict[str, list[tuple[str, nn.Parameter]]]:
     """Split the parameters into KINDS; raise if any parameter would land in none or two."""
-    site_kind = {id(p): _RULE_KIND[scale.decay_rule(site, name)]
-                 for _, site in scale_sites(model) for name, p in site.named_parameters()}
+    site_kind = {id(p): _RULE_KIND[scale.decay_rule(path, site, name)]
+                 for path, site in scale_sites(model) for name, p in site.named_parameters()}
     kinds: dict[str, list[tuple[str, nn.Parameter]]] = {k: [] for k in KINDS}
     for name, p in model.named_parameters():
         if id(p) in site_kind:
@@ -45,12 +45,13 @@ def classify(model: nn.Module, scale: ScaleConfig) -> dict[str, list[tuple[str, 
 def param_groups(model: nn.Module, cfg: OptimConfig, scale: ScaleConfig) -> list[dict]:
     """One group per kind. Each group keeps its peak LR in `base_lr`: the schedule multiplies it.
     Under Muon, hidden matrices (and the MoE router only with muon_router) are Muon groups; every
-    other kind is an AdamW group."""
+    other kind is an AdamW group. Scale-site kinds take optim.scale_lr and optim.scale_weight_decay
+    (null: what the other groups take)."""
     decay = {
         "matrix": cfg.weight_decay,
         "embedding": cfg.weight_decay if cfg.decay_embeddings else 0.0,
         "head": cfg.weight_decay if cfg.decay_head else 0.0,
-        "scale_decay": cfg.weight_decay,
+        "scale_decay": cfg.scale_decay(),
         "scale_log_decay": 0.0,  # the optimizer must not decay b toward 0: log_decay_hook shifts it
         "scale_no_decay": 0.0,
     }
@@ -64,13 +65,15 @@ def param_groups(model: nn.Module, cfg: OptimConfig, scale: ScaleConfig) -> list
     for kind, members in kinds.items():
         if not members:
             continue
-        group = {"name": kind, "params": [p for _, p in members], "weight_decay": decay[kind], "base_lr": cfg.lr}
+        if kind.startswith("scale_"):
+            peak = cfg.scale_peak_lr()
+        else:
+            peak = cfg.lr if kind == "matrix" else cfg.adamw_peak_lr()
+        group = {"name": kind, "params": [p for _, p in members], "weight_decay": decay[kind], "base_lr": peak}
         if kind == "scale_log_decay":
-            group["log_weight_decay"] = cfg.weight_decay
+            group["log_weight_decay"] = cfg.scale_decay()
         if cfg.name == "muon":
             group["use_muon"] = kind == "matrix"
-            if kind != "matrix" and cfg.adamw_lr is not None:
-                group["base_lr"] = cfg.adamw_lr
         groups.append(group)
     return groups
 
@@ -119,6 +122,7 @@ def describe_groups(optimizer: torch.optim.Optimizer) -> str:
     for g in optimizer.param_groups:
         count = sum(p.numel() for p in g["params"])
         how = ("muon" if g["use_muon"] else "adamw") if "use_muon" in g else ""
-        rows.append(f"{g['name']}: {len(g['params'])} tensors, {count:,} params, wd={g['weight_decay']}"
+        wd = g.get("log_weight_decay", g["weight_decay"])
+        rows.append(f"{g['name']}: {len(g['params'])} tensors, {count:,} params, lr={g['base_lr']:g}, wd={wd}"
                     + (f", {how}" if how else ""))
     return "; ".join(rows)
