@@ -7,6 +7,11 @@
 #                                        an LR grid on dense-l2, then dense-l1..l3 x baseline, unified x
 #                                        AdamW, Muon x 3 seeds with WSD branches, and the 5x-budget check;
 #                                        runs to runs/ladder/, tables to docs/results/ladder/
+#   bash scripts/run_study.sh adamw_l3   why unified loses to the baseline under AdamW at dense-l3: per-site
+#                                        LR and decay, IWD's strength and reach, a leave-one-out, the
+#                                        mirror under Muon and dense-l1 at swapped LRs (3 seeds each, trunks
+#                                        to 10 tokens per parameter); runs to runs/adamw_l3/, tables to
+#                                        docs/results/adamw_l3/
 #   bash scripts/run_study.sh ladder_grid_l3 ["adamw muon"]  the ladder's LR grid again on
 #                                        dense-l3 (both strategies of the optimizers named, seed 0), then
 #                                        each arm at its dense-l3 pick with 3 seeds (trunks), to
@@ -67,8 +72,19 @@ task_run() {  # run_dir: the embedded task scored on its final checkpoint, into 
   $PY -m scalevec_train.evaluate "$1" --tasks embedded > "$1/next_line.tmp" && mv "$1/next_line.tmp" "$1/next_line.txt" ||
     { echo "error: scoring $1 failed" >&2; return 1; }
 }
+# The AdamW dense-l3 study (docs/results.md): one trunk of the ladder's settings, diagnostics on (they
+# change no number), in runs/adamw_l3/<rung>-<name>-s<seed>, the name giving every key the run varies.
+diag_every() { case $1 in dense-l1) echo 30 ;; *) echo 180 ;; esac; }
+arm_run() {  # rung name seed overrides...
+  local rung=$1 name=$2 seed=$3
+  shift 3
+  local log=runs/adamw_l3_logs/$rung-$name-s$seed.log
+  $PY -m scalevec_train.train +experiment=ladder model=$rung seed=$seed $(rung_args "$rung") \
+    train.diagnostics_every=$(diag_every "$rung") "$@" run_dir=runs/adamw_l3/$rung-$name-s$seed > "$log" 2>&1 ||
+    { echo "error: study run $rung $name s$seed failed; its log: $log" >&2; return 1; }
+}
 on_two_workers() {  # each input line: a function above and its arguments; longest jobs first
-  export -f rung_args ladder_run study800_run task_run
+  export -f rung_args ladder_run study800_run task_run diag_every arm_run
   export PY
   xargs -L 1 -P 2 bash -c '"$@"' _
 }
@@ -152,6 +168,66 @@ case ${1:-main} in
     done
     compare ladder/study800 scale=baseline $L/study800/dense-study-*-s*
     ;;
+  adamw_l3)
+    A=runs/adamw_l3
+    out=docs/results/adamw_l3
+    mkdir -p runs/adamw_l3_logs $out
+    # name | overrides: every arm at dense-l3 with AdamW unless it says otherwise; the ladder's picks are
+    # baseline 3e-3 and unified 1e-2 (AdamW), 1e-2 for both under Muon
+    arms() {
+      cat <<'ARMS'
+baseline-muon-lr0.01|scale=baseline optim=muon optim.lr=0.01
+unified-muon-lr0.01|scale=unified optim=muon optim.lr=0.01
+baseline-muon-lr0.01-adamw_lr0.003|scale=baseline optim=muon optim.lr=0.01 optim.adamw_lr=0.003
+unified-muon-lr0.01-adamw_lr0.003|scale=unified optim=muon optim.lr=0.01 optim.adamw_lr=0.003
+baseline-adamw-lr0.003|scale=baseline optim=adamw optim.lr=0.003
+unified-adamw-lr0.01|scale=unified optim=adamw optim.lr=0.01
+baseline-adamw-lr0.003-scale_lr0.01|scale=baseline optim=adamw optim.lr=0.003 optim.scale_lr=0.01
+baseline-adamw-lr0.003-scale_lr0.03|scale=baseline optim=adamw optim.lr=0.003 optim.scale_lr=0.03
+unified-adamw-lr0.003|scale=unified optim=adamw optim.lr=0.003
+unified-adamw-lr0.003-scale_lr0.01|scale=unified optim=adamw optim.lr=0.003 optim.scale_lr=0.01
+unified-adamw-lr0.003-scale_lr0.03|scale=unified optim=adamw optim.lr=0.003 optim.scale_lr=0.03
+unified-adamw-lr0.01-heterogeneity.shared|scale=unified optim=adamw optim.lr=0.01 scale.heterogeneity=shared
+unified-adamw-lr0.01-placement.pre|scale=unified optim=adamw optim.lr=0.01 scale.placement=pre
+unified-adamw-lr0.01-reparam.plain|scale=unified optim=adamw optim.lr=0.01 scale.reparam=plain
+unified-adamw-lr0.01-weight_decay.none|scale=unified optim=adamw optim.lr=0.01 scale.weight_decay=none
+unified-adamw-lr0.01-targets.gate.up|scale=unified optim=adamw optim.lr=0.01 scale.targets=[gate,up]
+unified-adamw-lr0.01-targets.q.k.gate.up|scale=unified optim=adamw optim.lr=0.01 scale.targets=[q,k,gate,up]
+unified-adamw-lr0.01-scale_wd0.01|scale=unified optim=adamw optim.lr=0.01 optim.scale_weight_decay=0.01
+unified-adamw-lr0.01-decay_final_norm.false|scale=unified optim=adamw optim.lr=0.01 scale.decay_final_norm=false
+ARMS
+    }
+    # Muon's runs first (about twice as long), then dense-l1 at the ladder's LRs and swapped
+    {
+      for seed in 0 1 2; do
+        arms | while IFS='|' read -r name args; do echo arm_run dense-l3 $name $seed $args; done
+      done
+      for seed in 0 1 2; do for lr in 0.003 0.01; do for scale in baseline unified; do
+        echo arm_run dense-l1 $scale-adamw-lr$lr $seed scale=$scale optim=adamw optim.lr=$lr
+      done; done; done
+    } | on_two_workers
+    report() {  # table baseline unified others...: prefixes under runs/adamw_l3
+      local table=$1 base=$2 uni=$3 prefix others=()
+      shift 3
+      for prefix in "$@"; do others+=("$A/$prefix"); done
+      $PY scripts/arm_report.py $out/$table.md --baseline $A/$base --unified $A/$uni "${others[@]}"
+    }
+    report l3_adamw dense-l3-baseline-adamw-lr0.003 dense-l3-unified-adamw-lr0.01 \
+      $(arms | cut -d'|' -f1 | grep adamw | sed 's/^/dense-l3-/')
+    for scale_lr in 0.01 0.03; do  # both arms with the same scale LR, matrices at the baseline's
+      report l3_adamw_scale_lr$scale_lr dense-l3-baseline-adamw-lr0.003-scale_lr$scale_lr \
+        dense-l3-unified-adamw-lr0.003-scale_lr$scale_lr
+    done
+    report l3_adamw_lr0.003 dense-l3-baseline-adamw-lr0.003 dense-l3-unified-adamw-lr0.003
+    report l3_muon dense-l3-baseline-muon-lr0.01 dense-l3-unified-muon-lr0.01 \
+      dense-l3-baseline-muon-lr0.01-adamw_lr0.003 dense-l3-unified-muon-lr0.01-adamw_lr0.003
+    report l3_muon_adamw_lr0.003 dense-l3-baseline-muon-lr0.01-adamw_lr0.003 dense-l3-unified-muon-lr0.01-adamw_lr0.003
+    report l1_adamw dense-l1-baseline-adamw-lr0.003 dense-l1-unified-adamw-lr0.01 \
+      dense-l1-baseline-adamw-lr0.01 dense-l1-unified-adamw-lr0.003
+    for lr in 0.003 0.01; do  # both arms at one LR
+      report l1_adamw_lr$lr dense-l1-baseline-adamw-lr$lr dense-l1-unified-adamw-lr$lr
+    done
+    ;;
   ladder_grid_l3)
     # Supplementary: the same LR grid for every arm again on dense-l3 (seed 0 trunks), to see whether an
     # arm's best LR moves between dense-l2, where the ladder's LRs were picked, and dense-l3. Trunks the
@@ -172,7 +248,7 @@ case ${1:-main} in
       $(echo "$picks" | while read -r scale optim lr; do ls -d $L/dense-l3-$scale-$optim-lr$lr-tpp10.0-s[012]; done)
     ;;
   *)
-    echo "error: unknown part '$1'. Fix: use main (the default), lr_sweep, ladder or ladder_grid_l3." >&2
+    echo "error: unknown part '$1'. Fix: use main (the default), lr_sweep, ladder, adamw_l3 or ladder_grid_l3." >&2
     exit 2
     ;;
 esac

@@ -57,3 +57,32 @@ def test_every_run_has_its_own_directory():
             for lr in (0.003, 0.01) for seed in (0, 1) for tpp in (None, 2.5, 5)}
     assert len(dirs) == 2 * 2 * 2 * 2 * 2 * 3
     assert all(d.startswith("runs/ladder/") for d in dirs)
+
+
+def study_arms() -> dict[str, list[str]]:
+    """{name: overrides} of the adamw_l3 study's arms, from the script."""
+    block = re.search(r"<<'ARMS'\n(.*?)\nARMS\n", SCRIPT.read_text(), flags=re.S).group(1)
+    return {name: args.split() for name, args in (line.split("|") for line in block.splitlines())}
+
+
+def name_of(overrides: list[str]) -> str:
+    """The run name the study's convention gives these overrides, written out here: scale, optimizer and
+    LR, then every other key the arm sets, in order."""
+    values = dict(o.split("=", 1) for o in overrides)
+    short = {"optim.scale_lr": "scale_lr", "optim.adamw_lr": "adamw_lr", "optim.scale_weight_decay": "scale_wd"}
+    parts = [values.pop("scale"), values.pop("optim"), "lr" + values.pop("optim.lr")]
+    for key, value in values.items():
+        if key in short:
+            parts.append(short[key] + value)
+        else:
+            parts.append(key.removeprefix("scale.") + "." + value.strip("[]").replace(",", "."))
+    return "-".join(parts)
+
+
+def test_the_adamw_l3_study_names_every_key_its_arms_vary_and_every_arm_composes():
+    arms = study_arms()
+    assert len(arms) == 19
+    for name, overrides in arms.items():
+        assert name == name_of(overrides)
+        cfg = ladder_config("dense-l3", *overrides, "train.diagnostics_every=180", "seed=0")
+        assert cfg.train.steps // cfg.train.diagnostics_every >= 9  # the sites over time, not once
