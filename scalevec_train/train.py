@@ -7,6 +7,7 @@ What survives crashes, signals and bad numbers, and how failures are reported: d
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import hydra
@@ -65,7 +66,7 @@ def run(cfg: Config) -> Path:
 def main(raw: DictConfig) -> None:
     """Exit codes: 0 done, or stopped by SIGTERM with a checkpoint; 1 a bug (with its traceback) or a
     Hydra error; 2 bad input (one line naming the key or file and the fix); 3 diverged (see run())."""
-    finished = False
+    finished, exit_code = False, 0
     try:
         # Checked before joining the process group: a bad config fails at once, on every rank.
         cfg = to_config(raw, process_group.world_size())
@@ -75,9 +76,15 @@ def main(raw: DictConfig) -> None:
     except ScalevecError as e:
         rank = f"[rank {os.environ.get('RANK', 0)}] " if process_group.world_size() > 1 else ""
         print(f"{rank}error: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
+        exit_code = e.exit_code
     finally:
+        # The run's frames in a traceback would keep its model, and through FSDP the process group,
+        # alive past shutdown (which must free the group: see there); clear_frames keeps what is printed.
+        if (handled := sys.exc_info()[1]) is not None:
+            traceback.clear_frames(handled.__traceback__)
         process_group.shutdown(finished)
+    if exit_code:
+        sys.exit(exit_code)
 
 
 if __name__ == "__main__":

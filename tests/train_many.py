@@ -19,6 +19,14 @@ from scalevec_train.config import compose_config
 from scalevec_train.parallel import process_group
 
 
+def save_holdings(model: torch.nn.Module, path: Path) -> None:
+    params = dict(model.named_parameters())
+    whole = {n: p.detach().clone() for n, p in params.items() if not isinstance(p, DTensor)}
+    shards = {n: p.to_local().detach().clone() for n, p in params.items() if isinstance(p, DTensor)}
+    biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
+    torch.save({"params": whole, "shards": shards, "expert_bias": biases}, path)
+
+
 def main(spec: Path) -> None:
     built = []
     build = train.build
@@ -32,13 +40,8 @@ def main(spec: Path) -> None:
     try:
         for overrides in json.loads(spec.read_text()):
             run_dir = train.run(compose_config(overrides, process_group.world_size()))
-            model = built.pop().trainer.model
-            params = dict(model.named_parameters())
-            whole = {n: p.detach().clone() for n, p in params.items() if not isinstance(p, DTensor)}
-            shards = {n: p.to_local().detach().clone() for n, p in params.items() if isinstance(p, DTensor)}
-            biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
-            torch.save({"params": whole, "shards": shards, "expert_bias": biases},
-                       run_dir / f"rank{process_group.rank()}.pt")
+            # no name here keeps the model: shutdown must free the group it holds (process_group.shutdown)
+            save_holdings(built.pop().trainer.model, run_dir / f"rank{process_group.rank()}.pt")
     finally:
         process_group.shutdown()
 

@@ -1,6 +1,7 @@
 """The process group: joining it under torchrun, who is who, and the few collectives the training
 code uses directly. On one process (no torchrun) every function does the single-process thing."""
 
+import gc
 import os
 import uuid
 
@@ -62,12 +63,34 @@ def _attempt_store(rank: int, world: int) -> dist.Store:
 
 
 def shutdown(finished: bool = False) -> None:
-    """Leave the process group. After a run every rank finished, the ranks leave together: a rank that
-    tore its gloo group down while a peer was still leaving was seen to make the peer abort at exit."""
+    """Leave the process group (after a run every rank finished, together: no peer still in its last
+    collective sees the connections close) and free it, which ends its threads.
+
+    destroy_process_group() frees only the groups nothing else holds, and a gloo group's worker threads
+    run until it is freed. A DeviceMesh holds its groups, and torch's DTensor caches (redistribution
+    plans) hold every mesh a DTensor used for the life of the process, so the threads ran on into
+    interpreter finalization. A worker that let go of a finished collective after the main thread had
+    begun finalizing had to take the GIL to release the work's tensors; Python ends such a thread with
+    pthread_exit, whose unwinding through the work's noexcept destructor calls std::terminate
+    ("terminate called without an active exception", SIGABRT, after a run that had saved everything;
+    docs/reliability.md, "Leaving cleanly"). Unlinking every mesh from its groups and collecting frees
+    the groups here, and freeing one joins its workers (with the GIL released) while Python is whole.
+    The caller must no longer hold the run's model or checkpointer: FSDP and the async checkpoint hold
+    groups too."""
     if dist.is_initialized():
         if finished:
             dist.barrier()
         dist.destroy_process_group()
+        _release_groups()
+
+
+def _release_groups() -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for obj in gc.get_objects():
+        if issubclass(type(obj), DeviceMesh):  # type(), not isinstance: no attribute lookups on proxies
+            vars(obj).get("_pg_registry", {}).clear()  # where torch 2.11 to 2.13 keep a mesh's groups
+    gc.collect()
 
 
 def rank() -> int:
