@@ -10,17 +10,20 @@ on the data: TokenLoader.attended_keys) in place of seq_len, the same convention
 block-sparse kernel (FlexAttention) spends up to its block granularity. Embedding lookups are free; the output
 head counts. MoE layers count only the experts a token is routed to.
 
-Normalizations and scale sites are counted apart (norm_flops_per_token): per element and token,
-forward, a normalization N costs 3 FLOPs (square-accumulate, scale by the inverse RMS, and the RMS
-itself amortized) and a scale site 1 multiply (model.strategies.NORM_FLOPS, SITE_FLOPS); each module of
-the model that holds normalizations or sites reports its own; training costs 3x forward.
+Normalizations and scale sites are counted apart (norm_flops_per_token), from the rows of the scale
+plan: per element and token, forward, a normalization N costs 3 FLOPs (square-accumulate, scale by the
+inverse RMS, and the RMS itself amortized) and a scale site 1 multiply (NORM_FLOPS, SITE_FLOPS); training
+costs 3x forward.
 """
 
 import torch
 from torch import nn
 
 from scalevec_train.model.moe import MoEFeedForward
-from scalevec_train.model.strategies import scale_sites
+from scalevec_train.model.plan import ScalePlan
+from scalevec_train.model.transformer import Transformer
+
+NORM_FLOPS, SITE_FLOPS = 3, 1
 
 # Dense bf16 peak FLOP/s (no sparsity), by a substring of torch.cuda.get_device_name().
 PEAK_BF16 = {
@@ -48,14 +51,14 @@ def active_params(model: nn.Module) -> int:
     return total_params(model) - skipped
 
 
-def matmul_params_per_token(model: nn.Module) -> int:
+def matmul_params_per_token(model: Transformer) -> int:
     """Weights a token multiplies with: everything but the embedding table (unless tied: then it is
     the head) and scale sites, with routed experts counted top_k / num_experts."""
     cfg = model.cfg
-    site_params = {id(p) for _, site in scale_sites(model) for p in site.parameters()}
+    site_params = model.plan.site_parameters()
     total = 0
     for name, p in model.named_parameters():
-        if id(p) in site_params or name == "tok_emb.weight":
+        if name in site_params or name == "tok_emb.weight":
             continue
         if ".experts." in name:
             total += p.numel() * cfg.moe.top_k // cfg.moe.num_experts
@@ -83,10 +86,13 @@ def train_flops_per_token(model: nn.Module, seq_len: int, attended: float | None
     return 6 * matmul_params_per_token(model) + attention
 
 
-def norm_flops_per_token(model: nn.Module) -> int:
-    """Forward FLOPs per token spent in normalizations and scale sites: the sum of what each module
-    reports of its own (`norm_flops_per_token()`)."""
-    return sum(m.norm_flops_per_token() for m in model.modules() if hasattr(m, "norm_flops_per_token"))
+def norm_flops_per_token(plan: ScalePlan) -> int:
+    """Forward FLOPs per token spent in normalizations and scale sites: every normalization a site
+    multiplies (each counted once, however many sites it feeds) and every site that is not fixed, over
+    the features they act on, as often as a token passes them (top_k times inside routed experts)."""
+    norms = {row.norm for row in plan.rows if row.norm is not None}
+    return (sum(NORM_FLOPS * n.width * n.passes for n in norms)
+            + sum(SITE_FLOPS * row.width * row.passes for row in plan.rows if row.param != "fixed"))
 
 
 def peak_flops(device: torch.device) -> float | None:

@@ -1,7 +1,8 @@
 """Activation memory of a training forward, counted from the model and strategy configs alone: the
 bytes autograd keeps for the backward pass, per token, per block and around the blocks.
 
-It follows the forward of model/transformer.py, model/layers.py and model/moe.py tensor by tensor:
+It follows the forward of model/transformer.py, model/layers.py and model/moe.py tensor by tensor, with
+the sites and normalizations of the model's scale plan (model/plan.py):
 every op that keeps an input or output for its backward adds that tensor once (a tensor kept by
 several ops, e.g. the pre-norm output read by q, k and v, counts once). What is kept depends on the
 precision and the kernels:
@@ -24,11 +25,19 @@ time in the backward pass (`recompute`).
 
 from dataclasses import dataclass
 
-from torch import nn
-
-from scalevec_train.model.config import ModelConfig, ScaleConfig
-from scalevec_train.model.moe import MoEFeedForward
-from scalevec_train.model.strategies import input_branches, plan_map, scale_sites
+from scalevec_train.model.config import ModelConfig
+from scalevec_train.model.plan import (
+    AttentionPlan,
+    BlockPlan,
+    Branch,
+    MapPlan,
+    MoEPlan,
+    NormKind,
+    PreNormPlan,
+    SiteRow,
+    SwiGLUPlan,
+)
+from scalevec_train.model.transformer import Transformer
 
 INDEX = 8  # int64 indices (tokens, targets, expert order)
 FP32 = 4
@@ -87,23 +96,22 @@ class _Saved:
             self.keep(f"{name}.cast.{owner}", self.p.compute * width)
 
 
-def _site(scale: ScaleConfig, role: str) -> bool:
-    """Whether a site of this role multiplies (a fixed site is s = 1 and skipped)."""
-    return scale.site_param(role) != "fixed"
+def _multiplies(site: SiteRow | None) -> bool:
+    """Whether a site multiplies (a fixed site is s = 1 and skipped)."""
+    return site is not None and site.param != "fixed"
 
 
-def _linear(s: _Saved, name: str, x: tuple[str, int], d_in: int, d_out: int, m: ModelConfig,
-            scale: ScaleConfig, prefix: str) -> tuple[str, int]:
+def _linear(s: _Saved, plan: MapPlan, x: tuple[str, int], m: ModelConfig, prefix: str) -> tuple[str, int]:
     """Linear.forward (model/layers.py): input site, the map, output norm or site."""
-    plan = plan_map(scale, name, m.qk_norm, m.post_norm)
-    if plan.in_site and _site(scale, "input"):
+    name, d_in, d_out = plan.ref.name, plan.d_in, plan.d_out
+    if _multiplies(plan.in_site):
         s.keep(x[0], x[1] * d_in)
         x = (f"{prefix}{name}.in", x[1])
     s.matmul(x, d_in, f"{prefix}{name}")
     y = (f"{prefix}{name}.y", s.p.compute)
-    scaled = plan.out_site and _site(scale, "output")
+    scaled = _multiplies(plan.out_site)
     if plan.out_norm is not None:
-        s.norm(y, d_out, rows=d_out // m.head_dim if plan.out_norm == "head" else 1, scaled=scaled)
+        s.norm(y, d_out, rows=d_out // m.head_dim if plan.out_norm is NormKind.HEAD else 1, scaled=scaled)
         return (f"{prefix}{name}.out", s.p.compute)
     if scaled:
         s.keep(y[0], y[1] * d_out)
@@ -133,20 +141,19 @@ def _swiglu(s: _Saved, gate: tuple[str, int], up: tuple[str, int], width: int, r
     s.keep(f"{gate[0]}.silu", s.p.compute * width)
 
 
-def _norm_outputs(s: _Saved, x: tuple[str, int], m: ModelConfig, scale: ScaleConfig, branches: list[str],
-                  prefix: str) -> dict[str, tuple[str, int]]:
+def _norm_outputs(s: _Saved, x: tuple[str, int], m: ModelConfig, plan: PreNormPlan,
+                  prefix: str) -> dict[Branch, tuple[str, int]]:
     """A pre-norm of the residual stream and its scaled copy per branch (fixed: N(x) itself)."""
-    scaled = {b: b != "norm" and _site(scale, "input") for b in branches}
+    scaled = {b: _multiplies(site) for b, site in plan.sites.items()}
     s.norm(x, m.dim, scaled=any(scaled.values()))
-    return {b: (f"{prefix}{b}" if scaled[b] else f"{x[0]}.normed", s.p.stream) for b in branches}
+    return {b: (f"{prefix}{b}" if scaled[b] else f"{x[0]}.normed", s.p.stream) for b in plan.sites}
 
 
-def _attention(s: _Saved, a: dict, m: ModelConfig, scale: ScaleConfig, prefix: str) -> None:
+def _attention(s: _Saved, a: dict, m: ModelConfig, plan: AttentionPlan, prefix: str) -> None:
     q_width, kv_width = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
-    shared = a.get("attn")
-    _linear(s, "q", a.get("q", shared), m.dim, q_width, m, scale, prefix)
-    _linear(s, "k", a.get("k", shared), m.dim, kv_width, m, scale, prefix)
-    v = _linear(s, "v", a.get("v", shared), m.dim, kv_width, m, scale, prefix)
+    _linear(s, plan.q, a[plan.q.reads], m, prefix)
+    _linear(s, plan.k, a[plan.k.reads], m, prefix)
+    v = _linear(s, plan.v, a[plan.v.reads], m, prefix)
     c = s.p.compute
     # flash attention keeps rope(q), rope(k), v, its output and the log-sum-exp per head (fp32);
     # RoPE itself keeps nothing (its cos/sin are buffers)
@@ -154,35 +161,32 @@ def _attention(s: _Saved, a: dict, m: ModelConfig, scale: ScaleConfig, prefix: s
     s.keep(f"{prefix}k.rope", c * kv_width)
     s.keep(v[0], c * kv_width)
     s.keep(f"{prefix}attn.lse", FP32 * m.n_heads)
-    _linear(s, "o", (f"{prefix}attn.out", c), q_width, m.dim, m, scale, prefix)
+    _linear(s, plan.o, (f"{prefix}attn.out", c), m, prefix)
 
 
-def _feed_forward(s: _Saved, b: dict, m: ModelConfig, scale: ScaleConfig, prefix: str) -> None:
-    shared = b.get("ffn")
-    plans = {n: plan_map(scale, n, m.qk_norm, m.post_norm) for n in ("gate", "up")}
-    fused = plans["gate"].out_norm == plans["up"].out_norm == "full"
+def _feed_forward(s: _Saved, b: dict, m: ModelConfig, plan: SwiGLUPlan, prefix: str) -> None:
+    fused = plan.gate.out_norm == plan.up.out_norm == NormKind.FULL
     if fused:  # swiglu_norm reads the maps' raw outputs
-        for n in ("gate", "up"):
-            s.matmul(b.get(n, shared), m.dim, f"{prefix}{n}")
+        for p in (plan.gate, plan.up):
+            s.matmul(b[p.reads], m.dim, f"{prefix}{p.ref.name}")
         gate, up = (f"{prefix}gate.y", s.p.compute), (f"{prefix}up.y", s.p.compute)
     else:
-        gate = _linear(s, "gate", b.get("gate", shared), m.dim, m.ffn_dim, m, scale, prefix)
-        up = _linear(s, "up", b.get("up", shared), m.dim, m.ffn_dim, m, scale, prefix)
-    _swiglu(s, gate, up, m.ffn_dim, norms=fused, scaled=_site(scale, "output"))
-    _linear(s, "down", (f"{prefix}hidden", s.p.compute), m.ffn_dim, m.dim, m, scale, prefix)
+        gate = _linear(s, plan.gate, b[plan.gate.reads], m, prefix)
+        up = _linear(s, plan.up, b[plan.up.reads], m, prefix)
+    _swiglu(s, gate, up, m.ffn_dim, norms=fused, scaled=_multiplies(plan.gate.out_site))
+    _linear(s, plan.down, (f"{prefix}hidden", s.p.compute), m, prefix)
 
 
-def _expert_swiglu(s: _Saved, x_gate, x_up, m: ModelConfig, scale: ScaleConfig, width: int, rows: int,
-                   per_expert: bool, prefix: str) -> None:
+def _expert_swiglu(s: _Saved, x_gate, x_up, m: ModelConfig, plan: SwiGLUPlan, rows: int, per_expert: bool,
+                   prefix: str) -> None:
     """An expert (stack)'s SwiGLU on `rows` rows per token (top_k for the routed experts): input,
     gate/up (their sites folded into the weights, their norms on the outputs), hidden, down input.
     per_expert: the output sites have one row per expert."""
-    c = s.p.compute
-    plans = {n: plan_map(scale, n, m.qk_norm, m.post_norm) for n in ("gate", "up")}
+    c, width = s.p.compute, plan.gate.d_out
     s.keep(x_gate[0], x_gate[1] * m.dim * rows)
     s.keep(x_up[0], x_up[1] * m.dim * rows)
-    normed = {n: plans[n].out_norm is not None for n in ("gate", "up")}
-    scaled = _site(scale, "output")
+    normed = {"gate": plan.gate.out_norm is not None, "up": plan.up.out_norm is not None}
+    scaled = _multiplies(plan.gate.out_site) or _multiplies(plan.up.out_site)
     fused = normed["gate"] and normed["up"]
     gate, up = (f"{prefix}gate", c), (f"{prefix}up", c)
     if fused:
@@ -201,12 +205,11 @@ def _expert_swiglu(s: _Saved, x_gate, x_up, m: ModelConfig, scale: ScaleConfig, 
     _swiglu(s, outs["gate"], outs["up"], width * rows)
 
 
-def _moe(s: _Saved, b: dict, m: ModelConfig, scale: ScaleConfig, prefix: str) -> None:
+def _moe(s: _Saved, b: dict, m: ModelConfig, plan: MoEPlan, prefix: str) -> None:
     """MoEFeedForward.forward (model/moe.py): router (fp32), routed experts on top_k rows per token,
     the shared expert, the fp32 sum and the `down` output norm or site."""
     moe, c = m.moe, s.p.compute
-    shared = b.get("ffn", b.get("norm"))
-    x_router = b.get("router", shared)
+    x_router = b[plan.router.reads]
     s.keep(x_router[0] if x_router[1] == FP32 else f"{x_router[0]}.f32", FP32 * m.dim)
     e, k = moe.num_experts, moe.top_k
     s.keep(f"{prefix}router.logits", FP32 * e)  # z-loss logsumexp
@@ -216,47 +219,46 @@ def _moe(s: _Saved, b: dict, m: ModelConfig, scale: ScaleConfig, prefix: str) ->
     s.keep(f"{prefix}router.weights", FP32 * k)
     if moe.renormalize:
         s.keep(f"{prefix}router.weight_sum", FP32)
-    x_gate, x_up = b.get("gate", shared), b.get("up", shared)
+    x_gate, x_up = b[plan.experts.gate.reads], b[plan.experts.up.reads]
     for index in ("token_of", "order", "inverse"):  # the sort by expert, its gathers and their inverse
         s.keep(f"{prefix}experts.{index}", INDEX * k)
     xs_gate = (f"{prefix}experts.x_gate", c)
     xs_up = xs_gate if x_up is x_gate else (f"{prefix}experts.x_up", c)
     # the routed experts' sites on hidden units have one row per expert: rows are gathered per token
-    _expert_swiglu(s, xs_gate, xs_up, m, scale, moe.expert_dim, k, True, f"{prefix}experts.")
+    _expert_swiglu(s, xs_gate, xs_up, m, plan.experts, k, True, f"{prefix}experts.")
     s.keep(f"{prefix}experts.hidden", c * moe.expert_dim * k)  # times the routing weight
     s.keep(f"{prefix}experts.weights", c * k)
     s.keep(f"{prefix}experts.down_in", c * moe.expert_dim * k)
-    if moe.num_shared_experts:
-        width = moe.num_shared_experts * (moe.shared_expert_dim or m.ffn_dim)
+    if plan.shared is not None:
+        width = plan.shared.gate.d_out
         cast = [t if t[1] == c else (f"{t[0]}.cast.{prefix}shared", c) for t in (x_gate, x_up)]
-        _expert_swiglu(s, cast[0], cast[1], m, scale, width, 1, False, f"{prefix}shared.")
+        _expert_swiglu(s, cast[0], cast[1], m, plan.shared, 1, False, f"{prefix}shared.")
         s.keep(f"{prefix}shared.down_in", c * width)
-    plan = plan_map(scale, "down", m.qk_norm, m.post_norm)
     y = (f"{prefix}moe.y", FP32)  # the fp32 sum over the k experts
-    if plan.out_norm is not None:
-        s.norm(y, m.dim, scaled=_site(scale, "output"))
-    elif plan.out_site and _site(scale, "output"):
+    if plan.down_norm is not None:
+        s.norm(y, m.dim, scaled=_multiplies(plan.down_site))
+    elif _multiplies(plan.down_site):
         s.keep(y[0], FP32 * m.dim)
 
 
-def block_bytes(m: ModelConfig, scale: ScaleConfig, p: Precision) -> float:
+def block_bytes(m: ModelConfig, plan: BlockPlan, p: Precision) -> float:
     """Bytes per token one block keeps without checkpointing. Its first norm keeps one stream tensor:
-    the embedding's output in the first block, the sum x + delta it writes in the others."""
+    the embedding's output in the first block, the sum x + plus it writes in the others."""
     s = _Saved(p)
     x = ("x", p.stream)
-    a = _norm_outputs(s, x, m, scale, input_branches(scale, "attn"), "attn_norm.")
-    _attention(s, a, m, scale, "")
-    b = _norm_outputs(s, ("h", p.stream), m, scale, input_branches(scale, "ffn", m.moe is not None), "ffn_norm.")
-    if m.moe is None:
-        _feed_forward(s, b, m, scale, "")
+    a = _norm_outputs(s, x, m, plan.attn_norm, "attn_norm.")
+    _attention(s, a, m, plan.attn, "")
+    b = _norm_outputs(s, ("h", p.stream), m, plan.ffn_norm, "ffn_norm.")
+    if plan.moe is None:
+        _feed_forward(s, b, m, plan.ffn, "")
     else:
-        _moe(s, b, m, scale, "")
+        _moe(s, b, m, plan.moe, "")
     return s.total()
 
 
-def block_kept_bytes(m: ModelConfig, scale: ScaleConfig, p: Precision, mode: str, first: bool) -> float:
-    """Bytes per token a checkpointed block keeps through the forward: its inputs (x, and the
-    previous block's update delta), and under `selective` the outputs of its matmuls and attention."""
+def block_kept_bytes(m: ModelConfig, plan: BlockPlan, p: Precision, mode: str, first: bool) -> float:
+    """Bytes per token a checkpointed block keeps through the forward: its inputs (the stream x, and
+    the previous block's update), and under `selective` the outputs of its matmuls and attention."""
     inputs = p.stream * m.dim + (0 if first else p.compute * m.dim)
     if mode == "full":
         return inputs
@@ -265,9 +267,9 @@ def block_kept_bytes(m: ModelConfig, scale: ScaleConfig, p: Precision, mode: str
     fp32 = m.n_heads  # attention's log-sum-exp
     if m.moe is None:
         ffn = 2 * m.ffn_dim + m.dim
-        down = plan_map(scale, "down", m.qk_norm, m.post_norm)
-        if not first and down.out_norm is None and not (down.out_site and _site(scale, "output")):
-            inputs -= p.compute * m.dim  # delta is the previous block's down output, kept already
+        down = plan.ffn.down
+        if not first and down.out_norm is None and not _multiplies(down.out_site):
+            inputs -= p.compute * m.dim  # the update is the previous block's down output, kept already
     else:
         # the router's fp32 logits and the shared expert's matmuls; the experts' grouped matmuls
         # are recomputed
@@ -279,13 +281,13 @@ def block_kept_bytes(m: ModelConfig, scale: ScaleConfig, p: Precision, mode: str
     return inputs + p.compute * (attn + ffn) + FP32 * fp32
 
 
-def outer_bytes(m: ModelConfig, scale: ScaleConfig, p: Precision) -> float:
+def outer_bytes(m: ModelConfig, final_norm: PreNormPlan, p: Precision) -> float:
     """Bytes per token kept around the blocks: token ids, the final norm, the head's input, and the
     loss's fp32 log-softmax and targets (trainer.cross_entropy upcasts the logits)."""
     s = _Saved(p)
     s.keep("tokens", INDEX)
-    out = _norm_outputs(s, ("x_final", p.stream), m, scale, ["final"], "final_norm.")
-    s.matmul(out["final"], m.dim, "head")
+    out = _norm_outputs(s, ("x_final", p.stream), m, final_norm, "final_norm.")
+    s.matmul(out[Branch.FINAL], m.dim, "head")
     s.keep("log_softmax", FP32 * m.vocab_size)
     s.keep("targets", INDEX)
     return s.total()
@@ -299,33 +301,31 @@ def logits_peak_bytes(m: ModelConfig, p: Precision) -> float:
     return m.vocab_size * max(p.compute + upcast, 2 * FP32)
 
 
-def weight_copy_bytes(model: nn.Module, p: Precision) -> float:
-    """Bytes of weight copies one forward of `model` (the Transformer or one block, on the meta device)
-    keeps: a matrix
-    with k >= 1 folded sites keeps k - 1 fp32 products and its compute-dtype copy; without sites, the
-    compute-dtype cast when the weights are stored in another dtype (fp32 weights under bf16 autocast
-    on one process; FSDP's bf16 weights need none). The router runs in fp32: a copy of bf16 weights."""
-    folded = {}
-    for layer in model.modules():
-        if isinstance(layer, MoEFeedForward):
-            for expert in filter(None, (layer.experts, layer.shared)):
-                w = {n: getattr(expert, n) for n in ("w_gate", "w_up", "w_down")}
-                w = {n: t if isinstance(t, nn.Parameter) else t.weight for n, t in w.items()}
-                sites = {"w_gate": ("gate_in", "gate_out"), "w_up": ("up_in", "up_out"), "w_down": ("down_in",)}
-                for n, names in sites.items():
-                    found = [getattr(expert, a) for a in names]
-                    folded[id(w[n])] = sum(1 for x in found
-                                           if x is not None and not x.behind_norm and x.param != "fixed")
-            folded[id(layer.router.weight)] = -1
-    sites = {id(t) for _, site in scale_sites(model) for t in site.parameters()}
-    # an untied embedding is only looked up, never cast
-    lookup = model.tok_emb.weight if getattr(model, "head", None) is not None else None
-    total = 0.0
-    for t in model.parameters():
-        if id(t) in sites or t is lookup:
+def weight_copy_bytes(model: Transformer, p: Precision, block: int | None = None) -> float:
+    """Bytes of weight copies one forward of `model` (on the meta device), or of its block `block`, keeps:
+    a matrix with k >= 1 sites folded in at every forward (an expert's own sites behind no normalization,
+    model/swiglu.py) keeps k - 1 fp32 products and its compute-dtype copy; without sites, the
+    compute-dtype cast when the weights are stored in another dtype (fp32 weights under bf16 autocast on
+    one process; FSDP's bf16 weights need none). The router runs in fp32: a copy of bf16 weights."""
+    folded: dict[str, int] = {}
+    routers = set()
+    for plan in model.plan.blocks:
+        if plan.moe is None:
             continue
-        k = folded.get(id(t), 0)
-        if k == -1:
+        routers.add(plan.moe.router.ref.weight)
+        for part in filter(None, (plan.moe.experts, plan.moe.shared)):
+            for m in (part.gate, part.up, part.down):
+                sites = (m.in_site, m.out_site)
+                folded[m.ref.weight] = sum(1 for x in sites if _multiplies(x) and not x.behind_norm)
+    sites = model.plan.site_parameters()
+    # an untied embedding is only looked up, never cast
+    lookup = "tok_emb.weight" if model.head is not None else None
+    total = 0.0
+    for name, t in model.named_parameters():
+        if name in sites or name == lookup or (block is not None and not name.startswith(f"layers.{block}.")):
+            continue
+        k = folded.get(name, 0)
+        if name in routers:
             total += t.numel() * FP32 if p.weights != FP32 else 0
         elif k > 0:
             total += t.numel() * (FP32 * (k - 1) + p.compute)

@@ -130,7 +130,7 @@ def build(cfg: Config) -> Run:
     model = parallelize(model, cfg.distributed, device, cfg.seed, cfg.train.dtype)
     if init_weights is not None:
         init_from_hf(model, init_weights)
-    optimizer = build_optimizer(model, cfg.optim, cfg.scale)
+    optimizer = build_optimizer(model, cfg.optim)
     model.register_optimizer_hooks(optimizer)
 
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len

@@ -1,6 +1,8 @@
 """`python -m scalevec_train.describe model=<preset> scale=<preset> [format=json] [world_size=8]
-[device_gb=80]`: every scale site of a model under a strategy, what it costs in parameters and FLOPs,
-and the memory each rank needs. Builds the model on the meta device, so any preset describes instantly.
+[device_gb=80]`: every scale site of a model under a strategy (the rows of its scale plan: role,
+parameterization, shape, the optimizer's peak LR and decay, the maps it scales, how it folds, a cancelled
+magnitude), what it costs in parameters and FLOPs, and the memory each rank needs. Builds the model on the
+meta device, so any preset describes instantly.
 
 Memory: per rank on `world_size` GPUs (the micro-batch derived for that many ranks) for the config's
 optimizer and distributed.activation_checkpointing: parameters, gradients, optimizer state,
@@ -29,7 +31,8 @@ from scalevec_train.config import compose_raw, to_config
 from scalevec_train.errors import ScalevecError
 from scalevec_train.memory import GB, estimate, fix
 from scalevec_train.model.config import ScaleConfig
-from scalevec_train.model.strategies import scale_sites, site_display_name
+from scalevec_train.model.plan import ScalePlan
+from scalevec_train.model.strategies import site_display_name
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.optim.groups import param_groups
 from scalevec_train.parallel.config import ActivationCheckpointing
@@ -44,28 +47,29 @@ def describe(cfg, attended: float | None = None) -> dict:
     """attended: under model.attention_mask=document, the mean keys a query attends on the run's data
     (TokenLoader.attended_keys); without it attention is counted at its causal bound, seq_len."""
     model = build_meta(cfg.model, cfg.scale)
-    baseline = build_meta(cfg.model, ScaleConfig(name="baseline"))
     total = total_params(model)
-    cancelled = {id(m.site): m.cancelled_by for m in model.site_maps()}
     # each site's LR and decay as the optimizer gets them (optim/groups.py), not decided again here
-    group_of = {id(p): g for g in param_groups(model, cfg.optim, cfg.scale) for p in g["params"]}
+    by_id = {id(p): g for g in param_groups(model, cfg.optim) for p in g["params"]}
+    group_of = {n: by_id[id(p)] for n, p in model.named_parameters()}
     sites = []
-    for path, site in scale_sites(model):
-        layer, name = site_display_name(path)
-        own = {n: group_of[id(p)] for n, p in site.named_parameters()}
+    for row in model.plan.rows:
+        layer, name = site_display_name(row.path)
+        own = {p.name: group_of[f"{row.path}.{p.name}"] for p in row.params}
         decay = {n: g.get("log_weight_decay", g["weight_decay"]) for n, g in own.items()}
         decayed = [n for n, wd in decay.items() if wd]
         sites.append({
-            "name": path, "layer": layer, "site": name, "role": site.role, "param": site.param,
-            "shape": list(site.shape), "behind_norm": site.behind_norm,
-            "params": sum(p.numel() for p in site.parameters()),
+            "name": row.path, "layer": layer, "site": name, "role": row.role, "param": row.param,
+            "shape": list(row.shape), "behind_norm": row.behind_norm, "params": row.numel,
             # peak LR (None: a fixed site, no parameter); the decay and the parameters it acts on
             "lr": next((g["base_lr"] for g in own.values()), None),
             "weight_decay": max(decay.values(), default=0.0), "decayed": decayed,
-            "magnitude_cancelled_by": cancelled[id(site)],
+            "magnitude_cancelled_by": row.cancelled_by,
+            # the maps it scales (their inputs or outputs), and what folding does with it
+            "side": row.side, "maps": list(dict.fromkeys(m.name for m in row.maps)), "folds": row.fold,
         })
     scale_params = sum(s["params"] for s in sites)
-    extra = 3 * (norm_flops_per_token(model) - norm_flops_per_token(baseline))
+    baseline = ScalePlan.build(cfg.model, ScaleConfig(name="baseline"))
+    extra = 3 * (norm_flops_per_token(model.plan) - norm_flops_per_token(baseline))
     documents = cfg.model.attention_mask == "document"
     model_flops = train_flops_per_token(model, cfg.train.seq_len, attended if documents else None)
     out = {
@@ -85,16 +89,17 @@ def describe(cfg, attended: float | None = None) -> dict:
 
 def format_table(d: dict) -> str:
     lines = [f"{'layer':>5}  {'site':<28} {'role':<6} {'param':<5} {'shape':<12} {'lr':<8} {'decay':<16} "
-             f"{'params':>8}  notes"]
+             f"{'params':>8}  {'scales':<20} {'folds':<7} notes"]
     for s in d["sites"]:
         layer = "-" if s["layer"] is None else str(s["layer"])
         shape = "x".join(map(str, s["shape"]))
         site = s["site"] + (" (norm)" if s["behind_norm"] else "")
         lr = "-" if s["lr"] is None else f"{s['lr']:g}"
         decay = f"{s['weight_decay']:g} on {'+'.join(s['decayed'])}" if s["decayed"] else "no"
+        scales = f"{s['side']}: {','.join(s['maps'])}" if s["maps"] else "-"
         notes = f"magnitude cancelled by {s['magnitude_cancelled_by']}" if s["magnitude_cancelled_by"] else ""
         lines.append(f"{layer:>5}  {site:<28} {s['role']:<6} {s['param']:<5} {shape:<12} {lr:<8} {decay:<16} "
-                     f"{s['params']:>8,}  {notes}".rstrip())
+                     f"{s['params']:>8,}  {scales:<20} {s['folds']:<7} {notes}".rstrip())
     lines.append("")
     lines.append(f"model {d['model']}, scale {d['scale']}: {d['total_params']:,} parameters"
                  + (f" ({d['active_params']:,} active per token)" if "active_params" in d else ""))
@@ -185,7 +190,8 @@ def main(argv: list[str]) -> int:
         return 2
     if fmt == "json":
         d = dict(d, sites=[{k: s[k] for k in ("name", "role", "param", "shape", "behind_norm", "lr", "weight_decay",
-                                              "decayed", "magnitude_cancelled_by")} for s in d["sites"]])
+                                              "decayed", "magnitude_cancelled_by", "side", "maps", "folds")}
+                           for s in d["sites"]])
         print(json.dumps(d))
     else:
         print(format_table(d))

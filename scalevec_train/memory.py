@@ -41,7 +41,7 @@ from scalevec_train.activations import (
     weight_copy_bytes,
 )
 from scalevec_train.config import Config
-from scalevec_train.model.strategies import scale_sites
+from scalevec_train.model.plan import ScalePlan
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.optim.groups import param_groups
 
@@ -104,14 +104,14 @@ def precision(cfg: Config, device: str, world: int) -> Precision:
     return Precision.gpu(sharded=world > 1, bf16=bf16, fused=cfg.model.kernels != "torch")
 
 
-def activation_bytes(cfg: Config, p: Precision) -> tuple[float, float]:
+def activation_bytes(cfg: Config, plan: ScalePlan, p: Precision) -> tuple[float, float]:
     """(kept through the forward, recomputed during one block's backward) per token."""
-    m, scale, mode = cfg.model, cfg.scale, cfg.distributed.activation_checkpointing
-    block = block_bytes(m, scale, p)
-    outer = outer_bytes(m, scale, p)
+    m, mode = cfg.model, cfg.distributed.activation_checkpointing
+    block = block_bytes(m, plan.blocks[0], p)
+    outer = outer_bytes(m, plan.final_norm, p)
     if mode == "none":
         return m.n_layers * block + outer, 0.0
-    kept = sum(block_kept_bytes(m, scale, p, mode, first=i == 0) for i in range(m.n_layers))
+    kept = sum(block_kept_bytes(m, b, p, mode, first=i == 0) for i, b in enumerate(plan.blocks))
     return kept + outer, block
 
 
@@ -120,7 +120,8 @@ def estimate(cfg: Config, world: int, device: str = "cuda") -> MemoryEstimate:
     that its derived micro-batch is the one each rank runs)."""
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.scale)
-    sites = {id(p) for _, site in scale_sites(model) for p in site.parameters()}
+    names = model.plan.site_parameters()
+    sites = {id(p) for n, p in model.named_parameters() if n in names}
     shard = shard_size(cfg, world) if world > 1 else 1
     p = precision(cfg, device, world)
 
@@ -131,7 +132,7 @@ def estimate(cfg: Config, world: int, device: str = "cuda") -> MemoryEstimate:
     params = list(model.parameters())
     held = local(params)
     optimizer, muon, adamw = 0.0, [], []
-    for group in param_groups(model, cfg.optim, cfg.scale):
+    for group in param_groups(model, cfg.optim):
         if group.get("use_muon", False):
             optimizer += FP32 * local(group["params"])
             muon += group["params"]
@@ -149,9 +150,9 @@ def estimate(cfg: Config, world: int, device: str = "cuda") -> MemoryEstimate:
     accumulation = cfg.train.global_batch // (cfg.train.micro_batch * world)
     sharded = sum(t.numel() for t in params if id(t) not in sites)
     tokens = cfg.train.micro_batch * cfg.train.seq_len
-    kept, recompute = activation_bytes(cfg, p)
+    kept, recompute = activation_bytes(cfg, model.plan, p)
     # weight copies: a checkpointed block makes its own again when it is recomputed
-    copies, block_copies = weight_copy_bytes(model, p), weight_copy_bytes(model.layers[0], p)
+    copies, block_copies = weight_copy_bytes(model, p), weight_copy_bytes(model, p, block=0)
     if cfg.distributed.activation_checkpointing == "none":
         kept_copies, recompute_copies = copies, 0.0
     else:

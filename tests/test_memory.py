@@ -62,7 +62,7 @@ def measure(cfg) -> dict[str, int]:
         loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
     cached = {k: n for k, n in live_storages().items() if k not in before and k not in saved and k not in weights}
     loss.backward()
-    optimizer = build_optimizer(model, cfg.optim, cfg.scale)
+    optimizer = build_optimizer(model, cfg.optim)
     step = ConditionalStep(optimizer, model)
     for _ in range(2):  # the first step creates the optimizer state, the second keeps its copies
         step(torch.tensor(True))

@@ -17,10 +17,10 @@ import json
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from scalevec_train.errors import ScalevecError, listing
 from scalevec_train.model.config import ModelConfig, ScaleConfig
+from scalevec_train.model.plan import PreNormPlan, ScalePlan
 from scalevec_train.model.strategies import scale_sites
 from scalevec_train.model.transformer import Transformer
 
@@ -144,7 +144,8 @@ def import_llama(hf_dir: str | Path, scale: ScaleConfig | None = None, **model_o
     scale.validate()
     hf = model_config_from_hf(weights.config, str(weights.root / "config.json"), f"hf-{weights.root.name}")
     cfg = dataclasses.replace(hf, **model_overrides)
-    if cfg.tie_embeddings and not _takes_final_norm(scale) and not _is_ones(weights, "model.norm.weight"):
+    if (cfg.tie_embeddings and not _takes_final_norm(ScalePlan.build(cfg, scale))
+            and not _is_ones(weights, "model.norm.weight")):
         # The final norm's weight must fold into the head, so the head cannot stay the embedding.
         cfg = dataclasses.replace(cfg, tie_embeddings=False)
     cfg.validate()
@@ -184,7 +185,7 @@ def check_init_from(model: Transformer, hf_dir: str | Path) -> HFWeights:
     if cfg.tie_embeddings and not hf.tie_embeddings:
         raise ScalevecError("model.tie_embeddings", f"is true, but {where} has an untied output head.",
                             "set model.tie_embeddings=false.")
-    if (cfg.tie_embeddings and not _takes_final_norm(model.scale)
+    if (cfg.tie_embeddings and not _takes_final_norm(model.plan)
             and not _is_ones(weights, "model.norm.weight")):
         raise ScalevecError("model.tie_embeddings", "is true, but the final norm's weight must fold into the "
                             f"output head under scale={model.scale.name}, which then differs from the embedding.",
@@ -193,8 +194,9 @@ def check_init_from(model: Transformer, hf_dir: str | Path) -> HFWeights:
     return weights
 
 
-def _takes_final_norm(scale: ScaleConfig) -> bool:
-    return scale.site_param("input") == "plain"
+def _takes_final_norm(plan: ScalePlan) -> bool:
+    """Whether the final norm's weight goes into its site (else it folds into the head)."""
+    return plan.final.param == "plain"
 
 
 def _is_ones(weights: HFWeights, name: str) -> bool:
@@ -232,41 +234,41 @@ def _check_names_and_shapes(model: Transformer, weights: HFWeights) -> None:
 
 @torch.no_grad()
 def _copy_in(model: Transformer, weights: HFWeights) -> None:
-    """Every weight from the (checked) folder, norm weights placed or folded, sites reset to 1."""
+    """Every weight from the (checked) folder, norm weights placed or folded into the maps the plan says
+    each pre-norm's sites scale, sites reset to 1."""
     for _, site in scale_sites(model):
         site.init_weights()
     _assign(model.tok_emb.weight, weights.tensor("model.embed_tokens.weight"))
-    for i, block in enumerate(model.layers):
+    values = {}  # the folder's matrices by the model's parameter names
+    norms = []  # (the model's pre-norm, the folder's weight of it)
+    for i, block in enumerate(model.plan.blocks):
         p = f"model.layers.{i}."
-        attn = {f"self_attn.{n}_proj.weight": w for n, w in (("q", block.attn.wq.weight), ("k", block.attn.wk.weight),
-                                                             ("v", block.attn.wv.weight), ("o", block.attn.wo.weight))}
-        ffn = {f"mlp.{n}_proj.weight": getattr(block.ffn, f"w_{n}").weight for n in ("gate", "up", "down")}
-        values = {name: weights.tensor(p + name) for name in {**attn, **ffn}}
-        _place_norm(block.attn_norm.sites, weights.tensor(p + "input_layernorm.weight"), values,
-                    {b: [f"self_attn.{n}_proj.weight" for n in ("q", "k", "v") if b in (n, "attn")]
-                     for b in block.attn_norm.sites})
-        _place_norm(block.ffn_norm.sites, weights.tensor(p + "post_attention_layernorm.weight"), values,
-                    {b: [f"mlp.{n}_proj.weight" for n in ("gate", "up") if b in (n, "ffn")]
-                     for b in block.ffn_norm.sites})
-        for name, param in {**attn, **ffn}.items():
-            _assign(param, values[name])
-    head_name = "lm_head.weight" if "lm_head.weight" in weights.files else "model.embed_tokens.weight"
-    head = {"head": weights.tensor(head_name)}
-    _place_norm(model.final_norm.sites, weights.tensor("model.norm.weight"), head, {"final": ["head"]})
+        values.update({f"layers.{i}.attn.w{n}.weight": weights.tensor(f"{p}self_attn.{n}_proj.weight") for n in "qkvo"})
+        values.update({f"layers.{i}.ffn.w_{n}.weight": weights.tensor(f"{p}mlp.{n}_proj.weight")
+                       for n in ("gate", "up", "down")})
+        norms += [(block.attn_norm, f"{p}input_layernorm.weight"),
+                  (block.ffn_norm, f"{p}post_attention_layernorm.weight")]
     if model.head is not None:
-        _assign(model.head.weight, head["head"])
+        values["head.weight"] = weights.tensor("lm_head.weight" if "lm_head.weight" in weights.files
+                                               else "model.embed_tokens.weight")
+    for plan, name in norms + [(model.plan.final_norm, "model.norm.weight")]:
+        _place_norm(model, plan, weights.tensor(name), values)
+    for name, value in values.items():
+        _assign(model.get_parameter(name), value)
 
 
-def _place_norm(sites: nn.ModuleDict, gamma: torch.Tensor, values: dict[str, torch.Tensor],
-                consumers: dict[str, list[str]]) -> None:
-    """A norm weight g: into the one plain site that replaces it, else into the columns of every map
-    its sites feed (values[name] <- values[name] diag(g))."""
-    if len(sites) == 1 and next(iter(sites.values())).param == "plain":
-        _assign(next(iter(sites.values())).scale, gamma)
+def _place_norm(model: Transformer, plan: PreNormPlan, gamma: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
+    """A norm weight g: into the one plain site that replaces it, else into the columns of every map its
+    sites scale (values[name] <- values[name] diag(g)); a head tied to the embedding takes none (the
+    checks above made g ones there)."""
+    rows = list(plan.sites.values())
+    if len(rows) == 1 and rows[0].param == "plain":
+        _assign(model.get_submodule(rows[0].path).scale, gamma)
         return
-    for branch in sites:
-        for name in consumers[branch]:
-            values[name] = values[name] * gamma
+    for row in rows:
+        for m in row.maps:
+            if m.weight in values:
+                values[m.weight] = values[m.weight] * gamma
 
 
 def _assign(param: torch.Tensor, full: torch.Tensor) -> None:

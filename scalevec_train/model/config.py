@@ -1,5 +1,5 @@
 """The model's options: the decoder's shape and its mixture-of-experts layers (`model.*` in the config),
-and the scale-vector strategy (`scale.*`; model/strategies.py places its sites)."""
+and the scale-vector strategy (`scale.*`; model/plan.py decides its sites)."""
 
 import dataclasses
 from dataclasses import dataclass, field
@@ -152,8 +152,6 @@ ATTN_MAPS = ("q", "k", "v", "o")
 FFN_MAPS = ("gate", "up", "down")
 # The maps that read a pre-norm's output: the default placement targets.
 PRE_NORM_MAPS = ("q", "k", "v", "gate", "up")
-# The module path of the final norm's site (Transformer.final_norm), which feeds the output head.
-FINAL_NORM_SITE = "final_norm.sites.final"
 
 
 @dataclass
@@ -196,25 +194,3 @@ class ScaleConfig:
         if self.per_expert and self.heterogeneity != "per_branch":
             raise ScalevecError("scale.per_expert", "per-expert sites need branch-specific scales.",
                                 "set scale.heterogeneity=per_branch or scale.per_expert=false.")
-
-    def site_param(self, role: str) -> str:
-        """The parameterization of a new site of this role."""
-        return self.reparam if self.reparam_sites in ("all", role) else "plain"
-
-    def decays(self, path: str, site) -> bool:
-        """Whether `site` (a strategies.ScaleSite at module path `path`) gets weight decay (a fixed one
-        has nothing to decay)."""
-        if site.param == "fixed" or (path == FINAL_NORM_SITE and not self.decay_final_norm):
-            return False
-        return self.weight_decay == "all" or (self.weight_decay == "iwd" and site.role == "input")
-
-    def decay_rule(self, path: str, site, param_name: str) -> str:
-        """How weight decay treats parameter `param_name` (scale, beta, b or alpha) of `site` at `path`:
-        `scale` (p <- p (1 - lr wd), the optimizer's decoupled decay), `log` (b <- b + log(1 - lr wd),
-        shrinking exp(b) by the same factor) or `none`. In magnitude mode only an or/er site's magnitude
-        decays, so that decay shrinks s itself."""
-        if not self.decays(path, site):
-            return "none"
-        if self.reparam_decay == "all_params" or param_name in ("scale", "beta"):
-            return "scale"
-        return "log" if param_name == "b" else "none"

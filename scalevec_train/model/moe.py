@@ -13,12 +13,13 @@ through torch._grouped_mm or a loop of matmuls. The routing weight g multiplies 
 activation (W_down is linear, so this equals weighting its output); a token's k expert outputs are
 then summed in fp32. Several shared experts act as one SwiGLU of their summed width.
 
-Scale sites (strategies.py; the experts' SwiGLU builds and applies its own: swiglu.py): the pre-norm
-hands this layer {"ffn"} (one site read by the router and all experts), {"gate", "up", "router"} under
-HG, or {"router", "norm"} with `per_expert`, where the experts scale N(x) themselves with (experts, dim)
-sites and the shared expert with (dim,) ones. Sites on an expert's hidden units (gate/up output sites
-under dual placement, the input site of a targeted down map) have one row per routed expert, (experts,
-width): hidden unit j of one expert has nothing to do with unit j of another. Under dual_norm, gate and
+Scale sites (the plan's MoEPlan, plan.py; the experts' SwiGLU builds and applies its own: swiglu.py):
+the pre-norm hands this layer the branch FFN (one site read by the router and all experts), GATE, UP and
+ROUTER under HG, or ROUTER and NORM with `per_expert`, where the experts scale N(x) themselves with
+(experts, dim) sites and the shared expert with (dim,) ones; the plan says which branch each map reads.
+Sites on an expert's hidden units (gate/up output sites under dual placement, the input site of a
+targeted down map) have one row per routed expert, (experts, width): hidden unit j of one expert has
+nothing to do with unit j of another. Under dual_norm, gate and
 up are each normalized over the hidden width of their expert, u * N(W x) with the expert's row of u.
 Sites that do not sit behind a normalization are applied to the weights, W * s, which is the same
 function and cheaper than scaling tokens. The output site of `down` (with its normalization under
@@ -42,9 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalevec_kernels import rms_norm_scales
-from scalevec_train.model.config import ModelConfig, ScaleConfig
-from scalevec_train.model.layers import map_sites
-from scalevec_train.model.strategies import NORM_FLOPS, ScaledMap, SiteMaps
+from scalevec_train.model.config import ModelConfig
+from scalevec_train.model.plan import Branch, MoEPlan, SwiGLUPlan
+from scalevec_train.model.strategies import ScaleSite
 from scalevec_train.model.swiglu import ExpertSwiGLU
 
 
@@ -80,27 +81,22 @@ class RoutedExperts(ExpertSwiGLU):
     """The E routed SwiGLU experts, as weight stacks w_gate, w_up [E, expert_dim, dim] and
     w_down [E, dim, expert_dim]."""
 
-    def __init__(self, cfg: ModelConfig, scale: ScaleConfig):
+    def __init__(self, cfg: ModelConfig, plan: SwiGLUPlan):
         super().__init__()
         moe = cfg.moe
-        self.backend, self.top_k = moe.backend, moe.top_k
+        self.backend = moe.backend
         self.w_gate = nn.Parameter(torch.empty(moe.num_experts, moe.expert_dim, cfg.dim))
         self.w_up = nn.Parameter(torch.empty(moe.num_experts, moe.expert_dim, cfg.dim))
         self.w_down = nn.Parameter(torch.empty(moe.num_experts, cfg.dim, moe.expert_dim))
-        self.add_sites(cfg, scale, moe.expert_dim, moe.num_experts)
+        self.add_sites(plan, cfg)
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.w_gate, self.w_up, self.w_down
 
     def per_expert_numel(self) -> int:
-        """Parameters that belong to one expert each (what a token skips when not routed there)."""
-        stacks = (self.w_gate, self.w_up, self.w_down)
-        sites = [m.site for m in self.site_maps() if len(m.site.shape) == 2]
-        return sum(p.numel() for p in stacks) + sum(p.numel() for s in sites for p in s.parameters())
-
-    def norm_flops_per_token(self) -> int:
-        """A token passes top_k experts."""
-        return self.top_k * super().norm_flops_per_token()
+        """Parameters that belong to one expert each (what a token skips when not routed there): the
+        stacks and every site, each one row per expert."""
+        return sum(p.numel() for p in self.parameters())
 
     def forward(self, x_gate: torch.Tensor, x_up: torch.Tensor, chosen: torch.Tensor,
                 weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -132,12 +128,13 @@ class RoutedExperts(ExpertSwiGLU):
 class SharedExpert(ExpertSwiGLU):
     """A dense SwiGLU every token passes through (several shared experts are one of their summed width)."""
 
-    def __init__(self, cfg: ModelConfig, scale: ScaleConfig, hidden: int):
+    def __init__(self, cfg: ModelConfig, plan: SwiGLUPlan):
         super().__init__()
+        hidden = plan.gate.d_out
         self.w_gate = nn.Linear(cfg.dim, hidden, bias=False)
         self.w_up = nn.Linear(cfg.dim, hidden, bias=False)
         self.w_down = nn.Linear(hidden, cfg.dim, bias=False)
-        self.add_sites(cfg, scale, hidden, None)
+        self.add_sites(plan, cfg)
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.w_gate.weight, self.w_up.weight, self.w_down.weight
@@ -150,18 +147,19 @@ class SharedExpert(ExpertSwiGLU):
 class MoEFeedForward(nn.Module):
     """The MoE block: router, routed experts, optional shared expert, and the `down` output sites."""
 
-    def __init__(self, cfg: ModelConfig, scale: ScaleConfig):
+    def __init__(self, cfg: ModelConfig, plan: MoEPlan):
         super().__init__()
         self.cfg = moe = cfg.moe
         self.router = nn.Linear(cfg.dim, moe.num_experts, bias=False)
-        self.experts = RoutedExperts(cfg, scale)
-        self.shared = None
-        if moe.num_shared_experts:
-            width = moe.num_shared_experts * (moe.shared_expert_dim or cfg.ffn_dim)
-            self.shared = SharedExpert(cfg, scale, width)
+        self.experts = RoutedExperts(cfg, plan.experts)
+        self.shared = None if plan.shared is None else SharedExpert(cfg, plan.shared)
         # The output side of every expert's down map, on the combined output.
-        _, self.down_out, self.out_norm = map_sites(scale, cfg, "down", moe.expert_dim, cfg.dim)
+        self.down_out = None if plan.down_site is None else ScaleSite.of(plan.down_site)
+        self.out_norm = plan.down_norm
         self.eps, self.kernels = cfg.norm_eps, cfg.kernels
+        # the pre-norm branches the router, the experts' gate and their up read
+        self.reads: tuple[Branch, Branch, Branch] = (plan.router.reads, plan.experts.gate.reads,
+                                                     plan.experts.up.reads)
         # Chooses experts only; a checkpointed training state, changed only by update_bias().
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts))
         # Expert assignments of the current optimizer step's training forwards (this rank).
@@ -205,10 +203,9 @@ class MoEFeedForward(nn.Module):
         if self.cfg.aux_loss_coef or self.cfg.z_loss_coef:
             self.aux_loss = self.cfg.aux_loss_coef * lb + self.cfg.z_loss_coef * z
 
-    def forward(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
-        shared = b.get("ffn", b.get("norm"))
-        x_router = b.get("router", shared)
-        x_gate, x_up = b.get("gate", shared), b.get("up", shared)
+    def forward(self, b: dict[Branch, torch.Tensor]) -> torch.Tensor:
+        router_in, gate_in, up_in = self.reads
+        x_router, x_gate, x_up = b[router_in], b[gate_in], b[up_in]
         dim = x_router.shape[-1]
         flat_gate = x_gate.reshape(-1, dim)
         flat_up = flat_gate if x_up is x_gate else x_up.reshape(-1, dim)
@@ -267,27 +264,3 @@ class MoEFeedForward(nn.Module):
         out["bias_min"] = self.expert_bias.min().item()
         out["bias_max"] = self.expert_bias.max().item()
         return out
-
-    def input_maps(self, branch: str) -> list[ScaledMap]:
-        """The maps that read pre-norm branch `branch`: the router, and every expert's gate or up."""
-        experts = [self.experts] + ([self.shared] if self.shared is not None else [])
-        gate, up = (list(maps) for maps in zip(*(e.input_maps() for e in experts), strict=True))
-        router = [ScaledMap(self.router.weight, None)]
-        return {"ffn": router + gate + up, "gate": gate, "up": up, "router": router, "norm": []}[branch]
-
-    def site_maps(self) -> list[SiteMaps]:
-        """The sites inside the experts, and the output site of `down`: without a normalization it
-        scales every expert's down map (and the shared expert's); behind one the normalization acts on
-        the combined output, so no single map's output is normalized on its own."""
-        found = self.experts.site_maps() + (self.shared.site_maps() if self.shared is not None else [])
-        if self.down_out is not None:
-            downs = [self.experts.w_down] + ([self.shared.w_down.weight] if self.shared is not None else [])
-            found.append(SiteMaps(self.down_out, "out", tuple(ScaledMap(w, None) for w in downs)))
-        return found
-
-    def norm_flops_per_token(self) -> int:
-        """Forward FLOPs per token of the output normalization and site of `down` (the experts count
-        their own)."""
-        dim = self.experts.w_down.shape[-2]
-        site = self.down_out.flops_per_token() if self.down_out is not None else 0
-        return site + (NORM_FLOPS * dim if self.out_norm is not None else 0)

@@ -12,6 +12,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from scalevec_train.model.plan import ScalePlan
 from scalevec_train.model.strategies import SiteMaps
 
 
@@ -19,6 +20,8 @@ from scalevec_train.model.strategies import SiteMaps
 class TrainableModel(Protocol):
     # The transformer blocks, in order: what activation checkpointing, compilation and FSDP wrap.
     layers: nn.ModuleList
+    # Every scale site the model has (plan.py): the optimizer's groups and FSDP's replicated sites read it.
+    plan: ScalePlan
 
     def __call__(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits; doc_ids confine attention to documents where the model's config asks for it."""
@@ -37,7 +40,7 @@ class TrainableModel(Protocol):
         """The model's own metrics for a logged step (MoE load balance); read on log steps only."""
 
     def site_maps(self) -> list[SiteMaps]:
-        """Every scale site with the linear maps it scales (strategies.SiteMaps): folding, describe and
+        """Every scale site with the linear maps it scales (strategies.SiteMaps), from the plan's rows:
         the diagnostics' input-side scales."""
 
     def initial_value(self, name: str, shape: torch.Size, seed: int) -> torch.Tensor:

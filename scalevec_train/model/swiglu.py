@@ -4,9 +4,9 @@ the routed experts (moe.py) build their inner sites and pick the fused path thro
     hidden = silu(o_gate(W_gate (s_gate_in * x_g))) * o_up(W_up (s_up_in * x_u))
     y      = W_down (s_down_in * hidden)
 
-o_m is map m's output side as the strategy's plan says: u_m * N(.) behind a normalization of the hidden
-width, u_m * (.) without one, nothing without a site. When gate and up are both normalized, one fused
-pass (scalevec_kernels.swiglu_norm) does both normalizations and the product.
+o_m is map m's output side as its plan (plan.py's MapPlan) says: u_m * N(.) behind a normalization of
+the hidden width, u_m * (.) without one, nothing without a site. When gate and up are both normalized,
+one fused pass (scalevec_kernels.swiglu_norm) does both normalizations and the product.
 
 The dense feed-forward holds its sites in its `Linear` maps; an expert (stack) holds them itself as
 gate_in, up_in (its own input sites under per_expert), gate_out, up_out and down_in (`ExpertSwiGLU`),
@@ -19,22 +19,37 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalevec_kernels import swiglu_norm
-from scalevec_train.model.config import ModelConfig, ScaleConfig
-from scalevec_train.model.layers import map_output, map_sites
-from scalevec_train.model.strategies import NORM_FLOPS, ScaledMap, ScaleSite, SiteMaps
+from scalevec_train.model.config import ModelConfig
+from scalevec_train.model.layers import normalized, scaled
+from scalevec_train.model.plan import MapPlan, SwiGLUPlan
+from scalevec_train.model.strategies import ScaleSite
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, gate_site: ScaleSite | None, up_site: ScaleSite | None,
-           eps: float, kernels: str, counts: torch.Tensor | None = None, expert_of: torch.Tensor | None = None,
-           folded: bool = False) -> torch.Tensor:
-    """silu(o_gate(gate)) * o_up(up) from the maps' outputs before their normalizations and sites.
-    Rows grouped by expert give `counts` (rows per expert) and `expert_of` (each row's expert) for
-    per-expert sites; `folded`: sites behind no normalization are already in the weights."""
-    if gate_site is not None and up_site is not None and gate_site.behind_norm and up_site.behind_norm:
-        offsets = None if counts is None else counts.cumsum(0)
-        return swiglu_norm(gate, up, gate_site(), up_site(), eps, expert_offsets=offsets, backend=kernels)
-    return (F.silu(map_output(gate, gate_site, eps, kernels, expert_of, folded))
-            * map_output(up, up_site, eps, kernels, expert_of, folded))
+class SwiGLU:
+    """silu(o_gate(gate)) * o_up(up) from the maps' outputs before their output sides, given the sites'
+    vectors (None: no site, or fixed); which sides are normalized, and so whether the fused pass runs,
+    is the plan's."""
+
+    def __init__(self, gate: MapPlan, up: MapPlan, cfg: ModelConfig):
+        self.gate_normed, self.up_normed = gate.out_norm is not None, up.out_norm is not None
+        self.eps, self.kernels = cfg.norm_eps, cfg.kernels
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor, s_gate: torch.Tensor | None,
+                 s_up: torch.Tensor | None, counts: torch.Tensor | None = None,
+                 expert_of: torch.Tensor | None = None, folded: bool = False) -> torch.Tensor:
+        """Rows grouped by expert give `counts` (rows per expert) and `expert_of` (each row's expert) for
+        per-expert sites; `folded`: the sites behind no normalization are already in the weights."""
+        if self.gate_normed and self.up_normed:
+            offsets = None if counts is None else counts.cumsum(0)
+            return swiglu_norm(gate, up, s_gate, s_up, self.eps, expert_offsets=offsets, backend=self.kernels)
+        return (F.silu(self._side(gate, s_gate, self.gate_normed, expert_of, folded))
+                * self._side(up, s_up, self.up_normed, expert_of, folded))
+
+    def _side(self, y: torch.Tensor, s: torch.Tensor | None, normed: bool, expert_of: torch.Tensor | None,
+              folded: bool) -> torch.Tensor:
+        if normed:
+            return normalized(y, s, self.eps, self.kernels, expert_of)
+        return y if folded else scaled(y, s)
 
 
 def fold_sites(w: torch.Tensor, s_in: ScaleSite | None, s_out: ScaleSite | None) -> torch.Tensor:
@@ -50,10 +65,9 @@ def fold_sites(w: torch.Tensor, s_in: ScaleSite | None, s_out: ScaleSite | None)
 
 
 class ExpertSwiGLU(nn.Module):
-    """The sites inside an expert's SwiGLU (or a stack of `experts` of them) whose weights the subclass
-    holds: `weights()` gives (W_gate, W_up, W_down) as [..., out, in]. A subclass registers its weights
-    first, then calls add_sites (the order of the parameters, which checkpoints and optimizer state
-    follow)."""
+    """The sites inside an expert's SwiGLU (or a stack of them) whose weights the subclass holds:
+    `weights()` gives (W_gate, W_up, W_down) as [..., out, in]. A subclass registers its weights first,
+    then calls add_sites (the order of the parameters, which checkpoints and optimizer state follow)."""
 
     gate_in: ScaleSite | None
     up_in: ScaleSite | None
@@ -61,20 +75,14 @@ class ExpertSwiGLU(nn.Module):
     up_out: ScaleSite | None
     down_in: ScaleSite | None
 
-    def add_sites(self, cfg: ModelConfig, scale: ScaleConfig, hidden: int, experts: int | None) -> None:
-        """Its own gate/up input sites under per_expert, gate/up output sites under dual placement
-        (behind a normalization of the hidden width under dual_norm), the input site of a targeted down
-        map. Sites on the hidden units have one row per expert: unit j of one expert has nothing to do
-        with unit j of another. Missing sites are None."""
-        rows = (experts,) if experts else ()
-        self.gate_in = self.up_in = None
-        self.eps, self.kernels = cfg.norm_eps, cfg.kernels
-        if scale.per_expert:
-            self.gate_in = ScaleSite(rows + (cfg.dim,), "input", scale.site_param("input"))
-            self.up_in = ScaleSite(rows + (cfg.dim,), "input", scale.site_param("input"))
-        self.gate_out = map_sites(scale, cfg, "gate", cfg.dim, hidden, rows)[1]
-        self.up_out = map_sites(scale, cfg, "up", cfg.dim, hidden, rows)[1]
-        self.down_in = map_sites(scale, cfg, "down", hidden, cfg.dim, rows)[0]
+    def add_sites(self, plan: SwiGLUPlan, cfg: ModelConfig) -> None:
+        """The sites its plan lists (missing ones are None): its own gate/up input sites under
+        per_expert, gate/up output sites under dual placement (behind a normalization of the hidden
+        width under dual_norm), the input site of a targeted down map."""
+        rows = (plan.gate.in_site, plan.up.in_site, plan.gate.out_site, plan.up.out_site, plan.down.in_site)
+        for name, row in zip(("gate_in", "up_in", "gate_out", "up_out", "down_in"), rows, strict=True):
+            setattr(self, name, None if row is None else ScaleSite.of(row))
+        self.swiglu = SwiGLU(plan.gate, plan.up, cfg)
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -87,29 +95,9 @@ class ExpertSwiGLU(nn.Module):
 
     def hidden(self, gate: torch.Tensor, up: torch.Tensor, counts: torch.Tensor | None = None,
                expert_of: torch.Tensor | None = None) -> torch.Tensor:
-        """swiglu() of the folded maps' outputs (rows grouped by expert: counts, expert_of)."""
-        return swiglu(gate, up, self.gate_out, self.up_out, self.eps, self.kernels, counts, expert_of, folded=True)
-
-    def input_maps(self) -> tuple[ScaledMap, ScaledMap]:
-        """The gate and up maps as the sites before them see them."""
-        w_gate, w_up, _ = self.weights()
-        return ScaledMap(w_gate, _norm_label(self.gate_out, "gate")), ScaledMap(w_up, _norm_label(self.up_out, "up"))
-
-    def site_maps(self) -> list[SiteMaps]:
-        gate, up = self.input_maps()
-        down = ScaledMap(self.weights()[2], None)
-        pairs = [(self.gate_in, "in", gate), (self.up_in, "in", up), (self.gate_out, "out", gate),
-                 (self.up_out, "out", up), (self.down_in, "in", down)]
-        return [SiteMaps(site, side, (m,)) for site, side, m in pairs if site is not None]
-
-    def norm_flops_per_token(self) -> int:
-        """Forward FLOPs per token through one expert: its sites and the normalizations behind gate and up."""
-        sites = (self.gate_in, self.up_in, self.gate_out, self.up_out, self.down_in)
-        total = sum(s.flops_per_token() for s in sites if s is not None)
-        return total + sum(NORM_FLOPS * s.shape[-1] for s in (self.gate_out, self.up_out)
-                           if s is not None and s.behind_norm)
+        """The SwiGLU of the folded maps' outputs (rows grouped by expert: counts, expert_of)."""
+        return self.swiglu(gate, up, _vector(self.gate_out), _vector(self.up_out), counts, expert_of, folded=True)
 
 
-def _norm_label(site: ScaleSite | None, name: str) -> str | None:
-    """The normalization right after map `name` (gate or up) of an expert (stack), if any."""
-    return f"N({name})" if site is not None and site.behind_norm else None
+def _vector(site: ScaleSite | None) -> torch.Tensor | None:
+    return None if site is None else site()

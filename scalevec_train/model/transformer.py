@@ -1,7 +1,7 @@
 """The decoder: Llama-style pre-norm blocks (RMSNorm, RoPE, grouped-query attention, SwiGLU or MoE),
-with scale sites placed by the strategy (strategies.py). A plain nn.Module: parallelism, precision and
-compilation are applied from outside; the normalization kernels (model.kernels) are chosen when the
-layers are built.
+with the scale sites of the strategy's plan (plan.py, built once here and handed to the layers by part).
+A plain nn.Module: parallelism, precision and compilation are applied from outside; the normalization
+kernels (model.kernels) are chosen when the layers are built.
 
     a = N(x) scaled per branch             (attn_norm: one site, or q/k/v sites under HG)
     q, k, v = Wq a_q, Wk a_k, Wv a_v       (each map may have an output norm and site: QK-norm, DNP)
@@ -24,38 +24,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalevec_train.model.config import ModelConfig, ScaleConfig
-from scalevec_train.model.layers import Linear, PreNorm, Rotary
+from scalevec_train.model.layers import Linear, PreNorm, Residual, Rotary
 from scalevec_train.model.masking import attend, backend_for, document_mask, positions
 from scalevec_train.model.moe import MoEFeedForward
-from scalevec_train.model.strategies import ScaledMap, ScaleSite, SiteMaps, input_branches
-from scalevec_train.model.swiglu import swiglu
+from scalevec_train.model.plan import AttentionPlan, BlockPlan, Branch, ScalePlan, SwiGLUPlan
+from scalevec_train.model.strategies import ScaledMap, ScaleSite, SiteMaps
+from scalevec_train.model.swiglu import SwiGLU
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, scale: ScaleConfig):
+    def __init__(self, cfg: ModelConfig, plan: AttentionPlan):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        q_width, kv_width = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        self.wq = Linear("q", cfg.dim, q_width, scale, cfg)
-        self.wk = Linear("k", cfg.dim, kv_width, scale, cfg)
-        self.wv = Linear("v", cfg.dim, kv_width, scale, cfg)
-        self.wo = Linear("o", q_width, cfg.dim, scale, cfg)
+        self.wq = Linear(plan.q, cfg)
+        self.wk = Linear(plan.k, cfg)
+        self.wv = Linear(plan.v, cfg)
+        self.wo = Linear(plan.o, cfg)
+        # the pre-norm branches q, k and v read
+        self.reads: tuple[Branch, Branch, Branch] = (plan.q.reads, plan.k.reads, plan.v.reads)
 
-    def input_maps(self, branch: str) -> list[ScaledMap]:
-        """The maps that read pre-norm branch `branch`."""
-        maps = {"q": [self.wq], "k": [self.wk], "v": [self.wv]}.get(branch, [self.wq, self.wk, self.wv])
-        return [m.as_input() for m in maps]
-
-    def site_maps(self) -> list[SiteMaps]:
-        return [entry for m in (self.wq, self.wk, self.wv, self.wo) for entry in m.site_maps()]
-
-    def forward(self, a: dict[str, torch.Tensor], rope: Rotary, mask=None,
+    def forward(self, a: dict[Branch, torch.Tensor], rope: Rotary, mask=None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """mask: None (causal) or document_mask's; positions: RoPE positions (None: 0..seq-1)."""
-        shared = a.get("attn")
-        q = self.wq(a.get("q", shared))
-        k = self.wk(a.get("k", shared))
-        v = self.wv(a.get("v", shared))
+        q_in, k_in, v_in = self.reads
+        q, k, v = self.wq(a[q_in]), self.wk(a[k_in]), self.wv(a[v_in])
         batch, seq, _ = q.shape
         q = q.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -65,63 +57,49 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU (swiglu.py), its sites held by its three maps."""
+    """SwiGLU (swiglu.py) on three Linear maps, which hold its sites."""
 
-    def __init__(self, cfg: ModelConfig, scale: ScaleConfig, hidden: int):
+    def __init__(self, cfg: ModelConfig, plan: SwiGLUPlan):
         super().__init__()
-        self.w_gate = Linear("gate", cfg.dim, hidden, scale, cfg)
-        self.w_up = Linear("up", cfg.dim, hidden, scale, cfg)
-        self.w_down = Linear("down", hidden, cfg.dim, scale, cfg)
+        self.w_gate = Linear(plan.gate, cfg)
+        self.w_up = Linear(plan.up, cfg)
+        self.w_down = Linear(plan.down, cfg)
+        self.reads: tuple[Branch, Branch] = (plan.gate.reads, plan.up.reads)
+        self.swiglu = SwiGLU(plan.gate, plan.up, cfg)
 
-    def input_maps(self, branch: str) -> list[ScaledMap]:
-        maps = {"gate": [self.w_gate], "up": [self.w_up]}.get(branch, [self.w_gate, self.w_up])
-        return [m.as_input() for m in maps]
-
-    def site_maps(self) -> list[SiteMaps]:
-        return [entry for m in (self.w_gate, self.w_up, self.w_down) for entry in m.site_maps()]
-
-    def forward(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
-        shared = b.get("ffn")
-        x_gate, x_up = b.get("gate", shared), b.get("up", shared)
-        hidden = swiglu(self.w_gate.project(x_gate), self.w_up.project(x_up), self.w_gate.out_site,
-                        self.w_up.out_site, self.w_gate.eps, self.w_gate.kernels)
+    def forward(self, b: dict[Branch, torch.Tensor]) -> torch.Tensor:
+        gate_in, up_in = self.reads
+        hidden = self.swiglu(self.w_gate.project(b[gate_in]), self.w_up.project(b[up_in]),
+                             self.w_gate.output_scale(), self.w_up.output_scale())
         return self.w_down(hidden)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, scale: ScaleConfig):
+    def __init__(self, cfg: ModelConfig, plan: BlockPlan):
         super().__init__()
-        moe = cfg.moe is not None
-        self.attn_norm = PreNorm(cfg, input_branches(scale, "attn"), scale)
-        self.attn = Attention(cfg, scale)
-        self.ffn_norm = PreNorm(cfg, input_branches(scale, "ffn", moe), scale)
-        self.ffn = MoEFeedForward(cfg, scale) if moe else FeedForward(cfg, scale, cfg.ffn_dim)
+        self.attn_norm = PreNorm(plan.attn_norm, cfg)
+        self.attn = Attention(cfg, plan.attn)
+        self.ffn_norm = PreNorm(plan.ffn_norm, cfg)
+        self.ffn = FeedForward(cfg, plan.ffn) if plan.moe is None else MoEFeedForward(cfg, plan.moe)
 
-    def forward(self, x: torch.Tensor, rope: Rotary, delta: torch.Tensor | None = None, mask=None,
-                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual stream is x + delta (the previous block's last update, added by this block's
-        first norm); returns (h, the FFN's update) for the next norm to add. mask, positions: see
-        Attention.forward."""
-        a, x = self.attn_norm(x, delta)
-        b, h = self.ffn_norm(x, self.attn(a, rope, mask, positions))
-        return h, self.ffn(b)
-
-    def site_maps(self) -> list[SiteMaps]:
-        """Every site of the block with the maps it scales (folding, describe)."""
-        found = [SiteMaps(site, "in", tuple(sub.input_maps(branch)))
-                 for norm, sub in ((self.attn_norm, self.attn), (self.ffn_norm, self.ffn))
-                 for branch, site in norm.sites.items()]
-        return found + self.attn.site_maps() + self.ffn.site_maps()
+    def forward(self, stream: Residual, rope: Rotary, mask=None, positions: torch.Tensor | None = None) -> Residual:
+        """x + attn(norm(x)), then h + ffn(norm(h)); mask, positions: see Attention.forward. Each sum is
+        handed on as a Residual and formed by the next norm, in the fused pass that normalizes it."""
+        a, x = self.attn_norm(stream)
+        h = Residual(x, plus=self.attn(a, rope, mask, positions))
+        b, h = self.ffn_norm(h)
+        return Residual(h, plus=self.ffn(b))
 
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, scale: ScaleConfig):
         super().__init__()
         self.cfg, self.scale = cfg, scale
+        self.plan = ScalePlan.build(cfg, scale)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.rope = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.layers = nn.ModuleList(Block(cfg, scale) for _ in range(cfg.n_layers))
-        self.final_norm = PreNorm(cfg, ["final"], scale)
+        self.layers = nn.ModuleList(Block(cfg, block) for block in self.plan.blocks)
+        self.final_norm = PreNorm(self.plan.final_norm, cfg)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self._moe = {i: b.ffn for i, b in enumerate(self.layers) if isinstance(b.ffn, MoEFeedForward)}
 
@@ -136,24 +114,24 @@ class Transformer(nn.Module):
         if doc_ids is not None and self.cfg.attention_mask == "document":
             mask = document_mask(doc_ids, backend_for(self.cfg.attention_backend, doc_ids.device))
             pos = positions(doc_ids) if self.cfg.rope_reset else None
-        x, delta = self.tok_emb(tokens), None
+        x = self.tok_emb(tokens)
         if torch.is_autocast_enabled(x.device.type):
             # The residual stream in the autocast dtype, as FSDP's bf16 parameters give it: one precision
             # regime on one process and on many (docs/architecture.md, "Precision").
             x = x.to(torch.get_autocast_dtype(x.device.type))
+        stream = Residual(x)
         for layer in self.layers:
-            x, delta = layer(x, self.rope, delta, mask, pos)
-        x = self.final_norm(x, delta)[0]["final"]
+            stream = layer(stream, self.rope, mask, pos)
+        final = self.final_norm(stream)[0][Branch.FINAL]
         weight = self.tok_emb.weight if self.head is None else self.head.weight
-        return F.linear(x, weight)
+        return F.linear(final, weight)
 
     def site_maps(self) -> list[SiteMaps]:
-        """Every scale site with the maps it scales: what folding absorbs and what describe reports."""
-        head = self.tok_emb.weight if self.head is None else self.head.weight
-        found = [SiteMaps(self.final_norm.sites["final"], "in", (ScaledMap(head, None),))]
-        for block in self.layers:
-            found += block.site_maps()
-        return found
+        """Every scale site with the maps it scales, as the plan's rows say (diagnostics' input-side
+        scales)."""
+        return [SiteMaps(self.get_submodule(row.path), row.side,
+                         tuple(ScaledMap(self.get_parameter(m.weight), m.norm and m.norm.label) for m in row.maps),
+                         row.cancelled_by) for row in self.plan.rows]
 
     # The training loop's view of the MoE layers (it imports nothing from model/moe.py).
     def auxiliary_loss(self) -> torch.Tensor | None:

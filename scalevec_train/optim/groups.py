@@ -1,8 +1,9 @@
 """Optimizer parameter groups and the optimizer itself.
 
-Every parameter gets exactly one kind, decided by its name and its scale site (never by its shape):
-scale-site parameters decay by the strategy's policy; the token embedding and the output head decay by
-the optimizer config; every other parameter is a hidden matrix.
+Every parameter gets exactly one kind, decided by its name (never by its shape): a scale-site parameter
+the group the model's plan gives it (model/plan.py: its decay rule under the strategy's policy); the
+token embedding and the output head decay by the optimizer config; every other parameter is a hidden
+matrix.
 """
 
 import math
@@ -10,25 +11,24 @@ import math
 import torch
 from torch import nn
 
-from scalevec_train.model.config import ScaleConfig
-from scalevec_train.model.strategies import scale_sites
+from scalevec_train.model.plan import GROUPS, Decay
+from scalevec_train.model.protocol import TrainableModel
 from scalevec_train.optim.config import OptimConfig
 from scalevec_train.optim.muon import Muon
 
-# scale_decay: p <- p (1 - lr wd), the optimizer's own decay; scale_log_decay: an `er` site's b <- b +
-# log(1 - lr wd) (applied by a step pre-hook, see log_decay_hook); scale_no_decay: no decay.
-KINDS = ("matrix", "embedding", "head", "scale_decay", "scale_log_decay", "scale_no_decay")
-_RULE_KIND = {"scale": "scale_decay", "log": "scale_log_decay", "none": "scale_no_decay"}
+# The scale sites' groups (the plan's): scale_decay: p <- p (1 - lr wd), the optimizer's own decay;
+# scale_log_decay: an `er` site's b <- b + log(1 - lr wd) (applied by a step pre-hook, see
+# log_decay_hook); scale_no_decay: no decay.
+KINDS = ("matrix", "embedding", "head", GROUPS[Decay.SCALE], GROUPS[Decay.LOG], GROUPS[Decay.NONE])
 
 
-def classify(model: nn.Module, scale: ScaleConfig) -> dict[str, list[tuple[str, nn.Parameter]]]:
+def classify(model: TrainableModel) -> dict[str, list[tuple[str, nn.Parameter]]]:
     """Split the parameters into KINDS; raise if any parameter would land in none or two."""
-    site_kind = {id(p): _RULE_KIND[scale.decay_rule(path, site, name)]
-                 for path, site in scale_sites(model) for name, p in site.named_parameters()}
+    site_kind = {name: p.group for name, p in model.plan.site_parameters().items()}
     kinds: dict[str, list[tuple[str, nn.Parameter]]] = {k: [] for k in KINDS}
     for name, p in model.named_parameters():
-        if id(p) in site_kind:
-            kind = site_kind[id(p)]
+        if name in site_kind:
+            kind = site_kind[name]
         elif name == "tok_emb.weight":
             kind = "embedding"
         elif name == "head.weight":
@@ -37,12 +37,13 @@ def classify(model: nn.Module, scale: ScaleConfig) -> dict[str, list[tuple[str, 
             kind = "matrix"
         kinds[kind].append((name, p))
     grouped = [id(p) for members in kinds.values() for _, p in members]
-    if len(grouped) != len(set(grouped)) or set(grouped) != {id(p) for p in model.parameters()}:
-        raise RuntimeError("optimizer groups do not cover every parameter exactly once")
+    if (len(grouped) != len(set(grouped)) or set(grouped) != {id(p) for p in model.parameters()}
+            or sum(len(kinds[g]) for g in GROUPS.values()) != len(site_kind)):
+        raise RuntimeError("optimizer groups do not cover every parameter exactly once, as the scale plan lists them")
     return kinds
 
 
-def param_groups(model: nn.Module, cfg: OptimConfig, scale: ScaleConfig) -> list[dict]:
+def param_groups(model: TrainableModel, cfg: OptimConfig) -> list[dict]:
     """One group per kind. Each group keeps its peak LR in `base_lr`: the schedule multiplies it.
     Under Muon, hidden matrices (and the MoE router only with muon_router) are Muon groups; every
     other kind is an AdamW group. Scale-site kinds take optim.scale_lr and optim.scale_weight_decay
@@ -55,7 +56,7 @@ def param_groups(model: nn.Module, cfg: OptimConfig, scale: ScaleConfig) -> list
         "scale_log_decay": 0.0,  # the optimizer must not decay b toward 0: log_decay_hook shifts it
         "scale_no_decay": 0.0,
     }
-    kinds = classify(model, scale)
+    kinds = classify(model)
     if cfg.name == "muon" and not cfg.muon_router:
         # The router is a matrix, but a tiny, fast-moving one: AdamW unless asked for.
         kinds["router"] = [(n, p) for n, p in kinds["matrix"] if n.endswith("router.weight")]
@@ -101,8 +102,8 @@ def log_decay_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
 log_decay_hook.reads_found_inf = True
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, scale: ScaleConfig) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg, scale)
+def build_optimizer(model: TrainableModel, cfg: OptimConfig) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg)
     if cfg.name == "muon":
         optimizer = Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
                          nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, ns_coefficients=cfg.ns_coefficients,

@@ -13,6 +13,7 @@ import torch
 
 from scalevec_train.accounting import peak_flops
 from scalevec_train.model.moe import MoEFeedForward
+from scalevec_train.model.plan import ScalePlan
 from scalevec_train.model.strategies import scale_sites
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.optim.muon import Muon
@@ -120,7 +121,7 @@ def test_moe_grouped_mm_matches_the_loop_in_bf16():
     loop's own error (plus a small atol)."""
     cfg = make_config(*MOE, "scale=unified")
     torch.manual_seed(0)
-    layer = MoEFeedForward(cfg.model, cfg.scale).cuda()
+    layer = MoEFeedForward(cfg.model, ScalePlan.build(cfg.model, cfg.scale).blocks[0].moe).cuda()
     sites = {p for _, site in scale_sites(layer) for p in site.parameters()}
     for p in layer.parameters():
         if p not in sites:  # the sites start at s = 1

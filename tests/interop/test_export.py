@@ -86,7 +86,7 @@ def test_load_gives_the_checkpoint_the_trainer_resumes_from(runs):
     reference = Transformer(cfg.model, cfg.scale)
     reference.init_weights(seed=123)
     path = checkpoint_files.complete_checkpoints(run_dir)[-1]
-    optimizer = build_optimizer(reference, cfg.optim, cfg.scale)
+    optimizer = build_optimizer(reference, cfg.optim)
     CheckpointManager(run_dir, {"model": ModelState(reference), "optim": OptimizerState(reference, optimizer)},
                       records={}, info={}, keep_last=1).load(path, checkpoint_files.read_train_state(path))
     got, want = model.state_dict(), reference.state_dict()
@@ -292,7 +292,7 @@ def test_imported_llama_trains_under_unified(tmp_path, transformers):
     random_llama(transformers, tmp_path, tied=False)
     model = import_llama(tmp_path, UNIFIED)
     cfg = make_config("scale=unified")
-    optimizer = build_optimizer(model, cfg.optim, model.scale)
+    optimizer = build_optimizer(model, cfg.optim)
     ids = token_batch(300)
     losses = []
     for _ in range(6):

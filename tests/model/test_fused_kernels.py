@@ -46,7 +46,7 @@ def build(case: str, kernels: str):
         for _, site in scale_sites(model):
             for p in site.parameters():
                 p.add_(0.3 * torch.randn(p.shape, generator=gen))
-    return model, build_optimizer(model, cfg.optim, cfg.scale)
+    return model, build_optimizer(model, cfg.optim)
 
 
 def losses_and_first_grads(case: str, kernels: str):

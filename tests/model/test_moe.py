@@ -16,7 +16,8 @@ from scalevec_train.errors import ScalevecError
 from scalevec_train.model import ModelConfig, MoEConfig, Transformer
 from scalevec_train.model.config import ScaleConfig
 from scalevec_train.model.moe import MoEFeedForward
-from scalevec_train.model.strategies import input_branches, scale_sites
+from scalevec_train.model.plan import ScalePlan
+from scalevec_train.model.strategies import scale_sites
 from tests.helpers import REPO
 
 PRESETS = REPO / "configs" / "model"
@@ -48,10 +49,15 @@ def model_config(**moe) -> ModelConfig:
     return cfg
 
 
+def moe_layer(cfg: ModelConfig, scale: ScaleConfig) -> MoEFeedForward:
+    """The MoE layer of a block of `cfg` under `scale`, on its own."""
+    return MoEFeedForward(cfg, ScalePlan.build(cfg, scale).blocks[0].moe)
+
+
 def make_layer(scale: ScaleConfig, seed: int = 0, **moe) -> MoEFeedForward:
     """A layer with random weights, random sites (so that each one matters) and a random bias."""
     torch.manual_seed(seed)
-    layer = MoEFeedForward(model_config(**moe), scale)
+    layer = moe_layer(model_config(**moe), scale)
     site_params = {id(p) for _, site in scale_sites(layer) for p in site.parameters()}
     with torch.no_grad():
         for name, p in layer.named_parameters():
@@ -68,7 +74,7 @@ def make_layer(scale: ScaleConfig, seed: int = 0, **moe) -> MoEFeedForward:
 def make_inputs(scale: ScaleConfig, shape=(2, 6), seed: int = 1) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return {k: torch.randn(*shape, DIM, generator=gen, requires_grad=True)
-            for k in input_branches(scale, "ffn", moe=True)}
+            for k in ScalePlan.build(model_config(), scale).blocks[0].ffn_norm.sites}
 
 
 def site_value(site, expert=None):
@@ -78,7 +84,7 @@ def site_value(site, expert=None):
     return s[expert] if s.dim() == 2 else s
 
 
-def swiglu(x_gate, x_up, w_gate, w_up, w_down, sites, expert=None):
+def swiglu(x_gate, x_up, w_gate, w_up, w_down, sites, eps, expert=None):
     """One expert on one token, scaling activations: x * s_in, W x * u_out (or u_out * N(W x) when the
     site sits behind a normalization), and h * s_down_in."""
     scaled = [site_value(getattr(sites, n), expert) for n in ("gate_in", "up_in", "gate_out", "up_out",
@@ -87,9 +93,9 @@ def swiglu(x_gate, x_up, w_gate, w_up, w_down, sites, expert=None):
     g = w_gate @ (x_gate if gate_in is None else x_gate * gate_in)
     u = w_up @ (x_up if up_in is None else x_up * up_in)
     if sites.gate_out is not None and sites.gate_out.behind_norm:
-        g = g / torch.sqrt(g.pow(2).mean() + sites.eps)
+        g = g / torch.sqrt(g.pow(2).mean() + eps)
     if sites.up_out is not None and sites.up_out.behind_norm:
-        u = u / torch.sqrt(u.pow(2).mean() + sites.eps)
+        u = u / torch.sqrt(u.pow(2).mean() + eps)
     g = g if gate_out is None else g * gate_out
     u = u if up_out is None else u * up_out
     h = F.silu(g) * u
@@ -114,9 +120,9 @@ def reference(layer: MoEFeedForward, b: dict[str, torch.Tensor]) -> tuple[torch.
         y = torch.zeros(DIM)
         for e, w in zip(chosen, weights, strict=True):
             w = w / total if cfg.renormalize else w
-            y = y + w * swiglu(x_g[t], x_u[t], ex.w_gate[e], ex.w_up[e], ex.w_down[e], ex, e)
+            y = y + w * swiglu(x_g[t], x_u[t], ex.w_gate[e], ex.w_up[e], ex.w_down[e], ex, layer.eps, e)
         if sh is not None:
-            y = y + swiglu(x_g[t], x_u[t], sh.w_gate.weight, sh.w_up.weight, sh.w_down.weight, sh)
+            y = y + swiglu(x_g[t], x_u[t], sh.w_gate.weight, sh.w_up.weight, sh.w_down.weight, sh, layer.eps)
         s = site_value(layer.down_out)
         if layer.out_norm is not None:
             y = y / torch.sqrt(y.pow(2).mean() + layer.eps)
@@ -200,7 +206,7 @@ def test_auto_backend_uses_grouped_mm_on_aligned_sizes_only(monkeypatch):
     # expert_dim 6: rows of 24 bytes, which grouped_mm refuses; auto takes the loop.
     cfg = ModelConfig(dim=12, n_heads=2, n_kv_heads=2, ffn_dim=6,
                       moe=MoEConfig(num_experts=3, top_k=2, expert_dim=6, num_shared_experts=1))
-    layer = MoEFeedForward(cfg, scale)
+    layer = moe_layer(cfg, scale)
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.3)
     x = torch.randn(2, 5, 12)
@@ -276,7 +282,7 @@ def test_bad_options_are_rejected(bad, where):
 @pytest.mark.parametrize("strategy", ["hg_dual", "unified"])
 def test_sites_on_expert_hidden_units_are_per_expert(strategy):
     """One row per routed expert on the hidden units; the shared expert and the model width keep one."""
-    layer = MoEFeedForward(model_config(), STRATEGIES[strategy])
+    layer = moe_layer(model_config(), STRATEGIES[strategy])
     for name in ("gate_out", "up_out"):
         assert getattr(layer.experts, name).shape == (EXPERTS, WIDTH)
         assert getattr(layer.shared, name).shape == (SHARED_WIDTH,)

@@ -186,7 +186,7 @@ def test_reparam_gradients_match_closed_form(param):
 
 def test_iwd_decays_exactly_the_input_sites_magnitudes():
     model = build("unified")  # iwd, with input and output sites, or-parameterized
-    groups = classify(model, make_config("scale=unified", *SMALL).scale)
+    groups = classify(model)
     decayed = sorted(name for name, _ in groups["scale_decay"])
     # In magnitude mode an or site decays its beta only: alpha's norm does not change s.
     expected = sorted(f"{path}.beta" for path, site in scale_sites(model) if site.role == "input")
@@ -197,7 +197,7 @@ def test_iwd_decays_exactly_the_input_sites_magnitudes():
             "layers.0.attn.wq.out_site.alpha"} <= undecayed
     assert not groups["scale_log_decay"]
     # Revision 1's decay: every parameter of an input site.
-    groups = classify(model, make_config("scale=unified", "scale.reparam_decay=all_params", *SMALL).scale)
+    groups = classify(build("unified", "scale.reparam_decay=all_params"))
     assert sorted(n for n, _ in groups["scale_decay"]) == sorted(
         f"{path}.{p}" for path, site in scale_sites(model) if site.role == "input" for p in ("beta", "alpha"))
 
@@ -205,7 +205,7 @@ def test_iwd_decays_exactly_the_input_sites_magnitudes():
 def test_weight_decay_policies_all_and_none():
     for scale, kind in (("wd_all", "scale_decay"), ("baseline", "scale_no_decay")):
         model = build(scale)
-        groups = classify(model, make_config(f"scale={scale}", *SMALL).scale)
+        groups = classify(model)
         n_scale = sum(1 for _, s in scale_sites(model) for _ in s.parameters())
         assert len(groups[kind]) == n_scale
 
@@ -226,7 +226,7 @@ def one_step(reparam: str, optim: str, decay: str, zero_grads: bool):
         p.grad = torch.zeros_like(p) if zero_grads else torch.randn(p.shape, generator=gen)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    optimizer = build_optimizer(model, cfg.optim, cfg.scale)
+    optimizer = build_optimizer(model, cfg.optim)
     for group in optimizer.param_groups:
         group["lr"] = group["base_lr"]
     optimizer.step()

@@ -118,7 +118,7 @@ def test_every_parameter_gets_its_configured_lr_decay_and_optimizer(case):
     table = expected_table(overrides)
     assert sorted(n for n, _ in model.named_parameters()) == sorted(table)
 
-    optimizer = build_optimizer(model, cfg.optim, cfg.scale)
+    optimizer = build_optimizer(model, cfg.optim)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     grads: dict[str, list[torch.Tensor]] = {n: [] for n in before}
     multiplier = 0.5  # the schedule's, which the trainer applies to every group's peak LR

@@ -37,7 +37,7 @@ def built(*overrides: str, lr: float = LR):
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(1 + 0.5 * torch.randn(p.shape, generator=gen))
-    return cfg, model, build_optimizer(model, cfg.optim, cfg.scale)
+    return cfg, model, build_optimizer(model, cfg.optim)
 
 
 def step(model, optimizer, multiplier: float, zero_grads: bool) -> dict[str, torch.Tensor]:
@@ -136,7 +136,7 @@ BRANCH_MAGNITUDES = [f"layers.{layer}.{norm}.sites.{branch}.beta" for layer in (
 ])
 def test_decay_final_norm_decides_whether_the_final_norms_site_decays(decay_final_norm, expected):
     cfg = make_config(*SMALL, "scale=unified", f"scale.decay_final_norm={decay_final_norm}")
-    groups = classify(Transformer(cfg.model, cfg.scale), cfg.scale)
+    groups = classify(Transformer(cfg.model, cfg.scale))
     assert sorted(n for n, _ in groups["scale_decay"]) == sorted(expected)
     # ... and in the optimizer: with no gradient the final site's magnitude shrinks only when it decays
     _, model, optimizer = built("scale=unified", f"scale.decay_final_norm={decay_final_norm}",
@@ -150,7 +150,7 @@ def test_decay_final_norm_decides_whether_the_final_norms_site_decays(decay_fina
 def test_decay_final_norm_keeps_the_final_site_of_every_policy_undecayed():
     """wd_all decays every site but, with decay_final_norm=false, the final norm's."""
     cfg = make_config(*SMALL, "scale=wd_all", "scale.decay_final_norm=false")
-    groups = classify(Transformer(cfg.model, cfg.scale), cfg.scale)
+    groups = classify(Transformer(cfg.model, cfg.scale))
     assert [n for n, _ in groups["scale_no_decay"]] == ["final_norm.sites.final.scale"]
     assert sorted(n for n, _ in groups["scale_decay"]) == sorted(
         f"layers.{layer}.{norm}_norm.sites.{norm}.scale" for layer in (0, 1) for norm in ("attn", "ffn"))
@@ -168,7 +168,7 @@ def train(*overrides: str, steps: int = 4) -> dict[str, torch.Tensor]:
                       *overrides)
     model = Transformer(cfg.model, cfg.scale)
     model.init_weights(0)
-    optimizer = build_optimizer(model, cfg.optim, cfg.scale)
+    optimizer = build_optimizer(model, cfg.optim)
     tokens = torch.randint(0, cfg.model.vocab_size, (steps, 4, 17), generator=torch.Generator().manual_seed(0))
     for i in range(steps):
         logits = model(tokens[i, :, :-1])

@@ -96,7 +96,7 @@ def train(model: Transformer, overrides: list[str], optim: str) -> list[float]:
     cfg = make_config(*overrides, f"optim={optim}")
     loss_fn = training_loss(cfg.distributed.compile)
     model.init_weights(0)
-    optimizer = build_optimizer(model, cfg.optim, cfg.scale)
+    optimizer = build_optimizer(model, cfg.optim)
     tokens = torch.randint(0, 128, (4, 33), generator=torch.Generator().manual_seed(1))
     losses = []
     for _ in range(STEPS):

@@ -23,7 +23,7 @@ def setup(optim: str):
     cfg = make_config(*SHAPE, f"optim={'muon' if optim == 'muon' else 'adamw'}")
     model = Transformer(cfg.model, cfg.scale)
     model.init_weights(0)
-    optimizer = build_optimizer(model, cfg.optim, cfg.scale)
+    optimizer = build_optimizer(model, cfg.optim)
     if optim == "fused":
         keys = ("params", "lr", "weight_decay", "betas", "eps", "log_weight_decay")
         groups = [{k: g[k] for k in keys if k in g} for g in optimizer.param_groups]
