@@ -6,7 +6,9 @@ The model is folded first (fold.py), then written as
                              absorbed: baseline, iwd, hg, dp, or, er, none on models without QK-/post-norms);
                              otherwise ScalevecForCausalLM with modeling_scalevec.py (trust_remote_code):
                              normalizations with weights on map outputs (dnp, unified, qk_norm, post_norm)
-                             and mixture-of-experts layers
+                             and mixture-of-experts layers. Its `scale_plan` is the folded model's scale
+                             plan, a row per site; the modeling file builds a normalization for every row
+                             that names a weight (a site behind a normalization), and nothing else
     tokenizer.json, tokenizer_config.json   a transformers fast tokenizer built from the SentencePiece model
                              (encodes text to the same ids, adds no BOS/EOS), or the run's Hugging Face
                              tokenizer without its post-processor (which would add tokens training never saw)
@@ -29,14 +31,24 @@ from scalevec_train.data.tokenizer import Tokenizer
 from scalevec_train.errors import ScalevecError
 from scalevec_train.interop.api import load
 from scalevec_train.model.fold import fold
-from scalevec_train.model.layers import Linear
-from scalevec_train.model.strategies import ScaleSite, scale_sites
+from scalevec_train.model.plan import NormKind, SiteRow
+from scalevec_train.model.strategies import ScaleSite, site_display_name
 from scalevec_train.model.transformer import Transformer
 
 WEIGHTS_FILE = "model.safetensors"
 MODELING_FILE = "modeling_scalevec.py"
 MODELING_SOURCE = Path(__file__).resolve().parent / "hf_modeling" / MODELING_FILE
 _ATTN_MAPS = (("q", "wq"), ("k", "wk"), ("v", "wv"), ("o", "wo"))
+# Where the weight of each site behind a normalization (a block's, without "layers.<i>.") lives in the
+# transformers layout of modeling_scalevec.py.
+_NORM_WEIGHTS = {
+    "attn.wq.out_site": "self_attn.q_norm", "attn.wk.out_site": "self_attn.k_norm",
+    "attn.wv.out_site": "self_attn.v_norm", "attn.wo.out_site": "self_attn.o_norm",
+    "ffn.w_gate.out_site": "mlp.gate_norm", "ffn.w_up.out_site": "mlp.up_norm", "ffn.w_down.out_site": "mlp.down_norm",
+    "ffn.experts.gate_out": "mlp.experts.gate_norm", "ffn.experts.up_out": "mlp.experts.up_norm",
+    "ffn.shared.gate_out": "mlp.shared.gate_norm", "ffn.shared.up_out": "mlp.shared.up_norm",
+    "ffn.down_out": "mlp.down_norm",
+}
 # SentencePiece piece types (sentencepiece_model.proto)
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
 _NEVER = -1e9
@@ -77,11 +89,15 @@ def _readable_like_other_files(path: Path) -> None:
 
 def is_llama(folded: Transformer) -> bool:
     """Whether a folded model is a stock Llama: dense, no normalization on any map's output, no scale left."""
-    if folded.cfg.moe is not None:
-        return False
-    if any(m.out_norm is not None for m in folded.modules() if isinstance(m, Linear)):
-        return False
-    return all(site.param == "fixed" for _, site in scale_sites(folded))
+    return folded.cfg.moe is None and all(row.param == "fixed" and not row.behind_norm for row in folded.plan.rows)
+
+
+def norm_weight_name(row: SiteRow) -> str | None:
+    """The transformers name of the normalization weight a site is (None: a site that folds away)."""
+    if not row.behind_norm:
+        return None
+    layer, name = site_display_name(row.path)
+    return f"model.layers.{layer}.{_NORM_WEIGHTS[name]}.weight"
 
 
 def _ones_if_fixed(site: ScaleSite) -> torch.Tensor:
@@ -90,33 +106,21 @@ def _ones_if_fixed(site: ScaleSite) -> torch.Tensor:
     return torch.ones(site.shape) if s is None else s.detach().clone()
 
 
-def _prenorm_weight(norm, dim: int) -> torch.Tensor:
-    # Folding absorbs every pre-norm site (they are input sites), so the norm is weightless.
-    assert all(site.param == "fixed" for site in norm.sites.values()), "export a folded model"
-    return torch.ones(dim)
-
-
 def hf_state_dict(folded: Transformer, llama: bool) -> dict[str, torch.Tensor]:
     """The weights of a folded model under transformers' names (Llama layout, plus the output norms
-    and MoE tensors of modeling_scalevec.py)."""
+    and MoE tensors of modeling_scalevec.py). Folding absorbed every pre-norm's sites (input sites), so
+    the pre-norms are weightless: ones."""
     cfg = folded.cfg
     out = {"model.embed_tokens.weight": folded.tok_emb.weight}
     for i, block in enumerate(folded.layers):
         p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = _prenorm_weight(block.attn_norm, cfg.dim)
-        out[p + "post_attention_layernorm.weight"] = _prenorm_weight(block.ffn_norm, cfg.dim)
+        out[p + "input_layernorm.weight"] = out[p + "post_attention_layernorm.weight"] = torch.ones(cfg.dim)
         for name, attr in _ATTN_MAPS:
-            linear = getattr(block.attn, attr)
-            out[p + f"self_attn.{name}_proj.weight"] = linear.weight
-            if linear.out_norm is not None:
-                out[p + f"self_attn.{name}_norm.weight"] = _ones_if_fixed(linear.out_site)
+            out[p + f"self_attn.{name}_proj.weight"] = getattr(block.attn, attr).weight
         ffn = block.ffn
         if cfg.moe is None:
             for name in ("gate", "up", "down"):
-                linear = getattr(ffn, f"w_{name}")
-                out[p + f"mlp.{name}_proj.weight"] = linear.weight
-                if linear.out_norm is not None:
-                    out[p + f"mlp.{name}_norm.weight"] = _ones_if_fixed(linear.out_site)
+                out[p + f"mlp.{name}_proj.weight"] = getattr(ffn, f"w_{name}").weight
             continue
         out[p + "mlp.router.weight"] = ffn.router.weight
         out[p + "mlp.expert_bias"] = ffn.expert_bias
@@ -124,14 +128,10 @@ def hf_state_dict(folded: Transformer, llama: bool) -> dict[str, torch.Tensor]:
             out[p + f"mlp.experts.{name}_proj"] = getattr(ffn.experts, f"w_{name}")
             if ffn.shared is not None:
                 out[p + f"mlp.shared.{name}_proj.weight"] = getattr(ffn.shared, f"w_{name}").weight
-        for name in ("gate", "up"):
-            for part, module in (("experts", ffn.experts), ("shared", ffn.shared)):
-                site = getattr(module, f"{name}_out", None) if module is not None else None
-                if site is not None and site.behind_norm:
-                    out[p + f"mlp.{part}.{name}_norm.weight"] = _ones_if_fixed(site)
-        if ffn.out_norm is not None:
-            out[p + "mlp.down_norm.weight"] = _ones_if_fixed(ffn.down_out)
-    out["model.norm.weight"] = _prenorm_weight(folded.final_norm, cfg.dim)
+    for row in folded.plan.rows:
+        if row.behind_norm:
+            out[norm_weight_name(row)] = _ones_if_fixed(folded.get_submodule(row.path))
+    out["model.norm.weight"] = torch.ones(cfg.dim)
     if folded.head is not None:
         out["lm_head.weight"] = folded.head.weight
     elif not llama:
@@ -178,16 +178,18 @@ def llama_config(folded: Transformer) -> dict:
     }
 
 
+def plan_rows(folded: Transformer) -> list[dict]:
+    """The folded model's scale plan as JSON: a row per site (a fixed one too), with `weight`, the
+    transformers name of the normalization weight it is, and `per_head`, whether that normalization acts
+    per attention head."""
+    return [{"site": row.path, "shape": list(row.shape), "role": row.role, "param": row.param, "side": row.side,
+             "maps": [m.name for m in row.maps], "norm": row.norm and row.norm.label, "folds": row.fold,
+             "weight": norm_weight_name(row), "per_head": row.behind_norm and row.norm.kind is NormKind.HEAD}
+            for row in folded.plan.rows]
+
+
 def scalevec_config(folded: Transformer) -> dict:
-    cfg, block = folded.cfg, folded.layers[0]
-    norms = [name for name, attr in _ATTN_MAPS if getattr(block.attn, attr).out_norm is not None]
-    if cfg.moe is None:
-        norms += [n for n in ("gate", "up", "down") if getattr(block.ffn, f"w_{n}").out_norm is not None]
-    else:
-        norms += [n for n in ("gate", "up") if getattr(block.ffn.experts, f"{n}_out") is not None
-                  and getattr(block.ffn.experts, f"{n}_out").behind_norm]
-        if block.ffn.out_norm is not None:
-            norms.append("down")
+    cfg = folded.cfg
     moe = None
     if cfg.moe is not None:
         shared = cfg.moe.num_shared_experts * (cfg.moe.shared_expert_dim or cfg.ffn_dim)
@@ -200,8 +202,7 @@ def scalevec_config(folded: Transformer) -> dict:
         "auto_map": {"AutoConfig": "modeling_scalevec.ScalevecConfig",
                      "AutoModelForCausalLM": "modeling_scalevec.ScalevecForCausalLM"},
         **_common_config(folded),
-        "output_norms": norms,
-        "head_norm_full": folded.scale.head_site_shape == "full",
+        "scale_plan": plan_rows(folded),
         "moe": moe,
         "tie_word_embeddings": False,
         "use_cache": False,

@@ -31,6 +31,7 @@ from scalevec_train.interop.api import load
 from scalevec_train.interop.hf_import import check_init_from, import_llama, init_from_hf
 from scalevec_train.model import Transformer
 from scalevec_train.model.config import ScaleConfig
+from scalevec_train.model.fold import fold
 from scalevec_train.model.strategies import scale_sites
 from scalevec_train.optim.groups import build_optimizer
 from scalevec_train.train import run
@@ -191,7 +192,10 @@ def assert_export_parity(overrides: list[str], runs, out: Path, transformers) ->
                 buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
     tokenizer = spm.SentencePieceProcessor(model_file=str(runs["baseline"] / "tokenizer.model"))
     out = export.export_model(model, tokenizer, out)
-    stock = json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    config = json.loads((out / "config.json").read_text())
+    stock = config["architectures"] == ["LlamaForCausalLM"]
+    if not stock:  # the plan the remote code builds its norms from: a row per site of the folded model
+        assert [row["site"] for row in config["scale_plan"]] == [path for path, _ in scale_sites(fold(model))]
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=not stock).eval()
     ids = token_batch(512)
     torch.testing.assert_close(logits(hf, ids), logits(model, ids), rtol=0, atol=1e-4)
@@ -209,13 +213,13 @@ PRESETS = ["none", "baseline", "iwd", "wd_all", "hg", "dp", "dnp", "or", "er", "
 @pytest.mark.parametrize("reading", ["rev2", "rev1"])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_exports_with_the_same_logits(runs, tmp_path, transformers, preset, reading):
-    """Both placement readings (revision 2's pre-norm maps, revision 1's q, k, o, down), dense; the
-    placement strategies on the MoE model too. Stock Llama exactly where nothing is normalized."""
+    """Both placement readings (revision 2's pre-norm maps, revision 1's q, k, o, down), dense and MoE.
+    Stock Llama exactly where nothing is normalized (a dense model); an MoE model always needs the remote
+    code."""
     extra = [f"scale={preset}"] + (["scale.targets=[q,k,o,down]"] if reading == "rev1" else [])
     stock = assert_export_parity(extra, runs, tmp_path / "dense", transformers)
     assert stock == (preset not in ("dnp", "unified"))
-    if preset in ("dp", "dnp", "unified"):
-        assert not assert_export_parity([*MOE, *extra], runs, tmp_path / "moe", transformers)
+    assert not assert_export_parity([*MOE, *extra], runs, tmp_path / "moe", transformers)
 
 
 def test_exported_tokenizer_encodes_like_sentencepiece(runs, corpus_dir, tmp_path, transformers):

@@ -12,9 +12,12 @@ post-norms) and mixture-of-experts models. Its only dependencies are torch and t
                                                          w_gate/w_up * N(.) inside, w_down * N(.) after
     logits = W_head (g_final * N(x_L))
 
-Inside a mixture-of-experts layer the gate/up norms act per expert, over the expert's hidden width,
-each expert with its own row of the norm weight ([experts, expert_dim]); the shared expert has its own
-gate/up norms; the down norm acts on the combined output.
+Which of these output norms exist, and the shape of their weights, is the exported model's scale plan
+(`config.scale_plan`, one row per scale site of the folded model): every row that names a `weight` is
+the weight of a normalization at that place, per attention head where the row says `per_head`; a
+weight of [experts, width] holds one row per routed expert, which the experts apply to their own
+outputs (each normalized over the expert's hidden width). Inside a mixture-of-experts layer the shared
+expert has its own gate/up norms; the down norm acts on the combined output.
 
 RoPE rotates halves (the Llama layout). Mixture of experts: fp32 router logits, softmax or sigmoid
 scores, the top-k experts chosen on scores + expert_bias (the bias only chooses), routing weights
@@ -32,16 +35,14 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-HEAD_NORMED = ("q", "k", "v")  # maps whose output norm works per attention head; the others: over the whole output
-
 
 class ScalevecConfig(PretrainedConfig):
     model_type = "scalevec"
 
     def __init__(self, vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=4, head_dim=None, max_position_embeddings=1024,
-                 rope_theta=10000.0, rms_norm_eps=1e-6, output_norms=(), head_norm_full=False, moe=None,
-                 initializer_range=0.02, **kwargs):
+                 rope_theta=10000.0, rms_norm_eps=1e-6, scale_plan=(), moe=None, initializer_range=0.02,
+                 **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -52,10 +53,9 @@ class ScalevecConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.rope_theta = rope_theta
         self.rms_norm_eps = rms_norm_eps
-        # the linear maps (q, k, v, o, gate, up, down) whose output is normalized, with a weight
-        self.output_norms = list(output_norms)
-        # the weight of a per-head norm spans the whole projection (else one head_dim vector for all heads)
-        self.head_norm_full = head_norm_full
+        # scalevec's scale plan of the folded model: a row per scale site; a row with a `weight` (its name
+        # here), its `shape` and `per_head` is a normalization's weight, the others folded into the matrices
+        self.scale_plan = list(scale_plan)
         # None for dense layers, else: num_experts, top_k, expert_dim, shared_expert_dim (0: none),
         # score_func (softmax | sigmoid), renormalize
         self.moe = moe
@@ -75,7 +75,7 @@ class ScalevecRMSNorm(nn.Module):
     either the full width or one head's width (shared by the heads). A weight of size (experts, width)
     holds one row per routed expert; the experts apply their own row."""
 
-    def __init__(self, size: int | tuple[int, int], eps: float, head_dim: int | None = None):
+    def __init__(self, size: int | tuple[int, ...], eps: float, head_dim: int | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps, self.head_dim = eps, head_dim
@@ -87,13 +87,13 @@ class ScalevecRMSNorm(nn.Module):
         return rms_norm(x.unflatten(-1, (-1, self.head_dim)), weight, self.eps).flatten(-2)
 
 
-def _output_norm(config: ScalevecConfig, name: str, width: int) -> ScalevecRMSNorm | None:
-    if name not in config.output_norms:
-        return None
-    if name in HEAD_NORMED:
-        size = width if config.head_norm_full else config.head_dim
-        return ScalevecRMSNorm(size, config.rms_norm_eps, config.head_dim)
-    return ScalevecRMSNorm(width, config.rms_norm_eps)
+def output_norms(config: ScalevecConfig, layer: int) -> dict[str, ScalevecRMSNorm]:
+    """{module name within decoder layer `layer` (self_attn.q_norm, mlp.experts.gate_norm, ...): the
+    normalization} for every row of the scale plan that names a weight there."""
+    prefix = f"model.layers.{layer}."
+    return {row["weight"].removeprefix(prefix).removesuffix(".weight"):
+            ScalevecRMSNorm(tuple(row["shape"]), config.rms_norm_eps, config.head_dim if row["per_head"] else None)
+            for row in config.scale_plan if row["weight"] and row["weight"].startswith(prefix)}
 
 
 def _normed(norm: ScalevecRMSNorm | None, x: torch.Tensor) -> torch.Tensor:
@@ -115,7 +115,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class ScalevecAttention(nn.Module):
-    def __init__(self, config: ScalevecConfig):
+    def __init__(self, config: ScalevecConfig, norms: dict[str, ScalevecRMSNorm]):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
                                                         config.head_dim)
@@ -124,10 +124,7 @@ class ScalevecAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=False)
         self.o_proj = nn.Linear(q_width, config.hidden_size, bias=False)
-        self.q_norm = _output_norm(config, "q", q_width)
-        self.k_norm = _output_norm(config, "k", kv_width)
-        self.v_norm = _output_norm(config, "v", kv_width)
-        self.o_norm = _output_norm(config, "o", config.hidden_size)
+        self.q_norm, self.k_norm, self.v_norm, self.o_norm = (norms.get(f"self_attn.{n}_norm") for n in "qkvo")
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -144,17 +141,16 @@ class ScalevecAttention(nn.Module):
 
 
 class ScalevecMLP(nn.Module):
-    """SwiGLU: down(silu(gate x) * up x), with the output norms the config names (`down_norm`: False
-    for the shared expert of an MoE layer, whose output is normalized together with the experts')."""
+    """SwiGLU: down(silu(gate x) * up x), with the output norms of `norms` named `prefix` + gate_norm, up_norm,
+    down_norm (the shared expert of an MoE layer, prefix mlp.shared., has no down norm of its own: its
+    output is normalized together with the experts')."""
 
-    def __init__(self, config: ScalevecConfig, hidden: int, down_norm: bool = True):
+    def __init__(self, config: ScalevecConfig, hidden: int, norms: dict[str, ScalevecRMSNorm], prefix: str):
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, hidden, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, config.hidden_size, bias=False)
-        self.gate_norm = _output_norm(config, "gate", hidden)
-        self.up_norm = _output_norm(config, "up", hidden)
-        self.down_norm = _output_norm(config, "down", config.hidden_size) if down_norm else None
+        self.gate_norm, self.up_norm, self.down_norm = (norms.get(f"{prefix}{n}_norm") for n in ("gate", "up", "down"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = _normed(self.gate_norm, self.gate_proj(x))
@@ -165,15 +161,13 @@ class ScalevecMLP(nn.Module):
 class ScalevecExperts(nn.Module):
     """The routed SwiGLU experts as weight stacks [experts, out, in]."""
 
-    def __init__(self, config: ScalevecConfig):
+    def __init__(self, config: ScalevecConfig, norms: dict[str, ScalevecRMSNorm]):
         super().__init__()
         moe, dim = config.moe, config.hidden_size
         self.gate_proj = nn.Parameter(torch.empty(moe["num_experts"], moe["expert_dim"], dim))
         self.up_proj = nn.Parameter(torch.empty(moe["num_experts"], moe["expert_dim"], dim))
         self.down_proj = nn.Parameter(torch.empty(moe["num_experts"], dim, moe["expert_dim"]))
-        width = (moe["num_experts"], moe["expert_dim"])
-        self.gate_norm = ScalevecRMSNorm(width, config.rms_norm_eps) if "gate" in config.output_norms else None
-        self.up_norm = ScalevecRMSNorm(width, config.rms_norm_eps) if "up" in config.output_norms else None
+        self.gate_norm, self.up_norm = norms.get("mlp.experts.gate_norm"), norms.get("mlp.experts.up_norm")
 
     def _branch(self, norm: ScalevecRMSNorm | None, y: torch.Tensor, expert: int) -> torch.Tensor:
         return y if norm is None else rms_norm(y, norm.weight[expert], norm.eps)
@@ -194,16 +188,16 @@ class ScalevecExperts(nn.Module):
 
 
 class ScalevecMoE(nn.Module):
-    def __init__(self, config: ScalevecConfig):
+    def __init__(self, config: ScalevecConfig, norms: dict[str, ScalevecRMSNorm]):
         super().__init__()
         self.moe = config.moe
         self.router = nn.Linear(config.hidden_size, self.moe["num_experts"], bias=False)
-        self.experts = ScalevecExperts(config)
+        self.experts = ScalevecExperts(config, norms)
         # The load-balancing bias learned in training: it shifts which experts are chosen, never the weights.
         self.register_buffer("expert_bias", torch.zeros(self.moe["num_experts"]))
         shared = self.moe.get("shared_expert_dim") or 0
-        self.shared = ScalevecMLP(config, shared, down_norm=False) if shared else None
-        self.down_norm = _output_norm(config, "down", config.hidden_size)
+        self.shared = ScalevecMLP(config, shared, norms, "mlp.shared.") if shared else None
+        self.down_norm = norms.get("mlp.down_norm")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -220,12 +214,14 @@ class ScalevecMoE(nn.Module):
 
 
 class ScalevecDecoderLayer(nn.Module):
-    def __init__(self, config: ScalevecConfig):
+    def __init__(self, config: ScalevecConfig, layer: int):
         super().__init__()
+        norms = output_norms(config, layer)
         self.input_layernorm = ScalevecRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = ScalevecAttention(config)
+        self.self_attn = ScalevecAttention(config, norms)
         self.post_attention_layernorm = ScalevecRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = ScalevecMoE(config) if config.moe else ScalevecMLP(config, config.intermediate_size)
+        self.mlp = (ScalevecMoE(config, norms) if config.moe
+                    else ScalevecMLP(config, config.intermediate_size, norms, "mlp."))
 
     def forward(self, x, cos, sin, mask):
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
@@ -237,7 +233,7 @@ class ScalevecModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(ScalevecDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(ScalevecDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = ScalevecRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
