@@ -26,9 +26,19 @@ def storage_bytes(tensors) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
-def live_storages() -> dict[int, int]:
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in gc.get_objects() if issubclass(type(t), torch.Tensor)}
+def live_storages() -> dict[int, torch.UntypedStorage]:
+    """The storages of every tensor alive in this process, by address. A wrapper subclass (a DTensor that
+    an earlier test in this pytest worker left alive, whichever files it happened to run) has no storage
+    of its own to read: its local tensors are listed themselves."""
+    out = {}
+    for t in gc.get_objects():
+        if issubclass(type(t), torch.Tensor):
+            try:
+                storage = t.untyped_storage()
+            except RuntimeError:
+                continue
+            out[storage.data_ptr()] = storage
+    return out
 
 
 def measure(cfg) -> dict[str, int]:
@@ -57,10 +67,16 @@ def measure(cfg) -> dict[str, int]:
     model.final_norm.register_forward_pre_hook(lambda *_: layer.__setitem__(0, None))
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.train.seq_len + 1))
     autocast = autocast_for(cfg.train.dtype, torch.device("cpu"))
+    # `before` holds every storage alive now until the forward is measured: an earlier test's garbage
+    # that the collector frees during the forward would otherwise give its address to a new tensor,
+    # which would then be taken for one that existed before
+    gc.collect()
     before = live_storages()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
         loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
-    cached = {k: n for k, n in live_storages().items() if k not in before and k not in saved and k not in weights}
+    cached = {k: s.nbytes() for k, s in live_storages().items()
+              if k not in before and k not in saved and k not in weights}
+    del before
     loss.backward()
     optimizer = build_optimizer(model, cfg.optim)
     step = ConditionalStep(optimizer, model)
