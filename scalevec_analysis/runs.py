@@ -16,10 +16,13 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from scalevec_train.continuation import read_resumes
 from scalevec_train.errors import ScalevecError
 from scalevec_train.training.logger import flatten, read_records
 
 AVERAGED_KEY = "averaged"
+# The key that sets a run resumed with changes on purpose (resume_changes) apart from one that was not
+RESUMED_KEY = "resumed_with"
 EMA_KEY = "ema"
 # a run's metrics that its weight EMA's run (ema_run) holds under the run's own names, "_ema" dropped
 # (val_loss_ema -> val_loss, val_loss_ema/<source> -> val_loss/<source>)
@@ -140,7 +143,18 @@ def load_run_dir(path: str | Path) -> Run:
     averaged = averaged_steps(run_dir)
     if averaged is not None:
         config[AVERAGED_KEY] = averaged
+    changed = deliberate_changes(run_dir)
+    if changed is not None:
+        config[RESUMED_KEY] = changed
     return Run(str(run_dir), config, records, params, flops)
+
+
+def deliberate_changes(run_dir: Path) -> str | None:
+    """For a run resumed with changes on purpose (resume_changes: its resumes.jsonl), which keys changed
+    from which step, e.g. "optim.lr from step 500"; else None."""
+    found = [f"{key} from step {entry['step']}" for entry in read_resumes(run_dir)
+             for key, change in entry["changes"].items() if change["kind"] == "deliberate"]
+    return ", ".join(found) or None
 
 
 def averaged_steps(folder: Path) -> str | None:

@@ -15,11 +15,9 @@ that the branch's curves and terminal loss read like those of a run trained from
 import json
 from pathlib import Path
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
 from scalevec_train.checkpoint.files import COMPLETE, checkpoint_root, checkpoint_step, complete_checkpoints
 from scalevec_train.config import Config
+from scalevec_train.continuation import read_run_config
 from scalevec_train.errors import ScalevecError
 from scalevec_train.optim.schedules import lr_multiplier
 from scalevec_train.training.logger import read_records
@@ -27,16 +25,6 @@ from scalevec_train.training.logger import read_records
 
 def trunk_dir(checkpoint: Path) -> Path:
     return checkpoint.parent.parent
-
-
-def read_run_config(run_dir: Path) -> Config:
-    """A run's config.yaml as written by the trainer (options added since take their defaults)."""
-    path = run_dir / "config.yaml"
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path)))
-    except (OSError, OmegaConfBaseException) as e:
-        raise ScalevecError(str(path), f"cannot be read as a run's config ({type(e).__name__}).",
-                            "branch from a run directory written by the trainer, or one of its checkpoints.") from None
 
 
 def peak_lrs(cfg: Config, step: int) -> tuple[float, float, float]:

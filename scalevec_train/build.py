@@ -7,6 +7,7 @@ before the model is initialized.
 """
 
 import os
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -20,6 +21,7 @@ from scalevec_train.branch import branch_point, check_own_run_dir
 from scalevec_train.checkpoint.files import check_model_fits, checkpoint_root, find_resume, inspect
 from scalevec_train.checkpoint.manager import CheckpointManager, ModelState, OptimizerState
 from scalevec_train.config import Config
+from scalevec_train.continuation import as_record, check_continuation, saved_config
 from scalevec_train.data import PreparedData, TokenLoader, check_vocab, prepare_data
 from scalevec_train.data.mixture import MixtureData
 from scalevec_train.data.mixture_loader import MixtureLoader
@@ -61,6 +63,8 @@ class Run:
     checkpointer: Checkpointer
     branched_from: Path | None  # the trunk's checkpoint when this run starts a branch (branch_from)
     attended: float | None = None  # mean keys a query attends under document masking (None: causal)
+    # (step, checkpoint, the allowed changes of the config) when this run continues a checkpoint
+    continued: tuple[int, Path, dict] | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -105,6 +109,7 @@ def build(cfg: Config) -> Run:
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.scale)
     if train_state is not None:
+        continued = check_continuation_of(cfg, resume_from, train_state, branched_from is not None)
         check_resumable(cfg, resume_from, train_state, model)
     # A resumed run continues from its own weights; init_from only seeds a fresh one.
     init_weights = check_init_from(model, cfg.init_from) if cfg.init_from and train_state is None else None
@@ -163,7 +168,7 @@ def build(cfg: Config) -> Run:
         run_dir, tensors={"model": ModelState(model), "optim": OptimizerState(model, optimizer),
                           **({"ema": ema} if ema else {})},
         records={"loader": train_loader, **checkpointed(callbacks)},
-        info={"model_config": cfg.model.architecture(), "optimizer": cfg.optim.name},
+        info={"model_config": cfg.model.architecture(), "optimizer": cfg.optim.name, "config": as_record(cfg)},
         keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save, optional=frozenset({"ema"}))
     callbacks += [ema] if ema else []
     if resume_from is not None:
@@ -177,7 +182,8 @@ def build(cfg: Config) -> Run:
         grad_clip=cfg.train.grad_clip, device=device, autocast=autocast_for(cfg.train.dtype, device),
         log_every=cfg.train.log_every, tokens_per_step=tokens_per_step, callbacks=callbacks,
         start_step=start_step, loss_fn=faults or loss_fn, z_loss_coef=cfg.train.z_loss, documents=documents)
-    return Run(trainer, data, run_dir, checkpointer, branched_from, attended)
+    return Run(trainer, data, run_dir, checkpointer, branched_from, attended,
+               (train_state["step"], resume_from, continued) if train_state else None)
 
 
 def validation_batches(cfg: Config, data: PreparedData | MixtureData, rank_: int,
@@ -214,6 +220,19 @@ def check_run_dir(run_dir: Path) -> None:
         if not os.access(folder, os.W_OK | os.X_OK):
             raise ScalevecError("run_dir", f"{folder} is not writable.",
                                 "fix its permissions, or set run_dir to a folder you can write to.")
+
+
+def check_continuation_of(cfg: Config, path: Path, train_state: dict, branch: bool) -> dict[str, dict]:
+    """The config's changes from the run that wrote checkpoint `path` (continuation.py), refused where one
+    defines the trajectory; {} when that run's config is unknown (a checkpoint copied alone, written
+    before checkpoints held their config), which is said."""
+    saved = saved_config(train_state, path)
+    if saved is None:
+        print(f"note: the config that wrote {path} is unknown (no config.yaml beside it): continuing without "
+              "comparing it with this one.", file=sys.stderr)
+        return {}
+    return check_continuation(saved, cfg, train_state["step"], path, "branch_from" if branch else "resume",
+                              length_checked=branch)
 
 
 def check_resumable(cfg: Config, path: Path, train_state: dict, model: torch.nn.Module) -> None:

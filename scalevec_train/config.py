@@ -5,6 +5,7 @@ The dataclasses are the one source of every option's default and documentation. 
 of those defaults (registered as `scalevec_defaults`, untyped, so that every option can be overridden
 with `key=value` and this module's checks give the one-line errors); presets set only what differs."""
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -48,6 +49,9 @@ class Config:
     # none: start fresh (refuses a run_dir that already holds checkpoints) | auto: continue from the
     # newest complete checkpoint in run_dir if there is one | a checkpoint directory path
     resume: str = "none"
+    # keys that define the trajectory (continuation.py) which this resume or branch changes on purpose,
+    # e.g. [optim.lr] after a spike; any other such change is refused, naming the keys
+    resume_changes: list[str] = field(default_factory=list)
     # a Hugging Face Llama folder (config.json + safetensors) whose weights start a fresh run under any
     # dense model and strategy; empty: random initialization. A resumed run takes its checkpoint instead.
     init_from: str = ""
@@ -76,6 +80,10 @@ class Config:
         check_choices(self, "")
         if not self.run_dir:
             raise ScalevecError("run_dir", "is empty.", "set run_dir=<a directory>.")
+        unknown = [k for k in self.resume_changes if not _is_option(self, k)]
+        if unknown:
+            raise ScalevecError("resume_changes", f"names no option: {unknown}.",
+                                "name dotted option keys, e.g. resume_changes=[optim.lr,optim.weight_decay].")
         if self.branch_from and (self.init_from or self.resume not in ("none", "auto")):
             other = "init_from" if self.init_from else "resume"
             raise ScalevecError("branch_from", f"and {other} both say where the run starts.",
@@ -155,3 +163,13 @@ def compose_config(overrides: list[str], world_size: int = 1) -> Config:
 
 def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _is_option(cfg: Config, key: str) -> bool:
+    """Whether a dotted key names an option of cfg (a leaf: not a group)."""
+    node = cfg
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node) or not hasattr(node, part):
+            return False
+        node = getattr(node, part)
+    return not dataclasses.is_dataclass(node)

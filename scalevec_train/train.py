@@ -17,6 +17,7 @@ from scalevec_train.accounting import total_params
 from scalevec_train.branch import copy_trunk_metrics
 from scalevec_train.build import build
 from scalevec_train.config import CONFIG_DIR, Config, to_config, to_yaml
+from scalevec_train.continuation import record as record_continuation
 from scalevec_train.data import tokenizer
 from scalevec_train.describe import describe
 from scalevec_train.errors import ScalevecError
@@ -44,6 +45,8 @@ def run(cfg: Config) -> Path:
     wandb_init = None
     if main:
         write_run_files(cfg, run_dir, built.data.tokenizer_path, built.attended)
+        if built.continued:
+            record_continuation(run_dir, *built.continued)
         if built.branched_from is not None:
             copy_trunk_metrics(built.branched_from, run_dir)
         print(f"run_dir: {run_dir}  params: {total_params(trainer.model):,}  "

@@ -219,6 +219,22 @@ def test_grouping_splits_on_real_differences(tmp_path):
         find_group(groups, "scale=unified")
 
 
+def test_a_run_resumed_with_changes_on_purpose_is_a_group_of_its_own(tmp_path):
+    """resumes.jsonl (scalevec_train/continuation.py) of a run resumed with resume_changes=[optim.lr]
+    sets it apart and names the change; operational changes alone (log cadence) do not."""
+    rows = metric_rows(f_ref, 5, 0)
+    runs = {name: write_run(tmp_path, name, config(seed), rows) for seed, name in enumerate(["plain", "cadence", "lr"])}
+    entry = {"step": 3, "from": "x", "time": "t", "changes": {"train.log_every": {"from": 1, "to": 3,
+                                                                                  "kind": "operational"}}}
+    (runs["cadence"] / "resumes.jsonl").write_text(json.dumps(entry) + "\n")
+    lowered = {**entry, "changes": {**entry["changes"],
+                                    "optim.lr": {"from": 0.003, "to": 0.001, "kind": "deliberate"}}}
+    (runs["lr"] / "resumes.jsonl").write_text(json.dumps(entry) + "\n" + json.dumps({**lowered, "step": 4}) + "\n")
+    groups = group_runs([load_run_dir(d) for d in runs.values()])
+    assert sorted((g.label, sorted(Path(r.name).name for r in g.runs)) for g in groups) == [
+        ("resumed_with=(unset)", ["cadence", "plain"]), ("resumed_with=optim.lr from step 4", ["lr"])]
+
+
 def test_options_added_later_take_their_default(tmp_path):
     """A run written before `init_from` existed groups with one that leaves it at its default ("");
     a run that sets it, to a relative or an absolute path, is a group of its own."""

@@ -78,7 +78,8 @@ class StabilityGuard(Callback):
             f"{self.guard.max_bad_steps}). The checkpoint of step {trainer.step} holds the parameters and optimizer "
             f"state of step {self.last_good}, the last good one, and the data position after step {trainer.step}.",
             "lower optim.lr, lengthen schedule.warmup_steps or set train.grad_clip, then continue with "
-            "resume=auto; or look at the data of those steps."))
+            "resume=auto, naming what you changed on purpose (e.g. optim.lr=3e-4 'resume_changes=[optim.lr]'); "
+            "or look at the data of those steps."))
 
     def on_log(self, trainer: Trainer) -> None:
         trainer.record("skipped_steps", self.guard.skipped)
