@@ -170,6 +170,9 @@ class ScaleConfig:
     targets: list[str] = field(default_factory=lambda: list(PRE_NORM_MAPS))
     # shape of the sites behind per-head normalizations (q, k, v): head_dim (shared by heads) | full
     head_site_shape: str = choice("head_dim", Literal["head_dim", "full"])
+    # the normalization dual_norm puts behind q, k and v: head (N_h, per attention head) | full (N over the
+    # map's whole output, its site as wide). The model's own QK-norm stays per head
+    qkv_norm: str = choice("head", Literal["head", "full"])
     # plain: s = p; or: s = beta * alpha / rms(alpha); er: s = exp(b) * alpha / rms(alpha);
     # fixed: s = 1 with no parameter (the removal ablation)
     reparam: str = choice("plain", Param)

@@ -302,7 +302,8 @@ class _Rules:
 
     def out_norm(self, name: MapName) -> NormKind | None:
         """The normalization of map `name`'s output: the model's own (QK-norm, post-norms), or the one
-        dual_norm puts on a target. dual_norm reuses the model's: it never stacks a second one."""
+        dual_norm puts on a target (behind q, k, v per head unless scale.qkv_norm is full). dual_norm
+        reuses the model's: it never stacks a second one."""
         own = (name in (MapName.Q, MapName.K) and self.m.qk_norm) or (
             name in (MapName.O, MapName.DOWN) and self.m.post_norm)
         if own and self.targeted(name) and self.s.placement == "dual":
@@ -314,7 +315,8 @@ class _Rules:
                 f"'{name}' from scale.targets.")
         if not (own or (self.targeted(name) and self.s.placement == "dual_norm")):
             return None
-        return NormKind.HEAD if name in HEAD_MAPS else NormKind.FULL
+        per_head = name in HEAD_MAPS and (own or self.s.qkv_norm == "head")
+        return NormKind.HEAD if per_head else NormKind.FULL
 
     def map(self, name: MapName, module: str, weight: str, d_in: int, d_out: int, reads: Branch | None,
             in_path: str, out_path: str, rows: tuple[int, ...] = (), passes: int = 1,

@@ -173,6 +173,8 @@ LAYOUTS = {
                             "model.moe.renormalize=false", "model.moe.num_shared_experts=2",
                             "model.moe.shared_expert_dim=16"],
     "moe-post-norm-unified": [*MOE, "model.post_norm=true", "scale=unified"],
+    # dual_norm's norm over v's whole output beside the model's per-head QK-norm (scale.qkv_norm)
+    "dense-qkv-norm-full": ["model.qk_norm=true", "scale=unified", "scale.qkv_norm=full"],
 }
 
 

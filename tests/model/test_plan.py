@@ -123,3 +123,29 @@ def test_decay_options_reach_the_rows():
     assert {p.name: p.group for p in model.plan.final.params} == {"beta": "scale_no_decay", "alpha": "scale_no_decay"}
     model, _ = build("dense", "unified", "scale.reparam_decay=all_params")
     assert {p.name: p.group for p in model.plan.rows[0].params} == {"beta": "scale_decay", "alpha": "scale_decay"}
+
+
+def test_qkv_norm_full_normalizes_q_k_v_over_their_whole_outputs():
+    """scale.qkv_norm=full: dual_norm's normalization behind q, k and v spans the map's whole output (one
+    RMS per token, not one per head), its site as wide; u * N(W a) computed here by hand. The model's own
+    QK-norm stays per head."""
+    model, _ = build("dense", "unified", "scale.qkv_norm=full")
+    attn = model.plan.blocks[0].attn
+    assert [(p.out_norm, p.out_site.shape, p.out_site.norm.label) for p in (attn.q, attn.k, attn.v)] == [
+        ("full", (64,), "N(q)"), ("full", (32,), "N(k)"), ("full", (32,), "N(v)")]
+    assert model.plan.blocks[0].attn_norm.sites["q"].cancelled_by == "N(q)"
+    model.init_weights(0)
+    wk = model.layers[0].attn.wk
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        wk.out_site.alpha.copy_(1 + 0.3 * torch.randn(32, generator=gen))
+        wk.out_site.beta.fill_(1.7)
+    a = torch.randn(2, 5, 64, generator=gen)
+    y = a @ wk.weight.T
+    alpha = wk.out_site.alpha
+    u = 1.7 * alpha / alpha.square().mean().sqrt()
+    want = u * y / (y.square().mean(-1, keepdim=True) + model.cfg.norm_eps).sqrt()
+    torch.testing.assert_close(wk(a), want)
+    model, _ = build("dense", "unified", "scale.qkv_norm=full", "model.qk_norm=true")
+    attn = model.plan.blocks[0].attn
+    assert (attn.q.out_norm, attn.k.out_norm, attn.v.out_norm) == ("head", "head", "full")
