@@ -1,6 +1,7 @@
-"""Counting the host's reads of tensor values during training: `python tests/host_reads.py out.json
-<overrides>` (or under torchrun) trains one run with a counter around every step that does not log, and
-writes the counts of this rank to out.json (a path per rank: {rank} is replaced).
+"""Counting the host's reads of tensor values during training: `torchrun ... tests/host_reads.py runs.json`
+trains each run of runs.json (a list of [out, overrides]) one after the other in the one process group,
+as tests/train_many.py does, with a counter around every step that does not log, and writes the counts
+of this rank to out (a path per rank: {rank} is replaced). count_reads() does one run in this process.
 
 A read is any aten._local_scalar_dense (item(), float(), int(), bool() of a tensor) and any tolist()
 (which on the CPU reads memory without an aten call). Reads of the optimizer's step counters are counted
@@ -103,7 +104,10 @@ def count_reads(overrides: list[str], out: Path) -> None:
 
 if __name__ == "__main__":
     process_group.init()
+    finished = False
     try:
-        count_reads(sys.argv[2:], Path(sys.argv[1]))
+        for out, overrides in json.loads(Path(sys.argv[1]).read_text()):
+            count_reads(overrides, Path(out))
+        finished = True
     finally:
-        process_group.shutdown()
+        process_group.shutdown(finished)

@@ -150,7 +150,10 @@ class Processes:
 
     def kill(self) -> None:
         """SIGKILL every process carrying the mark, until none is left (a launcher being killed may still
-        start one)."""
+        start one). The started processes (the launchers) go first: a launcher that outlived one of its
+        workers could exit on its own or restart them, whichever order /proc lists the pids in."""
+        for started in self.started:
+            started.proc.kill()
         deadline = time.monotonic() + 30
         while (pids := self.pids()) and time.monotonic() < deadline:
             for pid in pids:

@@ -37,13 +37,15 @@ def main(spec: Path) -> None:
 
     train.build = keep
     process_group.init()
+    finished = False
     try:
         for overrides in json.loads(spec.read_text()):
             run_dir = train.run(compose_config(overrides, process_group.world_size()))
             # no name here keeps the model: shutdown must free the group it holds (process_group.shutdown)
             save_holdings(built.pop().trainer.model, run_dir / f"rank{process_group.rank()}.pt")
+        finished = True
     finally:
-        process_group.shutdown()
+        process_group.shutdown(finished)  # together, as the trainer leaves after a run
 
 
 if __name__ == "__main__":

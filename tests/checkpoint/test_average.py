@@ -86,24 +86,35 @@ def test_load_reads_the_average_on_one_process(runs, averaged, tmp_path, name):
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
 
 
-def _rank(rank: int, world: int, store: str, checkpoint: str, out: str) -> None:
+def _rank(rank: int, world: int, store: str, checkpoints: dict[str, str], out: str) -> None:
     with gloo_group(store, rank, world):
-        cfg = read_config(Path(checkpoint))
-        with torch.device("meta"):
-            model = Transformer(cfg.model, cfg.scale)
-        model = parallelize(model, cfg.distributed, torch.device("cpu"), seed=1, dtype="fp32")
-        assert type(model.layers[0].attn.wq.weight).__name__ == "DTensor"
-        dcp.load({"model": ModelState(model)}, storage_reader=SafeReader(checkpoint))
-        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
-        torch.save(full, f"{out}/rank{rank}.pt")
+        for name, checkpoint in checkpoints.items():
+            cfg = read_config(Path(checkpoint))
+            with torch.device("meta"):
+                model = Transformer(cfg.model, cfg.scale)
+            model = parallelize(model, cfg.distributed, torch.device("cpu"), seed=1, dtype="fp32")
+            assert type(model.layers[0].attn.wq.weight).__name__ == "DTensor"
+            dcp.load({"model": ModelState(model)}, storage_reader=SafeReader(checkpoint))
+            full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+            torch.save(full, f"{out}/{name}-rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def loaded_on_two_ranks(averaged, tmp_path_factory) -> Path:
+    """Each average loaded on 2 gloo ranks, one model after the other in one spawned group; the full
+    tensors each rank then held, as <name>-rank<r>.pt."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    checkpoints = {name: str(path) for name, path in averaged.items()}
+    mp.spawn(_rank, args=(2, str(out / "store"), checkpoints, str(out)), nprocs=2, join=True)
+    return out
 
 
 @pytest.mark.parametrize("name", RUNS)
-def test_two_ranks_load_the_average_into_sharded_models(runs, averaged, tmp_path, name):
-    mp.spawn(_rank, args=(2, str(tmp_path / "store"), str(averaged[name]), str(tmp_path)), nprocs=2, join=True)
+def test_two_ranks_load_the_average_into_sharded_models(runs, loaded_on_two_ranks, tmp_path, name):
+    """Loaded as a resume loads (DCP into DTensor shards), the average holds the mean exactly on every rank."""
     want = expected_mean(runs[name], tmp_path)
     for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        got = torch.load(loaded_on_two_ranks / f"{name}-rank{rank}.pt", weights_only=True)
         for k, v in want.items():
             torch.testing.assert_close(got[k], v.float(), rtol=0, atol=0, msg=(rank, k))
 

@@ -135,5 +135,5 @@ def test_a_script_that_prepares_at_import_fails_instead_of_hanging(corpus, proce
     script.write_text("from scalevec_train.data import DataConfig, prepare_data\n"
                       f"prepare_data(DataConfig(**{cfg!r}))\n")
     started = processes.start([sys.executable, str(script)], tmp_path)
-    assert started.wait(timeout=120) != 0
+    assert started.wait() != 0  # a hang fails at launch.TIMEOUT, beyond a slow start on a busy machine
     assert "was called while a worker process imported the main module" in started.output()

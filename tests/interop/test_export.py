@@ -7,7 +7,6 @@ import json
 import os
 import pickle
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -328,10 +327,8 @@ def test_init_from_hf_fills_fsdp_shards(tmp_path, transformers):
     """FSDP2 on a one-rank gloo group: the parameters are DTensors, as under torchrun."""
     hf = random_llama(transformers, tmp_path, tied=False)
     cfg = make_config(*RANDOM_LLAMA)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    # a file store, not a port picked here and bound later: another process may take it in between
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         model = Transformer(cfg.model, cfg.scale)
         model.init_weights(seed=0)

@@ -5,7 +5,6 @@ host-side step counters (torch's for-loop AdamW on CPU) are counted apart and no
 framework; Muon keeps its counters on the device and makes none."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 from scalevec_train.data import prepare_data
 from tests.helpers import REPO, make_config
 from tests.host_reads import ReadCounter, count_reads
+from tests.launch import torchrun
 
 SHAPE = ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2", "model.ffn_dim=64",
          "train.seq_len=32", "train.global_batch=4", "train.micro_batch=2", "train.eval_batches=1",
@@ -68,12 +68,15 @@ def test_no_reads_between_logs_with_a_data_mixture(corpus_dir, tmp_path):
 
 
 def test_no_reads_between_logs_on_two_ranks(data_overrides, processes, tmp_path):
+    """On 2 gloo ranks (FSDP2) every case reads nothing between logs, and under Muon neither a step counter
+    nor a copy; one torchrun launch trains every case (tests/host_reads.py, one run after the other)."""
     prepare_data(make_config(*data_overrides).data)  # once, not by 2 ranks at a time
-    for model, optim in CASES:
-        out = tmp_path / f"{model}-{optim}-{{rank}}.json"
-        processes.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                       str(REPO / "tests" / "host_reads.py"), str(out),
-                       *overrides(data_overrides, model, optim, tmp_path / f"{model}-{optim}")], tmp_path)
+    outs = {case: tmp_path / "{}-{}-{{rank}}.json".format(*case) for case in CASES}
+    spec = [[str(outs[model, optim]), overrides(data_overrides, model, optim, tmp_path / f"{model}-{optim}")]
+            for model, optim in CASES]
+    (tmp_path / "runs.json").write_text(json.dumps(spec))
+    processes.run([*torchrun(2), str(REPO / "tests" / "host_reads.py"), str(tmp_path / "runs.json")], tmp_path)
+    for (model, optim), out in outs.items():
         for rank in (0, 1):
             counts = json.loads(Path(str(out).format(rank=rank)).read_text())
             assert counts["steps"] == 4 and counts["reads"] == 0, (model, optim, rank, counts)
