@@ -16,8 +16,7 @@ import json
 from pathlib import Path
 
 from scalevec_train.checkpoint.files import COMPLETE, checkpoint_root, checkpoint_step, complete_checkpoints
-from scalevec_train.config import Config
-from scalevec_train.continuation import read_run_config
+from scalevec_train.config import Config, read_run_config
 from scalevec_train.errors import ScalevecError
 from scalevec_train.optim.schedules import lr_multiplier
 from scalevec_train.training.logger import read_records

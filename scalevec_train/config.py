@@ -165,6 +165,22 @@ def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
+def from_record(record) -> Config:
+    """A config written out before (config.yaml, a checkpoint's train state), typed: options added since
+    take their defaults."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), record))
+
+
+def read_run_config(run_dir: Path) -> Config:
+    """A run's config.yaml as written by the trainer."""
+    path = run_dir / "config.yaml"
+    try:
+        return from_record(OmegaConf.load(path))
+    except (OSError, OmegaConfBaseException) as e:
+        raise ScalevecError(str(path), f"cannot be read as a run's config ({type(e).__name__}).",
+                            "branch from a run directory written by the trainer, or one of its checkpoints.") from None
+
+
 def _is_option(cfg: Config, key: str) -> bool:
     """Whether a dotted key names an option of cfg (a leaf: not a group)."""
     node = cfg

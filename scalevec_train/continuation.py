@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
-from scalevec_train.config import Config
+from scalevec_train.config import Config, from_record, read_run_config
 from scalevec_train.errors import ScalevecError
 from scalevec_train.optim.schedules import lr_multiplier
+from scalevec_train.training.logger import flatten
 
 # Key prefixes (a trailing dot: every key below) and keys a continuation may change freely.
 OPERATIONAL = ("logger.", "checkpoint.", "distributed.", "tasks.", "data.num_workers", "data.cache_dir",
@@ -42,21 +42,11 @@ LENGTH = ("train.steps", "train.tokens_per_param", "schedule.")
 RESUMES_FILE = "resumes.jsonl"
 
 
-def read_run_config(run_dir: Path) -> Config:
-    """A run's config.yaml as written by the trainer (options added since take their defaults)."""
-    path = run_dir / "config.yaml"
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path)))
-    except (OSError, OmegaConfBaseException) as e:
-        raise ScalevecError(str(path), f"cannot be read as a run's config ({type(e).__name__}).",
-                            "branch from a run directory written by the trainer, or one of its checkpoints.") from None
-
-
 def saved_config(train_state: dict, checkpoint: Path) -> Config | None:
     """The config of the run that wrote `checkpoint`: the one its train state holds, else (checkpoints
     written before it held one) its run directory's config.yaml; None when neither exists."""
     if "config" in train_state:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), train_state["config"]))
+        return from_record(train_state["config"])
     run_dir = checkpoint.parent.parent
     return read_run_config(run_dir) if (run_dir / "config.yaml").is_file() else None
 
@@ -64,21 +54,6 @@ def saved_config(train_state: dict, checkpoint: Path) -> Config | None:
 def as_record(cfg: Config) -> dict:
     """The config as the train state of a checkpoint holds it."""
     return OmegaConf.to_container(OmegaConf.structured(cfg))
-
-
-def flat(cfg: Config) -> dict[str, object]:
-    """{dotted key: value} of every option (lists and None as they are)."""
-    out = {}
-
-    def walk(node, prefix):
-        for key, value in node.items():
-            if isinstance(value, dict):
-                walk(value, f"{prefix}{key}.")
-            else:
-                out[prefix + key] = value
-
-    walk(as_record(cfg), "")
-    return out
 
 
 def _matches(key: str, patterns: tuple[str, ...]) -> bool:
@@ -96,7 +71,7 @@ def changes(saved: Config, new: Config, step: int, length_checked: bool = False)
     train.tokens_per_param, schedule.*, allowed when the LRs of the `step` steps taken agree, or
     `length_checked` when the caller checks that itself), deliberate (named in new.resume_changes) or
     trajectory (refused)."""
-    old, now = flat(saved), flat(new)
+    old, now = flatten(as_record(saved)), flatten(as_record(new))
     lr_kept = length_checked or same_lr_until(saved, new, step)
     found = {}
     for key in sorted(set(old) | set(now)):

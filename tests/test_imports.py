@@ -133,14 +133,15 @@ def test_the_kernel_library_stands_alone():
 
 def test_the_analysis_stands_beside_the_package():
     """scalevec_train never imports scalevec_analysis (matplotlib stays an optional extra); the analysis
-    imports the framework's errors, the metrics.jsonl reader (training.logger) and, lazily, its config,
-    nothing that trains."""
+    imports the framework's errors, the metrics.jsonl reader (training.logger), the resumes.jsonl reader
+    (continuation) and, lazily, its config, nothing that trains."""
     for path in PACKAGE.rglob("*.py"):
         assert not any(m.split(".")[0] == "scalevec_analysis" for m in all_imports(path, PACKAGE)), path
     used = set()
     for path in ANALYSIS.rglob("*.py"):
         used |= imports(path, PACKAGE)
-    assert used <= {"scalevec_train.errors", "scalevec_train.config", "scalevec_train.training.logger"}, used
+    assert used <= {"scalevec_train.errors", "scalevec_train.config", "scalevec_train.training.logger",
+                    "scalevec_train.continuation"}, used
 
 
 def test_no_module_is_long():
