@@ -49,8 +49,9 @@ from scalevec_train.training.callbacks import (
     WeightEMA,
 )
 from scalevec_train.training.callbacks.ema import ema_decay
+from scalevec_train.training.callbacks.evaluation import Validation
 from scalevec_train.training.guards import FaultInjection
-from scalevec_train.training.trainer import Trainer, checkpointed, training_loss
+from scalevec_train.training.trainer import Compute, Schedule, StepRecipe, Trainer, checkpointed, training_loss
 
 
 @dataclass
@@ -136,14 +137,16 @@ def build(cfg: Config) -> Run:
     if init_weights is not None:
         init_from_hf(model, init_weights)
     optimizer = build_optimizer(model, cfg.optim)
-    model.register_optimizer_hooks(optimizer)
 
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
     attended = train_loader.attended_keys() if documents else None
     profiles = cfg.train.profile_steps and (rank_ == 0 or cfg.train.profile_all_ranks)
+    weights = {entry.name: entry.weight for entry, _ in data.sources} if isinstance(data, MixtureData) else None
+    validation = Validation(val_data, token_bytes(data.load_tokenizer()), weights)
+    ema = (WeightEMA(model, ema_decay(cfg.train.ema.half_life_tokens, tokens_per_step), validation,
+                     cfg.train.eval_every) if cfg.train.ema.half_life_tokens else None)
     callbacks = [
         *([faults] if faults else []),
-        # first: its trace ends with the training step, before evaluations and checkpoints
         *([StepProfiler(cfg.train.profile_steps, run_dir / "profile", rank_, cfg.train.profile_record_shapes)]
           if profiles else []),
         StabilityGuard(cfg.train.max_bad_steps, cfg.train.spike_factor),
@@ -152,36 +155,30 @@ def build(cfg: Config) -> Run:
                      world),
         ScaleMonitor(),
         ModelMetrics(),
-        # after ModelMetrics (see Diagnostics); not there at all when off
         *([Diagnostics(cfg.train.diagnostics_every, diagnostic_batch(cfg, data))]
           if cfg.train.diagnostics_every else []),
         EpochMonitor(cfg.data.max_repeats),
-        Evaluator(val_data, cfg.train.eval_every, token_bytes(data.load_tokenizer()),
-                  {entry.name: entry.weight for entry, _ in data.sources} if isinstance(data, MixtureData) else None),
+        Evaluator(validation, cfg.train.eval_every),
         *([TaskEvaluator(tasks, cfg.tasks.every, cfg.tasks.batch_size, rank_, world)] if tasks else []),
+        *([ema] if ema else []),
     ]
-    # after the evaluator (it evaluates at its steps), before the checkpointer (which saves it)
-    evaluator = next(cb for cb in callbacks if isinstance(cb, Evaluator))
-    ema = (WeightEMA(model, ema_decay(cfg.train.ema.half_life_tokens, tokens_per_step), evaluator)
-           if cfg.train.ema.half_life_tokens else None)
     manager = CheckpointManager(
         run_dir, tensors={"model": ModelState(model), "optim": OptimizerState(model, optimizer),
                           **({"ema": ema} if ema else {})},
         records={"loader": train_loader, **checkpointed(callbacks)},
         info={"model_config": cfg.model.architecture(), "optimizer": cfg.optim.name, "config": as_record(cfg)},
         keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save, optional=frozenset({"ema"}))
-    callbacks += [ema] if ema else []
     if resume_from is not None:
         manager.load(resume_from, train_state)
-    start_step = train_state["step"] if train_state else 0
     checkpointer = Checkpointer(manager, cfg.checkpoint.every)
     callbacks.append(checkpointer)
-    trainer = Trainer(
-        model, optimizer, train_loader, partial(lr_multiplier, cfg.schedule, total_steps=cfg.train.steps),
-        steps=cfg.train.steps, accum=cfg.train.global_batch // (cfg.train.micro_batch * world),
-        grad_clip=cfg.train.grad_clip, device=device, autocast=autocast_for(cfg.train.dtype, device),
-        log_every=cfg.train.log_every, tokens_per_step=tokens_per_step, callbacks=callbacks,
-        start_step=start_step, loss_fn=faults or loss_fn, z_loss_coef=cfg.train.z_loss, documents=documents)
+    schedule = Schedule(cfg.train.steps, partial(lr_multiplier, cfg.schedule, total_steps=cfg.train.steps),
+                        cfg.train.log_every, start_step=train_state["step"] if train_state else 0)
+    recipe = StepRecipe(accum=cfg.train.global_batch // (cfg.train.micro_batch * world),
+                        tokens_per_step=tokens_per_step, grad_clip=cfg.train.grad_clip, loss_fn=faults or loss_fn,
+                        z_loss_coef=cfg.train.z_loss, documents=documents)
+    trainer = Trainer(model, optimizer, train_loader, schedule, recipe,
+                      Compute(device, autocast_for(cfg.train.dtype, device)), callbacks)
     return Run(trainer, data, run_dir, checkpointer, branched_from, attended,
                (train_state["step"], resume_from, continued) if train_state else None)
 

@@ -28,7 +28,7 @@ from scalevec_train.interop.api import load, read_config, resolve
 from scalevec_train.tasks.config import TasksConfig
 from scalevec_train.tasks.load import load_tasks
 from scalevec_train.tasks.scoring import score
-from scalevec_train.training.callbacks.evaluation import Evaluator
+from scalevec_train.training.callbacks.evaluation import Validation
 
 USAGE = ("usage: python -m scalevec_train.evaluate <run_dir or checkpoints/step_N or averaged folder> "
          "[--tasks embedded|standard|run]")
@@ -55,11 +55,11 @@ def evaluate_metrics(path: str | Path, tasks: str = "") -> tuple[dict[str, float
     tok = data.load_tokenizer()
     encoded = load_tasks(tasks_cfg, cfg.data, tok, cfg.train.seq_len) if tasks_cfg else []
     model, _ = load(checkpoint, device=device)
-    # the trainer's own evaluator on the same batches: the same val_loss, val_bpb and a mixture's per source
-    evaluator = Evaluator(validation_batches(cfg, data, 0, 1), 0, token_bytes(tok),
-                          {m.name: m.weight for m in cfg.data.mixture} or None)
+    # the trainer's own validation on the same batches: the same val_loss, val_bpb and a mixture's per source
+    validation = Validation(validation_batches(cfg, data, 0, 1), token_bytes(tok),
+                            {m.name: m.weight for m in cfg.data.mixture} or None)
     autocast = autocast_for(cfg.train.dtype, device)
-    metrics = {name: value.item() for name, value in evaluator.metrics(model, device, autocast).items()}
+    metrics = {name: value.item() for name, value in validation.metrics(model, device, autocast).items()}
     for task in encoded:
         for name, value in score(model, task, device, autocast, tasks_cfg.batch_size).items():
             metrics[f"task/{task.name}/{name}"] = float(value)

@@ -21,10 +21,12 @@ from scalevec_train.training.trainer import Callback, Trainer
 
 
 class StepClock(Callback):
-    """Wall time from a step's first hook (`first`, the first callback) to its last (`last`)."""
+    """Wall time from a step's first hook (`first`, a clock that runs before every other callback) to its
+    last (the clock that runs after every other)."""
 
     def __init__(self, times: list[float], first: bool):
         self.times, self.first = times, first
+        self.order = -2 if first else 2  # the callbacks' orders are -1 (the profiler) and 0
 
     def on_step_start(self, trainer: Trainer) -> None:
         if self.first:
@@ -41,8 +43,7 @@ def step_times(overrides: list[str]) -> list[float]:
 
     def clocked(cfg):
         built = build(cfg)
-        built.trainer.callbacks.insert(0, StepClock(times, first=True))
-        built.trainer.callbacks.append(StepClock(times, first=False))
+        built.trainer.add_callbacks(StepClock(times, first=True), StepClock(times, first=False))
         return built
 
     train.build = clocked

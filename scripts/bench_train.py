@@ -112,7 +112,7 @@ def bench(preset: str, scale: str, args: argparse.Namespace) -> dict:
     try:
         start = time.perf_counter()
         trainer = build(cfg).trainer
-        device = trainer.device
+        device = trainer.compute.device
         sync(device)
         row["build s"] = f"{time.perf_counter() - start:.1f}"
         if device.type == "cuda":

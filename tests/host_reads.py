@@ -57,11 +57,12 @@ class ReadCounter(TorchDispatchMode):
 
 class CountNonLogSteps(Callback):
     """Counts from the start of every step that does not log (as the trainer decides it when the step
-    starts) to the end of its last hook: one instance goes first in the callback list, one (`closing`)
-    last."""
+    starts) to the end of its last hook: one instance runs before every other callback, one (`closing`)
+    after every other."""
 
     def __init__(self, counter: ReadCounter, closing: bool):
         self.counter, self.closing = counter, closing
+        self.order = 2 if closing else -2  # the callbacks' orders are -1 (the profiler) and 0
         self.steps = 0
 
     def on_step_start(self, trainer: Trainer) -> None:
@@ -82,7 +83,7 @@ def count_reads(overrides: list[str], out: Path) -> None:
         built = build(cfg)
         counter = ReadCounter(built.trainer.optimizer)
         opening = CountNonLogSteps(counter, closing=False)
-        built.trainer.callbacks = [opening, *built.trainer.callbacks, CountNonLogSteps(counter, closing=True)]
+        built.trainer.add_callbacks(opening, CountNonLogSteps(counter, closing=True))
         made.append((counter, opening, built.trainer))
         return built
 

@@ -27,8 +27,8 @@ dual_norm or post_norm) acts on the combined y, as on the dense block's output.
 
 Load balancing: the auxiliary-loss-free expert bias moves every optimizer step by
 bias += bias_update_rate * sign(mean load - load), with the loads (token counts of the step's training
-forwards, summed over data-parallel ranks) gathered by update_bias(), which runs as an optimizer step
-post-hook (Transformer.register_optimizer_hooks). Evaluation (eval mode or no_grad) never counts, so it
+forwards, summed over data-parallel ranks) gathered by update_bias(), which runs after every optimizer step
+(Transformer.update_after_step, called by the trainer). Evaluation (eval mode or no_grad) never counts, so it
 never moves the bias. Optionally a load-balancing loss E * sum_e f_e P_e (f_e: share of the
 micro-batch's assignments going to e, P_e: mean routing probability of e; 1 when balanced) and the
 router z-loss mean(logsumexp(logits)^2) are added to the training loss (Transformer.auxiliary_loss).

@@ -33,8 +33,9 @@ class TrainableModel(Protocol):
         """Forget what the forwards of the current optimizer step recorded (after every step: a taken
         step has used it already, a skipped one must not leave it to the next)."""
 
-    def register_optimizer_hooks(self, optimizer: torch.optim.Optimizer) -> None:
-        """Attach the updates that follow each optimizer step (MoE expert biases) to `optimizer`."""
+    def update_after_step(self, taken: torch.Tensor | None = None) -> None:
+        """The updates that follow each optimizer step (MoE expert biases), only where the 0-dim bool
+        `taken` is true if given (training/skip.py): call it after every optimizer step."""
 
     def compute_metrics(self) -> dict[str, float]:
         """The model's own metrics for a logged step (MoE load balance); read on log steps only."""

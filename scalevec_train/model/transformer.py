@@ -147,16 +147,11 @@ class Transformer(nn.Module):
             out.update({f"moe/layer{i}/{k}": v for k, v in m.compute_metrics().items()})
         return out
 
-    def register_optimizer_hooks(self, optimizer: torch.optim.Optimizer) -> None:
-        """Updates that follow each optimizer step: the MoE layers' expert biases (a collective: every
-        rank steps the optimizer); not on a step the optimizer's `found_inf` skips."""
+    def update_after_step(self, taken: torch.Tensor | None = None) -> None:
+        """What follows each optimizer step: the MoE layers' expert-bias update (a collective: every rank
+        calls it); where the 0-dim bool `taken` is false (a step skipped on the device), nothing changes."""
         for m in self._moe.values():
-            def update(optimizer, args, kwargs, layer=m):
-                found_inf = getattr(optimizer, "found_inf", None)
-                layer.update_bias(None if found_inf is None else found_inf == 0)
-
-            update.reads_found_inf = True  # training/skip.py then copies nothing to skip a step
-            optimizer.register_step_post_hook(update)
+            m.update_bias(taken)
 
     def discard_step_state(self) -> None:
         """Forget what the forwards of a step that is not taken recorded (the routers' token counts)."""

@@ -6,19 +6,18 @@ token embedding and the output head decay by the optimizer config; every other p
 matrix.
 """
 
-import math
-
 import torch
 from torch import nn
 
 from scalevec_train.model.plan import GROUPS, Decay
 from scalevec_train.model.protocol import TrainableModel
+from scalevec_train.optim.adamw import AdamW, FusedAdamW
 from scalevec_train.optim.config import OptimConfig
 from scalevec_train.optim.muon import Muon
 
 # The scale sites' groups (the plan's): scale_decay: p <- p (1 - lr wd), the optimizer's own decay;
-# scale_log_decay: an `er` site's b <- b + log(1 - lr wd) (applied by a step pre-hook, see
-# log_decay_hook); scale_no_decay: no decay.
+# scale_log_decay: an `er` site's b <- b + log(1 - lr wd) (log_decay.py, which the optimizers apply);
+# scale_no_decay: no decay.
 KINDS = ("matrix", "embedding", "head", GROUPS[Decay.SCALE], GROUPS[Decay.LOG], GROUPS[Decay.NONE])
 
 
@@ -53,7 +52,7 @@ def param_groups(model: TrainableModel, cfg: OptimConfig) -> list[dict]:
         "embedding": cfg.weight_decay if cfg.decay_embeddings else 0.0,
         "head": cfg.weight_decay if cfg.decay_head else 0.0,
         "scale_decay": cfg.scale_decay(),
-        "scale_log_decay": 0.0,  # the optimizer must not decay b toward 0: log_decay_hook shifts it
+        "scale_log_decay": 0.0,  # the optimizer must not decay b toward 0: log_decay shifts it
         "scale_no_decay": 0.0,
     }
     kinds = classify(model)
@@ -79,29 +78,6 @@ def param_groups(model: TrainableModel, cfg: OptimConfig) -> list[dict]:
     return groups
 
 
-@torch.no_grad()
-def log_decay_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Before each step: b <- b + log(1 - lr wd) for the `er` magnitudes of groups with a
-    `log_weight_decay`, which shrinks s = exp(b) alpha / rms(alpha) by the decoupled factor (1 - lr wd),
-    as the optimizer's own decay shrinks a plain site (docs/scale-vectors.md, "Weight decay on scale
-    sites").
-    Nothing changes on a step the optimizer's `found_inf` skips (training/skip.py)."""
-    found_inf = getattr(optimizer, "found_inf", None)
-    for group in optimizer.param_groups:
-        wd = group.get("log_weight_decay", 0.0)
-        if wd and group["lr"]:
-            shift = math.log(1.0 - group["lr"] * wd)  # OptimConfig.validate keeps lr * wd below 1
-            for p in group["params"]:
-                if found_inf is None:
-                    p.add_(shift)
-                else:
-                    local = p.to_local() if hasattr(p, "to_local") else p
-                    torch.where(found_inf == 0, local + shift, local, out=local)
-
-
-log_decay_hook.reads_found_inf = True
-
-
 def build_optimizer(model: TrainableModel, cfg: OptimConfig) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg)
     if cfg.name == "muon":
@@ -110,10 +86,8 @@ def build_optimizer(model: TrainableModel, cfg: OptimConfig) -> torch.optim.Opti
                          ns_dtype=cfg.ns_dtype, lr_adjust=cfg.lr_adjust, ns_eps=cfg.ns_eps,
                          betas=tuple(cfg.betas), eps=cfg.eps)
     else:
-        on_cuda = next(model.parameters()).is_cuda
-        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=on_cuda)
-    if any("log_weight_decay" in g for g in optimizer.param_groups):
-        optimizer.register_step_pre_hook(log_decay_hook)
+        adamw = FusedAdamW if next(model.parameters()).is_cuda else AdamW
+        optimizer = adamw(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     return optimizer
 
 

@@ -5,19 +5,19 @@ schedules and checkpoints a single optimizer. On one process the Muon update fol
 operation for operation. Under FSDP2 the momentum stays sharded like its parameter and only the
 orthogonalization sees whole matrices, on an owner rank (see muon_dist).
 
-A step can be skipped on the device, as torch's fused optimizers skip one: set `found_inf` (a float
-tensor on the parameters' device, nonzero: skip) before step(). The host never reads it: every tensor
-the step changes (parameters, momentum, Adam moments, the step counters, which live on the device) is
-computed anew and then selected, element for element, between the new and the old value; a taken step
-does the same operations as an unconditional one, so its numbers are the same bit for bit.
+A step can be skipped on the device (optim/protocol.py, StepsWhere): step_where(taken). The host never
+reads the verdict: every tensor the step changes (parameters, momentum, Adam moments, the step counters,
+which live on the device) is computed anew and then selected, element for element, between the new and
+the old value; a taken step does the same operations as step(), so its numbers are the same bit for bit.
+Groups with a `log_weight_decay` (the `er` sites' magnitudes) are log-decayed first (log_decay.py).
 """
 
 import math
 
 import torch
-from torch.distributed.tensor import DTensor
-
+from scalevec_train.dtensor import local
 from scalevec_train.errors import ScalevecError
+from scalevec_train.optim.log_decay import log_decay
 from scalevec_train.optim.muon_dist import orthogonalize_sharded, shard_layout
 
 # Keller Jordan's quintic: a fixed polynomial whose slope at 0 is as large as possible.
@@ -87,11 +87,6 @@ def _renamed(group: dict, names: dict[str, str]) -> dict:
     return {names.get(k, k): v for k, v in group.items()}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank stores: a DTensor's local shard (same storage) or the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _ns_cost(shape: torch.Size) -> float:
     """Newton-Schulz work for a whole parameter: rows * cols * min(rows, cols) per matrix."""
     batch = shape[0] if len(shape) == 3 else 1
@@ -111,8 +106,6 @@ class Muon(torch.optim.Optimizer):
     State: Muon params hold `momentum_buffer`; AdamW params `step` (a float32 tensor on the parameter's
     device), `exp_avg`, `exp_avg_sq` (as torch's).
     """
-
-    reads_found_inf = True  # skips a step on the device where `found_inf` says so (training/skip.py)
 
     def __init__(
         self,
@@ -163,12 +156,21 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        log_decay(self.param_groups)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found_inf = getattr(self, "found_inf", None)
-        taken = None if found_inf is None else found_inf == 0
+        self._update(None)
+        return loss
+
+    @torch.no_grad()
+    def step_where(self, taken: torch.Tensor) -> None:
+        log_decay(self.param_groups, taken)
+        self._update(taken)
+
+    def _update(self, taken: torch.Tensor | None) -> None:
+        """The step's update; with `taken`, each new value selected into place where it is true."""
         # row-sharded matrices wait here, per (shard group, dtypes), for one exchange with their owners
         pending: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, dict]]] = {}
         for group in self.param_groups:
@@ -194,7 +196,6 @@ class Muon(torch.optim.Optimizer):
                 [_ns_cost(p.shape) for p, _, _ in items], whole, getattr(torch, ns_dtype), layout)
             for (p, _, group), result in zip(items, results, strict=True):
                 self._apply(p, result, group, taken)
-        return loss
 
     def _momentum_update(self, p: torch.Tensor, group: dict, taken: torch.Tensor | None) -> torch.Tensor:
         """Update the momentum (an EMA of gradients, like torch's); return this rank's part of the matrix
@@ -202,14 +203,14 @@ class Muon(torch.optim.Optimizer):
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p)
-        buf, grad = _local(state["momentum_buffer"]), _local(p.grad)
+        buf, grad = local(state["momentum_buffer"]), local(p.grad)
         _commit(buf, _candidate(buf, taken).lerp_(grad, 1 - group["momentum"]), taken)
         return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
 
     def _apply(self, p: torch.Tensor, ortho: torch.Tensor, group: dict, taken: torch.Tensor | None) -> None:
         """Decay, then add this rank's rows of the orthogonalized update, with the LR adjusted to the
         whole matrix's shape."""
-        old = _local(p)
+        old = local(p)
         param = _candidate(old, taken)
         lr = group["lr"]
         param.mul_(1 - lr * group["weight_decay"])
@@ -234,8 +235,8 @@ class Muon(torch.optim.Optimizer):
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
-            old, grad = _local(p), _local(p.grad)
-            exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+            old, grad = local(p), local(p.grad)
+            exp_avg, exp_avg_sq = local(state["exp_avg"]), local(state["exp_avg_sq"])
             _commit(state["step"], _candidate(state["step"], taken).add_(1), taken)
             # on a skipped step what follows is computed from the old state and then discarded
             step = state["step"].double()

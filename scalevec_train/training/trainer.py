@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
 
 from scalevec_train.data.loader import IGNORE
+from scalevec_train.data.protocol import Loader
 from scalevec_train.model.protocol import TrainableModel
 from scalevec_train.parallel.data_parallel import (
     clip_grad_norm,
@@ -81,12 +82,17 @@ class StepResult:
 
 
 class Callback:
-    """Observes the loop. Every hook does nothing unless a subclass overrides it; hooks run in the
-    order of the trainer's callback list. A callback puts metrics in the logs with trainer.record(); one
-    that holds state to resume is Stateful (state_dict, load_state_dict) and names its entry of the
-    checkpoint's train_state.json in `checkpoint_key`."""
+    """Observes the loop. Every hook does nothing unless a subclass overrides it. A callback puts metrics in
+    the logs with trainer.record(); one that holds state to resume is Stateful (state_dict,
+    load_state_dict) and names its entry of the checkpoint's train_state.json in `checkpoint_key`.
+
+    Every hook runs on the callbacks in one order (ordered()), which each callback's class declares: it
+    runs after the callbacks of the classes in `after` (it reads what they leave: records, the model's
+    state), and otherwise by `order`, lower first."""
 
     checkpoint_key: str | None = None
+    after: tuple[type["Callback"], ...] = ()
+    order: int = 0
 
     def on_fit_start(self, trainer: "Trainer") -> None:
         """Before the first step (also of a resumed run)."""
@@ -114,30 +120,67 @@ class Callback:
         """Always, last: release what on_fit_start took."""
 
 
+def ordered(callbacks: list[Callback]) -> list[Callback]:
+    """`callbacks` in the order their hooks run: each after every callback of a class in its `after`;
+    among those free to run next, the lowest `order` first, then the one given first (callbacks that
+    declare nothing between them do not depend on each other: their order only orders a record's keys)."""
+    pending, out = list(callbacks), []
+    while pending:
+        free = [i for i, cb in enumerate(pending)
+                if not any(isinstance(other, cb.after) for j, other in enumerate(pending) if j != i)]
+        if not free:
+            raise ValueError("callbacks wait on each other (Callback.after): "
+                             + ", ".join(type(cb).__name__ for cb in pending))
+        out.append(pending.pop(min(free, key=lambda i: pending[i].order)))
+    return out
+
+
 def checkpointed(callbacks: list[Callback]) -> dict[str, Stateful]:
     """The callbacks whose state a checkpoint keeps, by their train_state.json key."""
     return {cb.checkpoint_key: cb for cb in callbacks if cb.checkpoint_key is not None}
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """Which steps the trainer takes and logs, and the learning rate of each."""
+
+    steps: int  # train to this step
+    lr_at: Callable[[int], float]  # the schedule's multiplier of each group's `base_lr` at a step
+    log_every: int
+    start_step: int = 0  # the steps taken before (a resumed run)
+
+
+@dataclass(frozen=True)
+class StepRecipe:
+    """What one optimizer step computes."""
+
+    accum: int  # micro-batches per step on each rank
+    tokens_per_step: int  # of the global batch
+    grad_clip: float  # the global gradient norm clipped to; 0: no clipping
+    # the training loss, a mean over the counted targets (fault injection wraps it: guards.FaultInjection)
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
+    z_loss_coef: float = 0.0  # the weight of z_loss() in the training loss
+    documents: bool = False  # the loader's batches have document ids (model.attention_mask=document)
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Where the model runs, and the precision context of a forward."""
+
+    device: torch.device
+    autocast: Callable[[], AbstractContextManager]
+
+
 class Trainer:
-    """Trains `model` from step `start_step` to `steps` (or an earlier requested stop).
+    """Trains `model` with `optimizer` on `loader`'s batches over `schedule`'s steps (or to an earlier
+    requested stop), each step as `recipe` says, observed by `callbacks` (run in their declared order)."""
 
-    lr_at(step) is the schedule's multiplier of each group's `base_lr`; `autocast` returns the precision
-    context of a forward; loss_fn(logits, targets) is the training loss, a mean over the counted
-    targets (fault injection wraps it: guards.FaultInjection); z_loss_coef weights z_loss() in it;
-    `documents`: the loader's batches have document ids (model.attention_mask=document)."""
-
-    def __init__(self, model: TrainableModel, optimizer: torch.optim.Optimizer, loader,
-                 lr_at: Callable[[int], float], steps: int, accum: int, grad_clip: float, device: torch.device,
-                 autocast: Callable[[], AbstractContextManager], log_every: int, tokens_per_step: int,
-                 callbacks: list[Callback], start_step: int = 0,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy,
-                 z_loss_coef: float = 0.0, documents: bool = False):
-        self.model, self.optimizer, self.loader, self.lr_at = model, optimizer, loader, lr_at
-        self.steps, self.accum, self.grad_clip, self.device = steps, accum, grad_clip, device
-        self.autocast, self.log_every, self.tokens_per_step = autocast, log_every, tokens_per_step
-        self.callbacks, self.step, self.loss_fn = callbacks, start_step, loss_fn
-        self.z_loss_coef, self.documents = z_loss_coef, documents
+    def __init__(self, model: TrainableModel, optimizer: torch.optim.Optimizer, loader: Loader, schedule: Schedule,
+                 recipe: StepRecipe, compute: Compute, callbacks: list[Callback]):
+        self.model, self.optimizer, self.loader = model, optimizer, loader
+        self.schedule, self.recipe, self.compute = schedule, recipe, compute
+        self.callbacks = ordered(callbacks)
+        self.step = schedule.start_step
         self.logger: MetricsLogger | None = None  # set by fit()
         self.replicated = replicated_params(model)
         self.optimizer_step = ConditionalStep(optimizer, model)
@@ -146,19 +189,19 @@ class Trainer:
         self._log_requested = self._read_back_requested = False
         self._records: dict[int, dict] = {}  # step -> metrics recorded for it, not yet written
 
+    def add_callbacks(self, *callbacks: Callback) -> None:
+        """Add callbacks to a built trainer (a test's counters, a benchmark's clocks), each in its place."""
+        self.callbacks = ordered([*self.callbacks, *callbacks])
+
     def is_log_step(self, step: int) -> bool:
         """Whether step number `step` (1-based: the step in progress is self.step + 1) logs regularly."""
-        return step % self.log_every == 0 or step == self.steps
+        return step % self.schedule.log_every == 0 or step == self.schedule.steps
 
     @property
     def reads_back(self) -> bool:
         """Whether the step just taken (self.step) may read device values on the host: a log step, or
         a step a callback asked for (request_read_back)."""
         return self.is_log_step(self.step) or self._read_back_requested
-
-    @property
-    def tokens(self) -> int:
-        return self.step * self.tokens_per_step
 
     @property
     def lr(self) -> float:
@@ -183,30 +226,27 @@ class Trainer:
         if self.stop_reason is None:
             self.stop_reason, self._stop_error = reason, error
 
-    def _hooks(self, name: str, *args) -> None:
-        for cb in self.callbacks:
-            getattr(cb, name)(self, *args)
-
     def train_step(self) -> StepResult:
         """One optimizer step over the global batch."""
         start = time.perf_counter()
-        multiplier = self.lr_at(self.step)
+        recipe, device = self.recipe, self.compute.device
+        multiplier = self.schedule.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = group["base_lr"] * multiplier
-        total = torch.zeros((), device=self.device)
-        z_total = torch.zeros((), device=self.device) if self.z_loss_coef else None
-        batches = [self.loader.next_batch() for _ in range(self.accum)]
+        total = torch.zeros((), device=device)
+        z_total = torch.zeros((), device=device) if recipe.z_loss_coef else None
+        batches = [self.loader.next_batch() for _ in range(recipe.accum)]
         # the mean over micro-batches (1 / accum each), or each one's share of the counted targets
-        weights = micro_weights(batches, self.device) if self.documents else None
+        weights = micro_weights(batches, device) if recipe.documents else None
         for micro, batch in enumerate(batches):
-            inputs, targets = (t.to(self.device, non_blocking=True) for t in batch[:2])
-            doc_ids = None if batch.doc_ids is None else batch.doc_ids.to(self.device, non_blocking=True)
-            set_gradient_sync(self.model, micro == self.accum - 1)
-            with self.autocast():
+            inputs, targets = (t.to(device, non_blocking=True) for t in batch[:2])
+            doc_ids = None if batch.doc_ids is None else batch.doc_ids.to(device, non_blocking=True)
+            set_gradient_sync(self.model, micro == recipe.accum - 1)
+            with self.compute.autocast():
                 logits = self.model(inputs, doc_ids=doc_ids)
-                loss = self.loss_fn(logits, targets)
+                loss = recipe.loss_fn(logits, targets)
                 if z_total is not None:  # trains the logits' scale; logged apart from the loss
-                    z = self.z_loss_coef * z_loss(logits, targets)
+                    z = recipe.z_loss_coef * z_loss(logits, targets)
             del logits  # not kept alive through the next micro-batch's forward
             total += loss.detach() if weights is None else loss.detach() * weights[micro]
             if z_total is not None:
@@ -216,45 +256,51 @@ class Trainer:
             if aux is not None:  # trains the router; not part of the logged loss
                 loss = loss + aux
             if weights is None:
-                (loss / self.accum).backward()
+                (loss / recipe.accum).backward()
             else:  # the router's loss too is weighted by the micro-batch's share of tokens
                 (loss * weights[micro]).backward()
         reduce_replicated_grads(self.replicated)
-        self._hooks("on_backward_end")
-        grad_norm = clip_grad_norm(self.model, self.grad_clip if self.grad_clip > 0 else float("inf"))
-        mean_loss = all_reduce_mean(total / self.accum if weights is None else total)
-        z_mean = None if z_total is None else all_reduce_mean(z_total / self.accum if weights is None else z_total)
+        for cb in self.callbacks:
+            cb.on_backward_end(self)
+        grad_norm = clip_grad_norm(self.model, recipe.grad_clip if recipe.grad_clip > 0 else float("inf"))
+        mean_loss = all_reduce_mean(total / recipe.accum if weights is None else total)
+        z_mean = None if z_total is None else all_reduce_mean(z_total / recipe.accum if weights is None else z_total)
         taken = torch.isfinite(mean_loss) & torch.isfinite(grad_norm)
         self.optimizer_step(taken)
         self.model.discard_step_state()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.device.type == "cuda" and (self.is_log_step(self.step + 1) or self._read_back_requested):
+        if device.type == "cuda" and (self.is_log_step(self.step + 1) or self._read_back_requested):
             # the host reads back after this step anyway: the wait for the device belongs to its time
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(device)
         return StepResult(mean_loss, grad_norm, taken, time.perf_counter() - start, z_mean)
 
     def fit(self, logger: MetricsLogger) -> str | None:
-        """Train to `steps`, writing records to `logger`; returns the reason of an early stop (None when
-        the run is complete), or raises the error a callback stopped the run with."""
+        """Train to the schedule's last step, writing records to `logger`; returns the reason of an early
+        stop (None when the run is complete), or raises the error a callback stopped the run with."""
         self.logger = logger
         try:
-            self._hooks("on_fit_start")
+            for cb in self.callbacks:
+                cb.on_fit_start(self)
             self._write()
-            while self.step < self.steps and self.stop_reason is None:
+            while self.step < self.schedule.steps and self.stop_reason is None:
                 self._one_step()
-            self._hooks("on_fit_end")
+            for cb in self.callbacks:
+                cb.on_fit_end(self)
         finally:
-            self._hooks("on_close")
+            for cb in self.callbacks:
+                cb.on_close(self)
         if self._stop_error is not None:
             raise self._stop_error
         return self.stop_reason
 
     def _one_step(self) -> None:
         self._log_requested = self._read_back_requested = False
-        self._hooks("on_step_start")
+        for cb in self.callbacks:
+            cb.on_step_start(self)
         result = self.train_step()
         self.step += 1
-        self._hooks("on_step_end", result)
+        for cb in self.callbacks:
+            cb.on_step_end(self, result)
         self.logger.advance()
         if self.is_log_step(self.step) or self._log_requested or self.stop_reason:
             loss, grad_norm = torch.stack([result.loss, result.grad_norm]).tolist()
@@ -264,11 +310,13 @@ class Trainer:
                 self.record("grad_norm", grad_norm)
             if result.z_loss is not None:
                 self.record("z_loss", result.z_loss)
-            self._hooks("on_log")
+            for cb in self.callbacks:
+                cb.on_log(self)
         if self.stop_reason:
             self.record("stopped", self.stop_reason)
         self._write()
-        self._hooks("on_step_done")
+        for cb in self.callbacks:
+            cb.on_step_done(self)
 
     def _write(self) -> None:
         """Write the recorded metrics, one record per step in step order, reading their device values
@@ -281,4 +329,4 @@ class Trainer:
         values = iter(torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist() if tensors else [])
         for step, recorded in records:
             metrics = {k: next(values) if isinstance(v, torch.Tensor) else v for k, v in recorded.items()}
-            self.logger.log({"step": step, "tokens": step * self.tokens_per_step, **metrics})
+            self.logger.log({"step": step, "tokens": step * self.recipe.tokens_per_step, **metrics})

@@ -3,6 +3,7 @@ tolerance), each source's samples in its own permutation order, resume on anothe
 and with real gloo ranks under torchrun), the per-source validation losses against a direct computation
 with plain PyTorch, the repeat warning, and bad configs. Two small text folders, written here."""
 
+import inspect
 import json
 import math
 import shutil
@@ -20,6 +21,7 @@ from scalevec_train.data.config import MixtureSource
 from scalevec_train.data.mixing import BLOCK, SourceSchedule
 from scalevec_train.data.mixture import MixtureData
 from scalevec_train.data.mixture_loader import MixtureLoader
+from scalevec_train.data.protocol import Loader
 from scalevec_train.data.permutation import permute
 from scalevec_train.errors import ScalevecError
 from scalevec_train.training.callbacks import EpochMonitor
@@ -126,6 +128,11 @@ def test_a_single_source_draws_what_it_drew_before_mixtures(folders, tmp_path):
                                  tokenizer_path=str(single.tokenizer_path), mixture=[entry]))
     assert alone.first.root == single.root
     plain, mixed = TokenLoader(single, "train", SEQ, 8, seed=2), MixtureLoader(alone, SEQ, 8, seed=2)
+    for loader in (plain, mixed):  # both are what the trainer takes (data/protocol.py), signatures and all
+        assert isinstance(loader, Loader)
+        for name in ("next_batch", "epochs_at", "state_dict", "load_state_dict"):
+            expected = list(inspect.signature(getattr(Loader, name)).parameters)[1:]
+            assert list(inspect.signature(getattr(loader, name)).parameters) == expected, name
     for _ in range(2 * BLOCK // 8 + 3):  # across block boundaries and into the second epoch
         a, b = plain.next_batch(), mixed.next_batch()
         assert torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets)
@@ -150,7 +157,9 @@ def test_max_tokens_caps_a_source_and_repeats_are_warned_per_source(folders, tmp
     assert loader.sources[1][1].num_windows == (400 - 1) // SEQ
     rows = drawn(data, [loader.next_batch() for _ in range(10)])
     assert {w for k, w in rows if k == 1} == set(range((400 - 1) // SEQ))  # the cap, and all of it
-    trainer = SimpleNamespace(loader=loader, steps=100, tokens_per_step=8 * SEQ)  # 800 samples, 200 of b
+    # 800 samples, 200 of b
+    trainer = SimpleNamespace(loader=loader, schedule=SimpleNamespace(steps=100),
+                              recipe=SimpleNamespace(tokens_per_step=8 * SEQ))
     EpochMonitor(max_repeats=4.0).on_fit_start(trainer)
     err = capsys.readouterr().err
     assert "source 'b' of the mixture" in err and "source 'a'" not in err

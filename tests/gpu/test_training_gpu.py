@@ -158,7 +158,7 @@ def test_muon_on_cuda_equals_torch_muon():
 
 
 def test_muon_skips_a_step_on_the_device_without_waiting_for_it():
-    """found_inf on CUDA: the step synchronizes nothing (sync debug mode raises where it would), the
+    """step_where on CUDA: the step synchronizes nothing (sync debug mode raises where it would), the
     AdamW step counters live on the device, a skipped step (NaN gradients) changes nothing, and the
     taken ones equal the unflagged step bit for bit."""
     torch.manual_seed(0)
@@ -175,10 +175,10 @@ def test_muon_skips_a_step_on_the_device_without_waiting_for_it():
         before = [p.clone() for p in ours] + [v.clone() for s in opt.state.values() for v in s.values()]
         for p, g in zip(ours, grads, strict=True):
             p.grad = g if taken else g * float("nan")
-        opt.found_inf = torch.full((), 0.0 if taken else 1.0, device="cuda")
+        verdict = torch.full((), taken, device="cuda")
         torch.cuda.set_sync_debug_mode("error")
         try:
-            opt.step()
+            opt.step_where(verdict)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         if taken:

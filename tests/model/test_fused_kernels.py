@@ -51,7 +51,6 @@ def build(case: str, kernels: str):
 
 def losses_and_first_grads(case: str, kernels: str):
     model, optimizer = build(case, kernels)
-    model.register_optimizer_hooks(optimizer)
     tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(2))
     losses, first = [], None
     for _ in range(STEPS):
@@ -62,6 +61,7 @@ def losses_and_first_grads(case: str, kernels: str):
         if first is None:
             first = logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
         optimizer.step()
+        model.update_after_step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses, first

@@ -338,13 +338,13 @@ def test_moe_tiny_trains(strategy):
     # A few fixed sequences seen again and again: learnable in a handful of steps.
     data = torch.randint(0, cfg.vocab_size, (4, 25))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    model.register_optimizer_hooks(opt)  # the expert-bias update follows every optimizer step
     losses = []
     for _ in range(50):
         logits = model(data[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), data[:, 1:].flatten())
         (loss + model.auxiliary_loss()).backward()
         opt.step()
+        model.update_after_step()  # the expert-bias update follows every optimizer step
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     assert all(math.isfinite(v) for v in losses)

@@ -21,7 +21,7 @@ def test_models_satisfy_the_model_protocol(preset):
         model = Transformer(cfg.model, cfg.scale)
     assert isinstance(model, TrainableModel)
     assert isinstance(model.layers, torch.nn.ModuleList) and len(model.layers) == cfg.model.n_layers
-    assert {"auxiliary_loss", "discard_step_state", "register_optimizer_hooks", "compute_metrics",
+    assert {"auxiliary_loss", "discard_step_state", "update_after_step", "compute_metrics",
             "initial_value", "init_weights", "init_buffers"} <= set(METHODS)
     for name in METHODS:
         expected = list(inspect.signature(getattr(TrainableModel, name)).parameters)[1:]

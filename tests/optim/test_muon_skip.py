@@ -1,4 +1,4 @@
-"""Muon's device-side skip (`found_inf`), on 1 process and on 2 gloo ranks under FSDP2 (row-sharded
+"""Muon's device-side skip (step_where), on 1 process and on 2 gloo ranks under FSDP2 (row-sharded
 matrices orthogonalized on owner ranks, expert stacks, AdamW groups): a taken step equals
 Muon's plain step bit for bit, a skipped one (NaN gradients) leaves every parameter and state tensor
 bit-identical, and the step after it equals that of a run that never had it. The host never reads the
@@ -13,20 +13,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from scalevec_train.dtensor import local
 from tests.launch import child_env
 from tests.optim.test_muon_fsdp import BATCH, VOCAB, build
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def snapshot(model, opt) -> dict[str, torch.Tensor]:
     """This rank's part of every parameter and optimizer-state tensor."""
-    out = {f"param/{n}": _local(p).detach().clone() for n, p in model.named_parameters()}
+    out = {f"param/{n}": local(p).detach().clone() for n, p in model.named_parameters()}
     names = {p: n for n, p in model.named_parameters()}
     for p, state in opt.state.items():
-        out.update({f"state/{names[p]}/{k}": _local(v).clone() for k, v in state.items()})
+        out.update({f"state/{names[p]}/{k}": local(v).clone() for k, v in state.items()})
     return out
 
 
@@ -37,11 +34,7 @@ def backward(model, step: int, rank: int, world: int, poison: bool = False) -> N
 
 
 def flagged_step(opt, taken: bool) -> None:
-    opt.found_inf = torch.tensor(0.0 if taken else 1.0)
-    try:
-        opt.step()
-    finally:
-        del opt.found_inf
+    opt.step_where(torch.tensor(taken))
     opt.zero_grad()
 
 

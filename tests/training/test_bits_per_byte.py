@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from scalevec_train.data import tokenizer
 from scalevec_train.data.loader import IGNORE, Batch, document_ids
 from scalevec_train.model.transformer import Transformer
-from scalevec_train.training.callbacks.evaluation import Evaluator
+from scalevec_train.training.callbacks.evaluation import Validation
 from tests.helpers import TINY_MODEL, make_config
 
 T = 16
@@ -88,9 +88,9 @@ def text_bytes(tok: tokenizer.Tokenizer, ids: list[int]) -> int:
 
 
 def evaluate(model: torch.nn.Module, batches: list[Batch], tok: tokenizer.Tokenizer) -> tuple[float, float, int]:
-    evaluator = Evaluator(batches, every=0, token_bytes=tokenizer.token_bytes(tok))
-    val_loss, val_bpb = evaluator.evaluate(model, torch.device("cpu"), nullcontext)[""]
-    return val_loss.item(), val_bpb.item(), evaluator.bytes[""]
+    validation = Validation(batches, token_bytes=tokenizer.token_bytes(tok))
+    val_loss, val_bpb = validation.evaluate(model, torch.device("cpu"), nullcontext)[""]
+    return val_loss.item(), val_bpb.item(), validation.bytes[""]
 
 
 def check_against_direct(tok: tokenizer.Tokenizer, documents: bool) -> None:

@@ -15,7 +15,7 @@ from scalevec_train.data.loader import IGNORE, Batch, document_ids
 from scalevec_train.model import Transformer
 from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.parallel.process_group import full_value
-from scalevec_train.training.trainer import Callback, Trainer, z_loss
+from scalevec_train.training.trainer import Callback, Compute, Schedule, StepRecipe, Trainer, z_loss
 from tests.helpers import make_config
 from tests.launch import gloo_group
 
@@ -33,6 +33,9 @@ def rows() -> Batch:
         tokens[row, positions] = EOS
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     return Batch(inputs, targets.masked_fill(inputs == EOS, IGNORE), document_ids(inputs, EOS))
+
+
+ONE_STEP, CPU = Schedule(steps=1, lr_at=lambda step: 1.0, log_every=1), Compute(torch.device("cpu"), nullcontext)
 
 
 class ListLoader:
@@ -71,9 +74,9 @@ def train_step(m, batches: list[Batch], coef: float):
     optimizer = torch.optim.SGD(m.parameters(), lr=0.0)
     optimizer.param_groups[0]["base_lr"] = 0.0
     capture = Capture()
-    trainer = Trainer(m, optimizer, ListLoader(batches), lambda step: 1.0, steps=1, accum=len(batches),
-                      grad_clip=0.0, device=torch.device("cpu"), autocast=nullcontext, log_every=1,
-                      tokens_per_step=4 * SEQ, callbacks=[capture], z_loss_coef=coef, documents=True)
+    trainer = Trainer(m, optimizer, ListLoader(batches), ONE_STEP,
+                      StepRecipe(accum=len(batches), tokens_per_step=4 * SEQ, grad_clip=0.0, z_loss_coef=coef,
+                                 documents=True), CPU, [capture])
     result = trainer.train_step()
     return result, capture.grads
 
@@ -166,9 +169,9 @@ def test_z_loss_under_causal_attention_is_added_and_logged_apart(accum):
     optimizer = torch.optim.SGD(m.parameters(), lr=0.0)
     optimizer.param_groups[0]["base_lr"] = 0.0
     capture = Capture()
-    trainer = Trainer(m, optimizer, ListLoader(split(batch, accum)), lambda step: 1.0, steps=1, accum=accum,
-                      grad_clip=0.0, device=torch.device("cpu"), autocast=nullcontext, log_every=1,
-                      tokens_per_step=4 * SEQ, callbacks=[capture], z_loss_coef=1e-2)
+    trainer = Trainer(m, optimizer, ListLoader(split(batch, accum)), ONE_STEP,
+                      StepRecipe(accum=accum, tokens_per_step=4 * SEQ, grad_clip=0.0, z_loss_coef=1e-2), CPU,
+                      [capture])
     result = trainer.train_step()
     torch.testing.assert_close(result.loss, ce.detach(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(result.z_loss, z.detach(), rtol=1e-5, atol=1e-8)

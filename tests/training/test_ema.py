@@ -181,7 +181,7 @@ def test_the_memory_estimate_counts_the_ema():
     """describe's memory per rank: the EMA's bytes, those of the callback's tensors on a real model."""
     cfg = make_config("model=moe-tiny", "scale=unified", *EMA)
     model = Transformer(cfg.model, cfg.scale)
-    held = WeightEMA(model, decay=DECAY, evaluator=None).weights.values()
+    held = WeightEMA(model, decay=DECAY, validation=None, every=0).weights.values()
     assert estimate(cfg, world=1, device="cpu").ema == sum(t.numel() * t.element_size() for t in held)
     assert estimate(make_config("model=moe-tiny"), world=1, device="cpu").ema == 0
 

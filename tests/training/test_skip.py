@@ -1,18 +1,20 @@
 """training/skip.py: an optimizer step applied where a device flag says. A taken step equals the
-optimizer's own step bit for bit; a skipped one leaves parameters, optimizer state and the model's
-buffers (the MoE expert biases, which an optimizer post-hook updates) exactly as they were, so that the
-next step equals that of a run that never had it. For torch's for-loop AdamW (copies kept), its fused
-AdamW (which takes the flag as found_inf; on CPU here, on CUDA in real runs) and Muon with its AdamW
-groups (which takes it too), both with the `er` sites' log-decay pre-hook and the MoE bias post-hook,
-which read the flag: nothing copied."""
+optimizer's own step followed by the model's update after it, bit for bit; a skipped one leaves
+parameters, optimizer state and the model's buffers (the MoE expert biases, which
+model.update_after_step moves) exactly as they were, so that the next step equals that of a run that
+never had it. For torch's for-loop AdamW (copies kept), the fused AdamW (on CPU here, on CUDA in real
+runs) and Muon with its AdamW groups, which take the flag themselves (StepsWhere), with the `er` sites'
+log decay and the MoE bias update taking it too: nothing copied."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from scalevec_train.model import Transformer
-from scalevec_train.optim.groups import build_optimizer, log_decay_hook
-from scalevec_train.training.skip import ConditionalStep, takes_flag
+from scalevec_train.optim.adamw import FusedAdamW
+from scalevec_train.optim.groups import build_optimizer
+from scalevec_train.optim.protocol import StepsWhere
+from scalevec_train.training.skip import ConditionalStep
 from tests.helpers import make_config
 
 SHAPE = ["model=moe-tiny", "model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2",
@@ -27,9 +29,7 @@ def setup(optim: str):
     if optim == "fused":
         keys = ("params", "lr", "weight_decay", "betas", "eps", "log_weight_decay")
         groups = [{k: g[k] for k in keys if k in g} for g in optimizer.param_groups]
-        optimizer = torch.optim.AdamW(groups, fused=True)
-        optimizer.register_step_pre_hook(log_decay_hook)
-    model.register_optimizer_hooks(optimizer)
+        optimizer = FusedAdamW(groups)
     return model, optimizer, ConditionalStep(optimizer, model)
 
 
@@ -57,7 +57,8 @@ def assert_identical(a: dict, b: dict) -> None:
 def test_taken_steps_are_the_optimizers_own_and_skipped_ones_change_nothing(optim):
     model, optimizer, step_where = setup(optim)
     ref_model, ref_optimizer, _ = setup(optim)
-    assert optimizer._optimizer_step_pre_hooks and optimizer._optimizer_step_post_hooks  # er and MoE hooks
+    # what the flag must reach besides the optimizer's update: the er magnitudes' log decay, the MoE biases
+    assert any(g.get("log_weight_decay") for g in optimizer.param_groups) and model.compute_metrics()
     for seed in (1, 2):  # taken: the same as optimizer.step()
         backward(model, seed)
         step_where(torch.tensor(True))
@@ -65,6 +66,7 @@ def test_taken_steps_are_the_optimizers_own_and_skipped_ones_change_nothing(opti
         optimizer.zero_grad()
         backward(ref_model, seed)
         ref_optimizer.step()
+        ref_model.update_after_step()
         ref_model.discard_step_state()
         ref_optimizer.zero_grad()
         assert_identical(snapshot(model, optimizer), snapshot(ref_model, ref_optimizer))
@@ -78,8 +80,9 @@ def test_taken_steps_are_the_optimizers_own_and_skipped_ones_change_nothing(opti
     step_where(torch.tensor(True))
     backward(ref_model, 4)
     ref_optimizer.step()
+    ref_model.update_after_step()
     assert_identical(snapshot(model, optimizer), snapshot(ref_model, ref_optimizer))
-    assert takes_flag(optimizer) == (optim != "adamw")
+    assert isinstance(optimizer, StepsWhere) == (optim != "adamw")
     assert bool(step_where.copies) == (optim == "adamw")  # copies kept only where the flag is not taken
 
 
@@ -95,4 +98,5 @@ def test_a_skipped_first_step_leaves_the_state_as_new(optim):
     step_where(torch.tensor(True))
     backward(ref_model, 2)
     ref_optimizer.step()
+    ref_model.update_after_step()
     assert_identical(snapshot(model, optimizer), snapshot(ref_model, ref_optimizer))

@@ -1,10 +1,14 @@
-"""The single-process trainer end to end: files written, exact resume, every strategy trains."""
+"""The single-process trainer end to end: files written, exact resume, every strategy trains; the order
+its callbacks run in."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 
 from scalevec_train.train import run
+from scalevec_train.training.callbacks import Diagnostics, ModelMetrics, StabilityGuard, StepProfiler
+from scalevec_train.training.trainer import Callback, ordered
 from tests.helpers import make_config
 from tests.launch import curve, records
 
@@ -61,3 +65,21 @@ def test_every_strategy_trains(tmp_path, data_overrides, scale):
     for site in sites:
         stats = [f"{site}/{stat}" for stat in ("mean", "std", "min", "max")]
         assert any(logged[0][key] != logged[-1][key] for key in stats), site
+
+
+def test_callbacks_run_in_the_order_their_classes_declare():
+    """Trainer hooks run on ordered(callbacks): the profiler first (order -1), Diagnostics after
+    ModelMetrics (after) wherever they were given, the rest as given; waiting on each other is an error."""
+    profiler = StepProfiler([], Path("unused"), rank=0)
+    diagnostics, metrics, guard = Diagnostics(every=1, batch=None), ModelMetrics(), StabilityGuard(3, 5.0)
+    assert ordered([diagnostics, guard, metrics, profiler]) == [profiler, guard, metrics, diagnostics]
+    assert ordered([metrics, guard, diagnostics]) == [metrics, guard, diagnostics]
+
+    class Waits(Callback):
+        after = (Diagnostics,)
+
+    class WaitedOn(Diagnostics):
+        after = (Waits,)
+
+    with pytest.raises(ValueError, match="wait on each other"):
+        ordered([Waits(), WaitedOn(every=1, batch=None)])

@@ -16,7 +16,7 @@ class Checkpointer(Callback):
         self.last_path: Path | None = None
 
     def _periodic(self, trainer: Trainer, step: int) -> bool:
-        return step == trainer.steps or bool(self.every and step % self.every == 0)
+        return step == trainer.schedule.steps or bool(self.every and step % self.every == 0)
 
     def on_step_start(self, trainer: Trainer) -> None:
         if self._periodic(trainer, trainer.step + 1):

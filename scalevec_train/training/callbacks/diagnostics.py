@@ -4,6 +4,7 @@ what and how)."""
 import torch
 
 from scalevec_train.data.loader import Batch
+from scalevec_train.training.callbacks.monitors import ModelMetrics
 from scalevec_train.training.diagnostics import activation_stats, map_stats, site_stats, sites_before, weights_before
 from scalevec_train.training.trainer import Callback, Trainer
 
@@ -13,9 +14,9 @@ class Diagnostics(Callback):
     host reads nothing more often): the maps' weight and the sites' scale statistics after the step,
     their update over it, and the activation statistics of one forward of `batch`, the same sequences
     every time. Copies of the weights and sites are taken only for a diagnostic step, after its backward;
-    a step the optimizer skips shows an update of 0, since skipping leaves the weights as they were.
-    Comes after ModelMetrics: its forward replaces the MoE layers' losses of the last forward, which
-    ModelMetrics reports."""
+    a step the optimizer skips shows an update of 0, since skipping leaves the weights as they were."""
+
+    after = (ModelMetrics,)  # its forward replaces the MoE layers' losses of the step, which ModelMetrics reports
 
     def __init__(self, every: int, batch: Batch):
         self.every, self.batch = every, batch
@@ -32,11 +33,11 @@ class Diagnostics(Callback):
     def on_log(self, trainer: Trainer) -> None:
         if not self._due(trainer.step):
             return
-        tokens = self.batch.inputs.to(trainer.device)
-        doc_ids = None if self.batch.doc_ids is None else self.batch.doc_ids.to(trainer.device)
+        tokens = self.batch.inputs.to(trainer.compute.device)
+        doc_ids = None if self.batch.doc_ids is None else self.batch.doc_ids.to(trainer.compute.device)
         maps, sites = self.before or (None, None)
         values = {**map_stats(trainer.model, maps), **site_stats(trainer.model, sites),
-                  **activation_stats(trainer.model, tokens, doc_ids, trainer.autocast)}
+                  **activation_stats(trainer.model, tokens, doc_ids, trainer.compute.autocast)}
         self.before = None
         for key, value in values.items():
             trainer.record(key, value)

@@ -28,16 +28,12 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from scalevec_train.dtensor import local
 from scalevec_train.model.protocol import TrainableModel
 from scalevec_train.parallel.data_parallel import reshard
 from scalevec_train.parallel.process_group import is_main
-from scalevec_train.training.callbacks.evaluation import Evaluator
-from scalevec_train.training.trainer import Callback, StepResult, Trainer
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (same storage), or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
+from scalevec_train.training.callbacks.evaluation import Periodic, Validation
+from scalevec_train.training.trainer import StepResult, Trainer
 
 
 def ema_decay(half_life_tokens: float, tokens_per_step: int) -> float:
@@ -45,15 +41,16 @@ def ema_decay(half_life_tokens: float, tokens_per_step: int) -> float:
     return 0.5 ** (tokens_per_step / half_life_tokens)
 
 
-class WeightEMA(Callback, Stateful):
+class WeightEMA(Periodic, Stateful):
     """Keeps the EMA of `model`'s weights with decay `decay` per step (see the module docstring) and, at
-    the steps `evaluator` validates, records val_loss_ema (and val_bpb_ema; for a data mixture also each
-    source's val_loss_ema/<name>) of the EMA weights, swapped
-    into the model for the evaluation and back (the training state is left as it was, bit for bit).
-    Stateful through the checkpoint's tensors (DCP), not train_state.json: build.py adds it there."""
+    the steps Periodic says (train.eval_every, as the Evaluator), records the metrics of `validation` of
+    the EMA weights: val_loss_ema (and val_bpb_ema; for a data mixture also each source's
+    val_loss_ema/<name>), swapped into the model for the evaluation and back (the training state is left
+    as it was, bit for bit). Stateful through the checkpoint's tensors (DCP), not train_state.json:
+    build.py adds it there."""
 
-    def __init__(self, model: TrainableModel, decay: float, evaluator: Evaluator):
-        self.decay, self.evaluator = decay, evaluator
+    def __init__(self, model: TrainableModel, decay: float, validation: Validation, every: int):
+        self.decay, self.validation, self.every = decay, validation, every
         # the model's own tensors, by their checkpoint names (in-place updates show through)
         self.live = {name: t for name, t in get_model_state_dict(model).items() if t.is_floating_point()}
         self.weights = {name: torch.empty_like(t, dtype=torch.float32) for name, t in self.live.items()}
@@ -75,7 +72,7 @@ class WeightEMA(Callback, Stateful):
 
     def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(EMA, model tensor) as local tensors (a DTensor's local view is a new object every time)."""
-        return [(_local(self.weights[name]), _local(t)) for name, t in self.live.items()]
+        return [(local(self.weights[name]), local(t)) for name, t in self.live.items()]
 
     @torch.no_grad()
     def on_fit_start(self, trainer: Trainer) -> None:
@@ -86,8 +83,7 @@ class WeightEMA(Callback, Stateful):
             for ema, live in self._pairs():
                 ema.copy_(live)
             self.count.zero_()
-        if trainer.step == 0:
-            self._record(trainer)
+        super().on_fit_start(trainer)
 
     @torch.no_grad()
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
@@ -97,18 +93,17 @@ class WeightEMA(Callback, Stateful):
         weight = weight.float()
         for ema, live in self._pairs():
             ema.lerp_(live.to(ema.dtype), weight)
-        if self.evaluator.due(trainer, trainer.step):
-            self._record(trainer)
+        super().on_step_end(trainer, result)
 
     @torch.no_grad()
-    def _record(self, trainer: Trainer) -> None:
+    def record(self, trainer: Trainer) -> None:
         pairs = self._pairs()
         kept = [live.clone() for _, live in pairs]
         reshard(trainer.model)  # the root's gathered weights are the live ones: gather the EMA's
         for ema, live in pairs:
             live.copy_(ema)
         try:
-            self.evaluator.record(trainer, "_ema")
+            self.validation.record(trainer, "_ema")
         finally:
             for (_, live), before in zip(pairs, kept, strict=True):
                 live.copy_(before)

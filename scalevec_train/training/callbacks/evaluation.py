@@ -22,7 +22,7 @@ class Periodic(Callback):
 
     def due(self, trainer: Trainer, step: int) -> bool:
         """Whether step `step` records."""
-        return step == trainer.steps or bool(self.every and step % self.every == 0)
+        return step == trainer.schedule.steps or bool(self.every and step % self.every == 0)
 
     def on_fit_start(self, trainer: Trainer) -> None:
         if trainer.step == 0:
@@ -37,28 +37,27 @@ class Periodic(Callback):
             self.record(trainer)
 
 
-class Evaluator(Periodic):
-    """val_loss (and val_bpb) at the steps Periodic says. `batches`: this rank's share of the validation
-    batches. With document ids, the loss is the mean over the counted targets of all batches and ranks (as
-    the training loss).
+class Validation:
+    """The validation set and what is measured on it: val_loss (and val_bpb). `batches`: this rank's share
+    of the validation batches. With document ids, the loss is the mean over the counted targets of all
+    batches and ranks (as the training loss).
 
     With `token_bytes` (data.tokenizer.token_bytes: the UTF-8 bytes of text each id stands for) it also
-    records val_bpb = (sum of the counted targets' NLL in nats) / ln 2 / (bytes those targets stand for),
+    measures val_bpb = (sum of the counted targets' NLL in nats) / ln 2 / (bytes those targets stand for),
     over all batches and ranks. The bytes are counted once here on the host; the NLL sums ride along on
     the device, so evaluating reads nothing more.
 
     For a mixture, `batches` maps each source's name to its validation batches and `weights` gives the
-    sources' weights: each source's val_loss/<name> (and val_bpb/<name>) is recorded as above, and the
+    sources' weights: each source's val_loss/<name> (and val_bpb/<name>) is measured as above, and the
     mixture's val_loss (val_bpb) is their weighted mean, the expected loss on a sample of the mixture."""
 
-    def __init__(self, batches: list[Batch] | dict[str, list[Batch]], every: int,
-                 token_bytes: np.ndarray | None = None, weights: dict[str, float] | None = None):
+    def __init__(self, batches: list[Batch] | dict[str, list[Batch]], token_bytes: np.ndarray | None = None,
+                 weights: dict[str, float] | None = None):
         self.sets = batches if isinstance(batches, dict) else {"": batches}
         weights = weights or {"": 1.0}
         if set(weights) != set(self.sets):
             raise ValueError(f"weights {sorted(weights)} do not name the validation sets {sorted(self.sets)}")
         self.weights = {name: w / sum(weights.values()) for name, w in weights.items()}
-        self.every = every
         self.counts = {name: counted_targets(b) for name, b in self.sets.items()}
         self.bytes = None if token_bytes is None else {name: sum(
             int(token_bytes[b.targets[b.targets != IGNORE].numpy()].sum()) for b in batches)
@@ -82,7 +81,7 @@ class Evaluator(Periodic):
     def metrics(self, model: torch.nn.Module, device: torch.device, autocast,
                 suffix: str = "") -> dict[str, torch.Tensor]:
         """{val_loss<suffix>: ..., val_bpb<suffix>: ...} of `model` as it is, on the device; for a mixture
-        each source's val_loss<suffix>/<name> (val_bpb<suffix>/<name>) first. The trainer records them
+        each source's val_loss<suffix>/<name> (val_bpb<suffix>/<name>) first. The Evaluator records them
         (the weight EMA with suffix "_ema"); scalevec_train/evaluate.py prints them for a checkpoint."""
         results = self.evaluate(model, device, autocast)
         out = {}
@@ -102,9 +101,20 @@ class Evaluator(Periodic):
         return out
 
     def record(self, trainer: Trainer, suffix: str = "") -> None:
-        """Record the model's numbers as they are now (see metrics)."""
-        for name, value in self.metrics(trainer.model, trainer.device, trainer.autocast, suffix).items():
+        """Record the metrics of the trainer's model as it is now."""
+        for name, value in self.metrics(trainer.model, trainer.compute.device, trainer.compute.autocast,
+                                        suffix).items():
             trainer.record(name, value)
+
+
+class Evaluator(Periodic):
+    """The metrics of `validation` (val_loss, val_bpb) at the steps Periodic says."""
+
+    def __init__(self, validation: Validation, every: int):
+        self.validation, self.every = validation, every
+
+    def record(self, trainer: Trainer) -> None:
+        self.validation.record(trainer)
 
 
 def counted_targets(batches: list[Batch]) -> list[int]:

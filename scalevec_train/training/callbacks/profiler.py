@@ -16,9 +16,9 @@ class StepProfiler(Callback):
     """Profiles each step in `steps` on its own: from before its first forward to after its optimizer
     step, as `ProfilerStep#<step>`, written to `out/step_<step>.rank<r>.json` (a Chrome trace, which
     names the fused ops by their torch.library names, scalevec::rms_norm_fwd and the like); on CUDA also
-    the allocations of the step as `out/step_<step>.rank<r>.memory.pickle`. Comes first among the
-    callbacks, so that the trace holds the training step and not the evaluation or the checkpoint after
-    it. Other steps are untouched."""
+    the allocations of the step as `out/step_<step>.rank<r>.memory.pickle`. Other steps are untouched."""
+
+    order = -1  # first: the trace holds the training step, not the evaluations or checkpoints of other hooks
 
     def __init__(self, steps: list[int], out: Path, rank: int, record_shapes: bool = False):
         self.steps, self.out, self.rank, self.record_shapes = set(steps), Path(out), rank, record_shapes
@@ -29,7 +29,7 @@ class StepProfiler(Callback):
         step = trainer.step + 1
         if step not in self.steps:
             return
-        cuda = trainer.device.type == "cuda"
+        cuda = trainer.compute.device.type == "cuda"
         if cuda:
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_ENTRIES)
         activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
@@ -41,20 +41,20 @@ class StepProfiler(Callback):
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         if self._profile is None:
             return
-        if trainer.device.type == "cuda":
-            torch.cuda.synchronize(trainer.device)  # the step's kernels belong in its trace
+        if trainer.compute.device.type == "cuda":
+            torch.cuda.synchronize(trainer.compute.device)  # the step's kernels belong in its trace
         traced = self._stop()
         self.out.mkdir(parents=True, exist_ok=True)
         stem = self.out / f"step_{trainer.step:06d}.rank{self.rank}"
         traced.export_chrome_trace(f"{stem}.json")
-        if trainer.device.type == "cuda":
+        if trainer.compute.device.type == "cuda":
             torch.cuda.memory._dump_snapshot(f"{stem}.memory.pickle")
             torch.cuda.memory._record_memory_history(enabled=None)
 
     def on_close(self, trainer: Trainer) -> None:
         if self._profile is not None:  # a step that raised: stop recording, write nothing
             self._stop()
-            if trainer.device.type == "cuda":
+            if trainer.compute.device.type == "cuda":
                 torch.cuda.memory._record_memory_history(enabled=None)
 
     def _stop(self) -> profile:

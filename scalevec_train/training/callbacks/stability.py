@@ -104,7 +104,7 @@ class SigtermStop(Callback):
         self.signal.__enter__()
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
-        if trainer.reads_back and any_rank(self.signal.received, trainer.device):
+        if trainer.reads_back and any_rank(self.signal.received, trainer.compute.device):
             trainer.request_stop("SIGTERM")
 
     def on_close(self, trainer: Trainer) -> None:

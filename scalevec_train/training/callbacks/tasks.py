@@ -20,6 +20,6 @@ class TaskEvaluator(Periodic):
     def record(self, trainer: Trainer) -> None:
         with eager_blocks(trainer.model):
             for task in self.tasks:
-                for metric, value in score(trainer.model, task, trainer.device, trainer.autocast,
+                for metric, value in score(trainer.model, task, trainer.compute.device, trainer.compute.autocast,
                                            self.batch_size, self.rank, self.world).items():
                     trainer.record(f"task/{task.name}/{metric}", value)
