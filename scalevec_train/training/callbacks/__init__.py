@@ -1,6 +1,6 @@
 """The callbacks that observe a run: each has a small job and the trainer's hooks as its interface.
 
-    evaluation.py    Evaluator: val_loss and val_bpb (bits per byte) on fixed batches
+    evaluation.py    Validation: val_loss and val_bpb (bits per byte) on fixed batches; Evaluator records them
     ema.py           WeightEMA: an exponential moving average of the weights, validated as the run goes
     monitors.py      SpeedMonitor: tokens/s and MFU; ModelMetrics: the model's own metrics (MoE load)
     epochs.py        EpochMonitor: passes over the training data, and a warning when they are many
