@@ -48,10 +48,6 @@ def write_run(root: Path, name: str, cfg: dict, rows: list[dict], params: float 
     return d
 
 
-# Shared model presets (overrides) for tests: the same tiny shapes everywhere, so that a test file says
-# only what it changes. Both keep grouped-query attention (2 KV heads for 4 query heads) and two blocks.
-TINY_MODEL = ["model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64", "model.n_layers=2"]
-SMALL_MODEL = ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=96", "model.n_layers=2"]
 # A few CPU steps of tiny batches: one evaluation batch, no periodic evaluation, one data worker.
 SHORT_RUN = ["train.seq_len=32", "train.global_batch=4", "train.micro_batch=4", "train.eval_batches=1",
              "train.eval_every=0", "schedule.warmup_steps=1", "device=cpu", "data.num_workers=1"]

@@ -206,6 +206,27 @@ def checkpoint_state(ckpt: Path, scratch: Path) -> dict:
     return torch.load(out, weights_only=True)
 
 
+def flat_tensors(tree, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+    return {k: v for key, value in items
+            for k, v in flat_tensors(value, f"{prefix}/{key}" if prefix else str(key)).items()}
+
+
+def trained_state(ckpt: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    """Parameters and optimizer state (moments, step counts); not the learning rate, which the schedule
+    sets before every step."""
+    state = checkpoint_state(ckpt, scratch)
+    return flat_tensors({"model": state["model"], "optim": state["optim"]["state"]})
+
+
+def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
 def final_model(run_dir: Path, step: int, scratch: Path) -> dict[str, torch.Tensor]:
     return checkpoint_state(checkpoint_files.step_dir(run_dir, step), scratch)["model"]
 

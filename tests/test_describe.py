@@ -12,7 +12,8 @@ from scalevec_train.describe import describe, format_table, main
 from scalevec_train.model import Transformer
 from scalevec_train.model.strategies import scale_sites
 from scalevec_train.training.callbacks.scales import site_grad_norms
-from tests.helpers import SMALL_MODEL, make_config
+from tests.helpers import make_config
+from tests.presets import SMALL_MODEL
 
 
 def describe_json(*overrides: str) -> dict:

@@ -15,6 +15,7 @@ Groups with a `log_weight_decay` (the `er` sites' magnitudes) are log-decayed fi
 import math
 
 import torch
+
 from scalevec_train.dtensor import local
 from scalevec_train.errors import ScalevecError
 from scalevec_train.optim.log_decay import log_decay

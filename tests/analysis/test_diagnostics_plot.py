@@ -11,8 +11,9 @@ from scalevec_analysis.diagnostics import PANELS, panel_series
 from scalevec_analysis.report import write_diagnostics
 from scalevec_train.errors import ScalevecError
 from scalevec_train.train import run
-from tests.helpers import REPO, SHORT_RUN, TINY_MODEL, load_script, make_config
+from tests.helpers import REPO, SHORT_RUN, load_script, make_config
 from tests.launch import records
+from tests.presets import TINY_MODEL
 
 STEPS = ["train.steps=4", "train.log_every=2"]
 

@@ -26,8 +26,9 @@ from scalevec_train.model import Transformer
 from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.train import run
 from scalevec_train.training.logger import read_records
-from tests.helpers import SHORT_RUN, TINY_MODEL, make_config
+from tests.helpers import SHORT_RUN, make_config
 from tests.launch import checkpoint_state, gloo_group
+from tests.presets import TINY_MODEL
 
 STEPS = [2, 4, 6]
 RUN = [*TINY_MODEL, *SHORT_RUN, "train.steps=6", "train.log_every=6", "optim.lr=1e-2", "checkpoint.every=2",

@@ -6,7 +6,6 @@ that directly read stream.
 """
 
 import json
-import random
 import shutil
 import sys
 import sysconfig
@@ -25,55 +24,10 @@ from scalevec_train.data.corpus import open_corpus
 from scalevec_train.data.permutation import permute
 from scalevec_train.data.shards import ShardWriter
 from scalevec_train.errors import ScalevecError
+from tests.data.corpora import VOCAB, folder_bytes, split_texts, split_tokens, text_cfg, write_corpus
 from tests.helpers import REPO
 
-VOCAB = 320
-WORDS = ("alpha beta gamma delta import return class def self value index count total None True False "
-         "for while if else elif with yield lambda print range list dict set tuple open read write").split()
 CONFIGS = REPO / "configs"
-
-
-def write_corpus(root: Path, n_docs: int = 20, seed: int = 0) -> dict[str, str]:
-    """Small code-like documents, some in a subfolder, plus files the corpus must ignore."""
-    rng = random.Random(seed)
-    docs = {}
-    for i in range(n_docs):
-        lines = ["    " * rng.randrange(3) + " ".join(rng.choice(WORDS) for _ in range(rng.randrange(3, 10)))
-                 + f" {rng.randrange(10_000)}" for _ in range(rng.randrange(20, 40))]
-        rel = f"doc{i:02d}.txt" if i % 3 else f"sub/doc{i:02d}.md"
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text("\n".join(lines) + "\n")
-        docs[rel] = (root / rel).read_text()
-    (root / "image.bin").write_bytes(b"\x00\x01")
-    (root / ".hidden").mkdir()
-    (root / ".hidden" / "secret.txt").write_text("not part of the corpus")
-    return docs
-
-
-def text_cfg(corpus: Path, cache: Path, **overrides) -> DataConfig:
-    # One encoding process unless a test asks for more: workers take seconds to start on a busy machine.
-    return DataConfig(**{"source": "text_dir", "path": str(corpus), "cache_dir": str(cache),
-                         "vocab_size": VOCAB, "val_fraction": 0.2, "num_workers": 1, **overrides})
-
-
-def split_tokens(data: PreparedData, split: str) -> np.ndarray:
-    m = data.manifest[split]
-    return np.concatenate([np.fromfile(data.split_dir(split) / s["name"], dtype=np.dtype(m["dtype"]))
-                           for s in m["shards"]]).astype(np.int64)
-
-
-def split_texts(data: PreparedData, split: str) -> list[str]:
-    """The documents of a split, decoded; each must end with the end-of-document token."""
-    tokens = split_tokens(data, split)
-    assert tokens[-1] == data.eos_id
-    sp = data.load_tokenizer()
-    ends = np.flatnonzero(tokens == data.eos_id)
-    return [sp.decode(doc[:-1].tolist()) for doc in np.split(tokens, ends + 1)[:-1]]
-
-
-def folder_bytes(root: Path) -> dict[str, bytes]:
-    """Every file under `root` by its relative path: what byte-identical preparations share."""
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def copy_prepared(data: PreparedData, dest: Path) -> Path:
@@ -83,18 +37,6 @@ def copy_prepared(data: PreparedData, dest: Path) -> Path:
 
 def shards_cfg(path: Path, **overrides) -> DataConfig:
     return DataConfig(**{"source": "shards", "path": str(path), "vocab_size": VOCAB, **overrides})
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> tuple[Path, dict[str, str]]:
-    root = tmp_path_factory.mktemp("corpus")
-    return root, write_corpus(root)
-
-
-@pytest.fixture(scope="module")
-def prepared(corpus, tmp_path_factory) -> PreparedData:
-    # Small shards, so that loader windows cross shard boundaries.
-    return prepare_data(text_cfg(corpus[0], tmp_path_factory.mktemp("cache"), shard_tokens=1000))
 
 
 # --- preparation ---------------------------------------------------------------------------------------

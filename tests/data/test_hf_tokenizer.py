@@ -15,7 +15,8 @@ from scalevec_train.errors import ScalevecError
 from scalevec_train.interop.api import load
 from scalevec_train.interop.export import export
 from scalevec_train.train import run
-from tests.helpers import SHORT_RUN, TINY_MODEL, make_config
+from tests.helpers import SHORT_RUN, make_config
+from tests.presets import TINY_MODEL
 
 pytest.importorskip("tokenizers", reason="Hugging Face tokenizers is not installed (the hf extra)")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402

@@ -21,13 +21,14 @@ from scalevec_train.data.config import MixtureSource
 from scalevec_train.data.mixing import BLOCK, SourceSchedule
 from scalevec_train.data.mixture import MixtureData
 from scalevec_train.data.mixture_loader import MixtureLoader
-from scalevec_train.data.protocol import Loader
 from scalevec_train.data.permutation import permute
+from scalevec_train.data.protocol import Loader
 from scalevec_train.errors import ScalevecError
 from scalevec_train.training.callbacks import EpochMonitor
-from tests.data.test_data import VOCAB, split_tokens, text_cfg, write_corpus
+from tests.data.corpora import VOCAB, split_tokens, text_cfg, write_corpus
 from tests.helpers import make_config
 from tests.launch import records, torchrun
+from tests.presets import TINY_MODEL
 
 SEQ = 16
 
@@ -204,7 +205,7 @@ def test_array_tasks_prepare_each_source_as_one_process_does(folders, tmp_path, 
     """A mixture prepared by 2 SLURM array tasks (in reverse order; parts of 2 KB, so each task encodes
     some of each source) is byte for byte the one-process preparation, tokenizer included."""
     from scalevec_train import prepare_data as prepare_cli
-    from tests.data.test_data import folder_bytes
+    from tests.data.corpora import folder_bytes
 
     small = {"part_bytes": 2000, "shard_tokens": 500}
     one = prepare_data(replace(mixture_cfg(folders, tmp_path / "one"), **small))
@@ -224,8 +225,7 @@ def test_array_tasks_prepare_each_source_as_one_process_does(folders, tmp_path, 
 
 
 # --- training runs ---------------------------------------------------------------------------------------
-TINY = ["model=dense-tiny", "model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64",
-        "model.n_layers=2", f"model.vocab_size={VOCAB}", "train.seq_len=32", "train.global_batch=8",
+TINY = ["model=dense-tiny", *TINY_MODEL, f"model.vocab_size={VOCAB}", "train.seq_len=32", "train.global_batch=8",
         "train.micro_batch=4", "train.steps=6", "train.eval_every=3", "train.eval_batches=1", "train.log_every=1",
         "checkpoint.every=3", "schedule.warmup_steps=1", "device=cpu", "data.num_workers=1",
         "logger.progress_bar=false"]

@@ -16,7 +16,7 @@ from scalevec_train.data import PreparedData, prepare_data
 from scalevec_train.data.encode import Batch, encode_batches
 from scalevec_train.data.split import ValSplit
 from scalevec_train.errors import ScalevecError
-from tests.data.test_data import VOCAB, folder_bytes, split_texts, split_tokens, text_cfg, write_corpus
+from tests.data.corpora import VOCAB, folder_bytes, split_texts, split_tokens, text_cfg, write_corpus
 from tests.launch import torchrun
 
 PART, SHARD = 3000, 800  # a few documents per part, and parts longer than a shard

@@ -34,7 +34,8 @@ from scalevec_train.model.fold import fold
 from scalevec_train.model.strategies import scale_sites
 from scalevec_train.optim.groups import build_optimizer
 from scalevec_train.train import run
-from tests.helpers import SHORT_RUN, TINY_MODEL, make_config
+from tests.helpers import SHORT_RUN, make_config
+from tests.presets import TINY_MODEL
 
 TINY = [*TINY_MODEL, *SHORT_RUN, "train.steps=30", "train.log_every=30", "optim.lr=1e-2"]
 # the model random_llama() writes

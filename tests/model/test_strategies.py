@@ -9,7 +9,8 @@ from scalevec_train.model import Transformer
 from scalevec_train.model.fold import fold
 from scalevec_train.model.strategies import ScaleSite, scale_sites, site_display_name
 from scalevec_train.optim.groups import build_optimizer, classify
-from tests.helpers import SMALL_MODEL, make_config
+from tests.helpers import make_config
+from tests.presets import SMALL_MODEL
 
 PRESETS = ["none", "baseline", "iwd", "wd_all", "hg", "dp", "dnp", "or", "er", "unified"]
 SMALL = [*SMALL_MODEL, "model.vocab_size=128"]

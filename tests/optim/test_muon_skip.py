@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from scalevec_train.dtensor import local
 from tests.launch import child_env
-from tests.optim.test_muon_fsdp import BATCH, VOCAB, build
+from tests.optim.muon_net import BATCH, VOCAB, build
 
 
 def snapshot(model, opt) -> dict[str, torch.Tensor]:

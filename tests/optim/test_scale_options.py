@@ -19,7 +19,8 @@ from scalevec_train.model import Transformer
 from scalevec_train.model.strategies import scale_sites
 from scalevec_train.optim.groups import build_optimizer, classify
 from scalevec_train.optim.schedules import lr_multiplier
-from tests.helpers import TINY_MODEL, make_config
+from tests.helpers import make_config
+from tests.presets import TINY_MODEL
 
 SMALL = [*TINY_MODEL, "model.vocab_size=64"]  # dense, 2 layers, tied head
 LR, ADAMW_LR, SCALE_LR, WD, SCALE_WD = 1e-2, 4e-3, 1e-3, 0.5, 2.0

@@ -16,11 +16,11 @@ from scalevec_train.data import prepare_data
 from scalevec_train.train import run
 from tests.helpers import make_config
 from tests.launch import assert_same_curve, checkpoint_state, curve, many_command
+from tests.presets import TINY_MOE
 
 STEPS, HALF = 8, 4
 # every micro-batch is 2 sequences on any world size (the MoE balancing loss is per micro-batch)
-RUN = ["model=moe-tiny", "model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2",
-       "model.ffn_dim=32", "model.moe.expert_dim=32", "model.moe.num_experts=4", "scale=unified",
+RUN = [*TINY_MOE, "model.moe.expert_dim=32", "model.moe.num_experts=4", "scale=unified",
        "train.seq_len=32", "train.global_batch=4", "train.micro_batch=2", "train.eval_batches=1",
        f"train.eval_every={HALF}", "train.log_every=1", "optim.lr=1e-2", "schedule=constant",
        "schedule.warmup_steps=1", f"checkpoint.every={HALF}", "checkpoint.keep_last=4",

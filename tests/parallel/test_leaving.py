@@ -23,7 +23,8 @@ from scalevec_train import train
 from scalevec_train.config import compose_raw
 from scalevec_train.data import prepare_data
 from scalevec_train.training.guards import FAULT_NAN_ENV
-from tests.helpers import SHORT_RUN, TINY_MODEL, make_config
+from tests.helpers import SHORT_RUN, make_config
+from tests.presets import TINY_MODEL
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads thread names from /proc")
 

@@ -4,7 +4,6 @@ one-process value, while the matrices compute in bf16."""
 
 import torch
 import torch.multiprocessing as mp
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from scalevec_train.model.layers import Linear
 from scalevec_train.model.strategies import ScaleSite, scale_sites
@@ -12,22 +11,11 @@ from scalevec_train.model.transformer import Transformer
 from scalevec_train.parallel.data_parallel import parallelize
 from tests.helpers import make_config
 from tests.launch import gloo_group
+from tests.parallel.helpers import site_values
+from tests.presets import SMALL_MODEL
 
-OVERRIDES = ["scale=unified", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=96",
-             "model.n_layers=2", "model.vocab_size=128", "train.dtype=bf16", "device=cpu",
+OVERRIDES = ["scale=unified", *SMALL_MODEL, "model.vocab_size=128", "train.dtype=bf16", "device=cpu",
              "train.micro_batch=8"]
-
-
-def site_values(model: torch.nn.Module) -> None:
-    """The same random values in every site's parameters, on any world size (plain or replicated)."""
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for _, site in scale_sites(model):
-            for _, p in sorted(site.named_parameters()):
-                value = 1 + 0.3 * torch.randn(p.shape, generator=gen)
-                if isinstance(p, DTensor):  # were FSDP to shard a site, it would get its slice
-                    value = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
-                p.copy_(value)
 
 
 def tokens() -> torch.Tensor:

@@ -22,10 +22,10 @@ from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.training.trainer import cross_entropy
 from tests.helpers import make_config
 from tests.launch import gloo_group
-from tests.parallel.test_precision import site_values
+from tests.parallel.helpers import site_values
+from tests.presets import SMALL_MODEL
 
-SMALL = ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=96", "model.n_layers=2",
-         "model.vocab_size=128", "train.dtype=bf16", "device=cpu", "train.micro_batch=8"]
+SMALL = [*SMALL_MODEL, "model.vocab_size=128", "train.dtype=bf16", "device=cpu", "train.micro_batch=8"]
 MOE = ["model=moe-tiny", "model.moe.num_experts=4", "model.moe.expert_dim=32"]
 CASES = {
     "dense-baseline": ["scale=baseline"],

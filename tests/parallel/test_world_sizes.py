@@ -31,9 +31,10 @@ from scalevec_train.model.strategies import scale_sites
 from scalevec_train.train import run
 from tests.helpers import REPO, make_config
 from tests.launch import assert_same_curve, assert_same_tensors, child_env, final_model, many_command, records
+from tests.presets import SMALL_MODEL
 
 STEPS, EVERY, LR = 4, 2, 3e-3
-COMMON = ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2", "train.seq_len=32",
+COMMON = [*SMALL_MODEL, "train.seq_len=32",
           "train.global_batch=8", "train.micro_batch=2", "train.eval_batches=1", f"train.eval_every={EVERY}",
           "schedule.warmup_steps=1", f"train.steps={STEPS}", "train.log_every=1", f"checkpoint.every={EVERY}",
           "checkpoint.keep_last=5", f"optim.lr={LR}",
@@ -67,7 +68,7 @@ BF16 = ["train.dtype=bf16", "train.steps=12", "optim.lr=1e-2", "train.eval_every
 
 def setup_overrides(name: str) -> list[str]:
     model, scale, optim, mesh = name.split("-")
-    return [*MODELS[model], *COMMON, f"scale={scale}", f"optim={optim}", MESHES[mesh]]
+    return [*COMMON, *MODELS[model], f"scale={scale}", f"optim={optim}", MESHES[mesh]]
 
 
 def assert_params(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:

@@ -19,8 +19,9 @@ from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.tasks.formats import Item
 from scalevec_train.tasks.scoring import choice_logprobs, encode_task, score
 from scalevec_train.train import run
-from tests.helpers import SHORT_RUN, TINY_MODEL, make_config
+from tests.helpers import SHORT_RUN, make_config
 from tests.launch import gloo_group, records
+from tests.presets import TINY_MODEL, TINY_MOE
 
 MAX_LEN = 24
 # 7 items of 2 to 4 choices; the last context is longer than MAX_LEN tokens, so it loses its beginning
@@ -125,8 +126,8 @@ def test_two_ranks_give_the_scores_of_one(tok, tmp_path):
         assert torch.equal(got.argmax(1), one.argmax(1))
 
 
-RUN = [*SHORT_RUN, "train.steps=4", "train.log_every=2", "model=moe-tiny", "model.dim=32", "model.n_heads=4",
-       "model.n_kv_heads=2", "model.n_layers=2", "model.moe.expert_dim=32"]
+RUN = [*SHORT_RUN, "train.steps=4", "train.log_every=2", *TINY_MOE, "model.ffn_dim=128",
+       "model.moe.expert_dim=32"]
 NUMBERS = ("step", "loss", "grad_norm", "val_loss", "val_bpb")
 
 

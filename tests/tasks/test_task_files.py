@@ -17,7 +17,8 @@ from scalevec_train.tasks import next_line
 from scalevec_train.tasks.formats import Item
 from scalevec_train.tasks.load import load_tasks, task_items
 from scalevec_train.tasks.scoring import score
-from tests.helpers import TINY_MODEL, make_config
+from tests.helpers import make_config
+from tests.presets import TINY_MODEL
 
 HELLASWAG = [  # the release's layout (label an int); the Hugging Face one has it as a string
     {"ind": 4, "activity_label": "Removing ice from car", "ctx_a": "Then, the man writes over the snow covering "

@@ -19,12 +19,15 @@ from scalevec_train.train import run
 from scalevec_train.training.guards import FAULT_NAN_ENV
 from tests.helpers import make_config
 from tests.launch import child_env, train_command
-from tests.training.test_reliability import TINY
+from tests.presets import SMALL_MODEL
+
+RUN = [*SMALL_MODEL, "model.ffn_dim=128", "train.seq_len=32", "train.global_batch=4", "train.eval_batches=2",
+       "train.eval_every=0", "schedule.warmup_steps=2", "train.steps=40", "train.log_every=1", "checkpoint.every=3"]
 
 
 @pytest.fixture(scope="module")
 def common(data_overrides) -> list[str]:
-    return [*data_overrides, *TINY]
+    return [*data_overrides, *RUN]
 
 
 def tree_digest(root: Path) -> dict[str, str]:

@@ -15,8 +15,9 @@ from scalevec_train.errors import ScalevecError
 from scalevec_train.train import run
 from tests.helpers import make_config
 from tests.launch import curve, records
+from tests.presets import SMALL_MODEL
 
-TINY = ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=176", "model.n_layers=2",
+TINY = [*SMALL_MODEL, "model.ffn_dim=176",
         "train.seq_len=64", "train.global_batch=8", "train.micro_batch=4", "train.eval_batches=2",
         "train.log_every=1", "train.eval_every=5", "schedule=wsd", "schedule.warmup_steps=2",
         "schedule.decay_fraction=0.5", "optim.lr=1e-2"]

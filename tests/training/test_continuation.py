@@ -12,8 +12,9 @@ import pytest
 from scalevec_train.continuation import read_resumes
 from scalevec_train.errors import ScalevecError
 from scalevec_train.train import run
-from tests.helpers import SHORT_RUN, TINY_MODEL, make_config
+from tests.helpers import SHORT_RUN, make_config
 from tests.launch import records
+from tests.presets import TINY_MODEL
 
 RUN = [*TINY_MODEL, *SHORT_RUN, "train.log_every=1", "checkpoint.every=3", "checkpoint.keep_last=3"]
 

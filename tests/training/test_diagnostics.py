@@ -19,13 +19,13 @@ from scalevec_train.errors import ScalevecError
 from scalevec_train.model import Transformer, scale_sites
 from scalevec_train.train import run
 from scalevec_train.training.diagnostics import activation_stats
-from tests.helpers import SHORT_RUN, TINY_MODEL, make_config
+from tests.helpers import SHORT_RUN, make_config
 from tests.launch import many_command, records
+from tests.presets import TINY_MODEL, TINY_MOE
 
 STEPS = ["train.steps=4", "train.log_every=2"]
 ON = "train.diagnostics_every=2"
-MOE = ["model=moe-tiny", "model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2",
-       "model.ffn_dim=32", "model.moe.num_experts=4", "model.moe.expert_dim=16", "model.vocab_size=512"]
+MOE = [*TINY_MOE, "model.moe.num_experts=4", "model.vocab_size=512"]
 NUMBERS = ("step", "loss", "grad_norm", "val_loss", "val_bpb")
 
 # The maps that read each input-side site under a strategy, written out here from docs/scale-vectors.md:

@@ -18,12 +18,13 @@ from scalevec_train.parallel.process_group import full_value
 from scalevec_train.training.trainer import Callback, Compute, Schedule, StepRecipe, Trainer, z_loss
 from tests.helpers import make_config
 from tests.launch import gloo_group
+from tests.presets import SMALL_MODEL
 
 EOS, SEQ = 1, 16
 # EOS positions per row: 3, 0, 1 and 2 documents end in the rows, so they count 13, 16, 15, 14 targets
 EOS_AT = [[2, 6, 11], [], [8], [4, 5]]
-MODEL = ["model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64",
-         "model.vocab_size=64", "model.attention_mask=document", "model.rope_reset=true", "scale=unified"]
+MODEL = [*SMALL_MODEL, "model.ffn_dim=64", "model.vocab_size=64", "model.attention_mask=document",
+         "model.rope_reset=true", "scale=unified"]
 
 
 def rows() -> Batch:

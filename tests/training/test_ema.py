@@ -26,8 +26,9 @@ from scalevec_train.model import Transformer
 from scalevec_train.train import run
 from scalevec_train.training.callbacks import WeightEMA
 from scalevec_train.training.guards import FAULT_NAN_ENV
-from tests.helpers import REPO, SHORT_RUN, TINY_MODEL, load_script, make_config
+from tests.helpers import REPO, SHORT_RUN, load_script, make_config
 from tests.launch import checkpoint_state, curve, records
+from tests.presets import TINY_MODEL
 
 STEPS, HALF_LIFE = 12, 256
 TOKENS_PER_STEP = 4 * 32  # SHORT_RUN: 4 sequences of 32 tokens

@@ -8,9 +8,9 @@ import shutil
 from scalevec_train.data import prepare_data
 from scalevec_train.train import run
 from tests.helpers import make_config
+from tests.presets import TINY_MODEL
 
-TINY = ["model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64", "model.n_layers=2",
-        "model.vocab_size=512", "train.seq_len=64", "train.global_batch=32", "train.micro_batch=32",
+TINY = [*TINY_MODEL, "model.vocab_size=512", "train.seq_len=64", "train.global_batch=32", "train.micro_batch=32",
         "train.eval_batches=1", "train.eval_every=0", "train.log_every=1", "schedule.warmup_steps=1", "device=cpu",
         "data.num_workers=1", "logger.progress_bar=false"]
 

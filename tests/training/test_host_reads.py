@@ -13,9 +13,10 @@ import torch
 from scalevec_train.data import prepare_data
 from tests.helpers import REPO, make_config
 from tests.host_reads import ReadCounter, count_reads
-from tests.launch import torchrun
+from tests.launch import assert_identical, torchrun, trained_state
+from tests.presets import SMALL_MODEL
 
-SHAPE = ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2", "model.ffn_dim=64",
+SHAPE = [*SMALL_MODEL, "model.ffn_dim=64",
          "train.seq_len=32", "train.global_batch=4", "train.micro_batch=2", "train.eval_batches=1",
          "train.eval_every=0", "train.steps=6", "train.log_every=3", "schedule.warmup_steps=2"]
 MODELS = {"dense": ["model=dense-tiny"], "moe": ["model=moe-tiny", "model.moe.expert_dim=32"],
@@ -93,7 +94,6 @@ def test_a_skipped_step_between_logs_is_judged_and_logged_at_the_next_read_back(
     from scalevec_train.checkpoint import files as checkpoint_files
     from scalevec_train.train import run
     from tests.launch import records
-    from tests.training.test_reliability import assert_identical, trained_state
 
     monkeypatch.setenv("SCALEVEC_FAULT_NAN_STEPS", "5")
     common = [*data_overrides, *MODELS["moe"], *SHAPE, "train.steps=8", "train.eval_every=6", "optim=adamw"]

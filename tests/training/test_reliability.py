@@ -35,9 +35,9 @@ from scalevec_train.train import run
 from scalevec_train.training.guards import FAULT_INF_GRAD_ENV, FAULT_NAN_ENV, StepGuard
 from tests.helpers import make_config
 from tests.launch import (
+    assert_identical,
     assert_same_curve,
     assert_same_tensors,
-    checkpoint_state,
     child_env,
     complete_steps,
     curve,
@@ -45,16 +45,18 @@ from tests.launch import (
     latest_step,
     records,
     train_command,
+    trained_state,
 )
+from tests.presets import SMALL_MODEL
 
 EVERY = 3
-# Dense, for the bad-input cases.
-TINY = ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128", "model.n_layers=2",
+# Dense: the numerical guards' runs.
+TINY = [*SMALL_MODEL, "model.ffn_dim=128",
         "train.seq_len=32", "train.global_batch=4", "train.eval_batches=2", "train.eval_every=0",
         "schedule.warmup_steps=2", "train.steps=40", "train.log_every=1", f"checkpoint.every={EVERY}"]
 # Every micro-batch is 2 sequences on 1 and on 2 ranks: the MoE load-balancing loss is the same function.
-MOE = ["model=moe-tiny", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2",
-       "model.ffn_dim=64", "model.moe.expert_dim=32", "model.moe.aux_loss_coef=0.01", "train.seq_len=32",
+MOE = ["model=moe-tiny", *SMALL_MODEL, "model.ffn_dim=64", "model.moe.expert_dim=32", "model.moe.aux_loss_coef=0.01",
+       "train.seq_len=32",
        "train.global_batch=4", "train.micro_batch=2", "train.eval_batches=2", "train.eval_every=0",
        "schedule=constant", "schedule.warmup_steps=2", "train.log_every=1", f"checkpoint.every={EVERY}"]
 ENDLESS = f"train.steps={10**6}"
@@ -194,27 +196,6 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_one_step_with_a_checkpoint(moe,
 
 
 # Numerical guards.
-
-def flat_tensors(tree, prefix: str = "") -> dict[str, torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return {prefix: tree}
-    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
-    return {k: v for key, value in items
-            for k, v in flat_tensors(value, f"{prefix}/{key}" if prefix else str(key)).items()}
-
-
-def trained_state(ckpt: Path, scratch: Path) -> dict[str, torch.Tensor]:
-    """Parameters and optimizer state (moments, step counts); not the learning rate, which the schedule
-    sets before every step."""
-    state = checkpoint_state(ckpt, scratch)
-    return flat_tensors({"model": state["model"], "optim": state["optim"]["state"]})
-
-
-def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-
 
 def test_a_non_finite_step_is_skipped_and_counted(common, tmp_path, monkeypatch):
     monkeypatch.setenv(FAULT_NAN_ENV, "3")

@@ -16,9 +16,9 @@ from scalevec_train.optim.groups import build_optimizer
 from scalevec_train.optim.protocol import StepsWhere
 from scalevec_train.training.skip import ConditionalStep
 from tests.helpers import make_config
+from tests.presets import TINY_MOE
 
-SHAPE = ["model=moe-tiny", "model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2",
-         "model.ffn_dim=32", "model.moe.expert_dim=16", "model.vocab_size=64", "scale=er", "scale.weight_decay=all"]
+SHAPE = [*TINY_MOE, "model.vocab_size=64", "scale=er", "scale.weight_decay=all"]
 
 
 def setup(optim: str):

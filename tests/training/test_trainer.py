@@ -11,8 +11,9 @@ from scalevec_train.training.callbacks import Diagnostics, ModelMetrics, Stabili
 from scalevec_train.training.trainer import Callback, ordered
 from tests.helpers import make_config
 from tests.launch import curve, records
+from tests.presets import SMALL_MODEL
 
-FAST = ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=176", "model.n_layers=2",
+FAST = [*SMALL_MODEL, "model.ffn_dim=176",
         "train.seq_len=64", "train.global_batch=8", "train.micro_batch=4", "train.eval_batches=2",
         "schedule.warmup_steps=2"]
 
