@@ -11,7 +11,7 @@ import torch
 from scalevec_train.describe import describe, format_table, main
 from scalevec_train.model import Transformer
 from scalevec_train.model.strategies import scale_sites
-from scalevec_train.training.callbacks.scales import site_grad_norms
+from scalevec_train.training.callbacks.scales import site_grad_norms, site_prefix
 from tests.helpers import make_config
 from tests.presets import SMALL_MODEL
 
@@ -91,10 +91,9 @@ def test_cancelled_magnitudes_get_no_gradient():
     norms = site_grad_norms(model)
     marked = {m.site for m in model.site_maps() if m.cancelled_by}
     paths = dict((site, path) for path, site in scale_sites(model))
-    live = [norms[f"scale/L{path.split('.')[1]}/{path.split('.', 2)[2]}.beta/grad_norm"]
+    live = [norms[f"{site_prefix(path, magnitude=True)}/grad_norm"]
             for site, path in paths.items() if site not in marked and path.startswith("layers.")]
-    dead = [norms[f"scale/L{path.split('.')[1]}/{path.split('.', 2)[2]}.beta/grad_norm"]
-            for site, path in paths.items() if site in marked]
+    dead = [norms[f"{site_prefix(path, magnitude=True)}/grad_norm"] for site, path in paths.items() if site in marked]
     assert len(dead) == 2 * 5 and len(live) == 2 * 5
     assert max(dead) < 1e-3 * min(live)
 

@@ -27,6 +27,15 @@ class ScaleMonitor(Callback):
         self.grads = {}
 
 
+def site_prefix(path: str, magnitude: bool = False) -> str:
+    """The metric prefix of the site at module path `path` (of its magnitude, beta or b, when
+    `magnitude`); a statistic follows it: `scale/L<i>/<name>/<stat>` in layer i, `scale/<name>/<stat>` for
+    a site outside the layers and for a name's aggregate over the layers."""
+    layer, name = site_display_name(path)
+    name += ".beta" if magnitude else ""
+    return f"scale/{name}" if layer is None else f"scale/L{layer}/{name}"
+
+
 @torch.no_grad()
 def site_stats(model: nn.Module) -> dict[str, float]:
     """Mean, std, min and max of every learnable site's s (and beta for or/er), per layer and
@@ -47,15 +56,15 @@ def site_stats(model: nn.Module) -> dict[str, float]:
         if s is None:
             continue
         layer, name = site_display_name(path)
-        tensors = {name: full_value(s)}
+        tensors = {False: full_value(s)}
         if site.param != "plain":
-            tensors[f"{name}.beta"] = full_value(site.magnitude())
-        for key, value in tensors.items():
-            per_name.setdefault(key, []).append(value.flatten())
+            tensors[True] = full_value(site.magnitude())
+        for magnitude, value in tensors.items():
+            per_name.setdefault(site_prefix(name, magnitude), []).append(value.flatten())
             if layer is not None:
-                add(f"scale/L{layer}/{key}", value)
+                add(site_prefix(path, magnitude), value)
     for key, parts in per_name.items():
-        add(f"scale/{key}", torch.cat(parts))
+        add(key, torch.cat(parts))
     if not values:
         return {}
     return dict(zip(keys, torch.cat(values).tolist()))
@@ -76,14 +85,14 @@ def site_grad_norms(model: nn.Module) -> dict[str, float]:
                  if p.grad is not None}
         if not grads:
             continue
-        parts = {name: torch.stack(list(grads.values())).sum()}
+        parts = {False: torch.stack(list(grads.values())).sum()}
         if site.param != "plain":
             magnitude = grads.get("beta", grads.get("b"))
-            parts[f"{name}.beta"] = magnitude if magnitude is not None else parts[name].new_zeros(())
-        for key, sq in parts.items():
-            squares.setdefault(f"scale/{key}/grad_norm", []).append(sq)
+            parts[True] = magnitude if magnitude is not None else parts[False].new_zeros(())
+        for magnitude, sq in parts.items():
+            squares.setdefault(f"{site_prefix(name, magnitude)}/grad_norm", []).append(sq)
             if layer is not None:
-                squares[f"scale/L{layer}/{key}/grad_norm"] = [sq]
+                squares[f"{site_prefix(path, magnitude)}/grad_norm"] = [sq]
     if not squares:
         return {}
     norms = torch.stack([torch.stack(v).sum() for v in squares.values()]).sqrt()
