@@ -197,11 +197,13 @@ unified-adamw-lr0.01-scale_wd0.01|scale=unified optim=adamw optim.lr=0.01 optim.
 unified-adamw-lr0.01-decay_final_norm.false|scale=unified optim=adamw optim.lr=0.01 scale.decay_final_norm=false
 ARMS
     }
-    # Muon's runs first (about twice as long), then dense-l1 at the ladder's LRs and swapped
+    # The AdamW arms seed by seed first (the question; the study takes days on 2 cores, so whatever part
+    # has finished answers it for the seeds done), then the Muon mirror, then dense-l1 at the ladder's
+    # LRs and swapped
     {
-      for seed in 0 1 2; do
-        arms | while IFS='|' read -r name args; do echo arm_run dense-l3 $name $seed $args; done
-      done
+      for optim in adamw muon; do for seed in 0 1 2; do
+        arms | grep -- "-$optim-" | while IFS='|' read -r name args; do echo arm_run dense-l3 $name $seed $args; done
+      done; done
       for seed in 0 1 2; do for lr in 0.003 0.01; do for scale in baseline unified; do
         echo arm_run dense-l1 $scale-adamw-lr$lr $seed scale=$scale optim=adamw optim.lr=$lr
       done; done; done
