@@ -29,6 +29,13 @@ class DivergedError(ScalevecError):
     exit_code = 3
 
 
+class CheckpointWriteError(ScalevecError):
+    """A checkpoint could not be written (a full disk, an I/O error): the run stops, its previous complete
+    checkpoint intact. Its own exit code tells it apart from bad input."""
+
+    exit_code = 4
+
+
 def listing(items: list[str], limit: int = 5) -> str:
     """The first `limit` items and how many more: for error messages that name what is wrong."""
     shown = ", ".join(items[:limit])

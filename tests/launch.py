@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from scalevec_train.checkpoint import files as checkpoint_files
+from scalevec_train.faults import FAULT_AT_ENV
 from scalevec_train.parallel.process_group import shutdown
 from scalevec_train.training.guards import FAULT_INF_GRAD_ENV, FAULT_NAN_ENV
 from scalevec_train.training.logger import read_records
@@ -37,7 +38,7 @@ TIMEOUT = 600
 MARK_ENV = "SCALEVEC_TEST_PROCESS"
 LAUNCH_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                    "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", "HYDRA_FULL_ERROR", FAULT_NAN_ENV,
-                   FAULT_INF_GRAD_ENV, MARK_ENV)
+                   FAULT_INF_GRAD_ENV, FAULT_AT_ENV, MARK_ENV)
 
 
 @contextmanager
@@ -165,6 +166,62 @@ class Processes:
         for started in self.started:
             started.proc.wait()  # reaped, so that no zombie is left behind
         assert not self.pids(), "processes survived SIGKILL"
+
+
+class Attempts:
+    """Attempts of training runs on `nproc` ranks, each in children forked from the workers of one
+    torchrun launch (tests/attempts.py): a run can be stopped at a fault point, killed there and resumed
+    many times for a fraction of a second of CPU each, where a launch costs seconds."""
+
+    def __init__(self, processes: Processes, folder: Path, nproc: int = 2):
+        self.folder, self.nproc, self.count = folder, nproc, 0
+        folder.mkdir(parents=True)
+        self.started = processes.start([*torchrun(nproc), str(REPO / "tests" / "attempts.py"), str(folder)], folder)
+
+    def run(self, overrides: list[str], fault: str | None = None, kill: str = "all") -> list[int]:
+        """One attempt of a run with `overrides`; returns each rank's exit code (negative: the signal).
+        `fault`: a stop at a fault point (SCALEVEC_FAULT_AT, scalevec_train/faults.py) or a failing
+        write. Once a rank has stopped there, SIGKILL that rank (kill="one": the others fail in their
+        next collective with it) or every rank at once (kill="all"); fails if no rank ever stops."""
+        i, self.count = self.count, self.count + 1
+        spec = self.folder / f"{i}.json"
+        spec.with_suffix(".tmp").write_text(json.dumps({"overrides": overrides, "env": {FAULT_AT_ENV: fault or ""}}))
+        spec.with_suffix(".tmp").rename(spec)
+        pids = [self.started.wait_until(lambda r=r: self._read(f"{i}.rank{r}.pid"), f"attempt {i} started")
+                for r in range(self.nproc)]
+        if fault is not None and fault.partition("=")[2] in ("", "stop"):
+
+            def stopped() -> list[int]:
+                found = [pid for pid in pids if _state(pid) == "T"]
+                assert found or None in self._exits(i), f"attempt {i} ended without stopping at {fault}: " \
+                    f"exit codes {self._exits(i)}\n{self.started.describe()}"
+                return found
+
+            stopped_pids = self.started.wait_until(stopped, f"a stop at {fault}")
+            for pid in stopped_pids[:1] if kill == "one" else pids:
+                os.kill(pid, signal.SIGKILL)
+        self.started.wait_until(lambda: None not in self._exits(i), f"the end of attempt {i}")
+        return self._exits(i)
+
+    def close(self) -> None:
+        """The workers leave once no attempt is left."""
+        (self.folder / "done").write_text("")
+        assert self.started.wait() == 0, self.started.describe()
+
+    def _read(self, name: str) -> int | None:
+        path = self.folder / name
+        return int(path.read_text()) if path.exists() else None
+
+    def _exits(self, i: int) -> list[int | None]:
+        return [self._read(f"{i}.rank{r}.exit") for r in range(self.nproc)]
+
+
+def _state(pid: int) -> str | None:
+    """The state letter of process `pid` (T: stopped), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
 
 
 def environments() -> dict[int, list[bytes]]:

@@ -10,9 +10,14 @@ A save is written into a temporary directory (.tmp_step_000050_<id>). Once every
 writing, rank 0 adds train_state.json and COMPLETE and renames the directory to step_000050 (one atomic
 rename), then deletes checkpoints beyond the newest `keep_last` and leftovers of interrupted saves. An
 interrupted save therefore never replaces the last good checkpoint, and `resume=auto` only ever picks
-complete ones. Deleting removes the COMPLETE marker first, and a checkpoint that is written again (a
-resumed run reaching the same step) is first renamed away as a leftover, so that a process killed at
-any moment never leaves a marked directory with missing files.
+complete ones. A checkpoint to delete, and one that is written again (a resumed run reaching the same
+step), is first renamed away as a leftover, so that a process killed at any moment never leaves a
+marked directory with missing files (tests/training/test_kills.py kills at each of these moments).
+
+A write that fails (a full disk, an I/O error) on any rank stops the run: the ranks compare their
+outcomes before the marker and after the rename, rank 0 removes the partial folder, and every rank
+raises the same CheckpointWriteError (exit code 4) naming the failing rank and error; the previous
+complete checkpoint is untouched (docs/reliability.md, "A checkpoint that cannot be written").
 
 Asynchronous saves (checkpoint.async_save) stage a CPU copy of the state and write it in a background
 thread, which talks over its own gloo process group so that its collectives never interleave with the
@@ -27,6 +32,7 @@ import json
 import shutil
 import sys
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,14 +57,16 @@ from scalevec_train.checkpoint.files import (
     SafeReader,
     check_files,
     check_model_fits,
+    checkpoint_root,
     complete_checkpoints,
     first_failure,
     read_metadata,
     step_dir,
 )
-from scalevec_train.errors import ScalevecError
+from scalevec_train.errors import CheckpointWriteError, ScalevecError
+from scalevec_train.faults import checkpoint_writer, fault_point
 from scalevec_train.model.protocol import TrainableModel
-from scalevec_train.parallel.process_group import barrier, broadcast_object, is_main, rank, world_size
+from scalevec_train.parallel.process_group import broadcast_object, gather_all, is_main, rank, world_size
 
 
 class ModelState(Stateful):
@@ -94,12 +102,15 @@ class OptimizerState(Stateful):
 
 @dataclass
 class _Save:
-    """A save whose shards are (being) written but which is not renamed into place yet."""
+    """A save in progress: its shards (being) written, not yet renamed into place."""
 
-    future: Future | None  # the async write; None once written
+    step: int
     tmp: Path
     final: Path
     train_state: dict
+    rng: dict  # this rank's RNG states at the step saved
+    future: Future | None = None  # the async write
+    error: str | None = None  # this rank's failure to write, in one line
 
 
 class CheckpointManager:
@@ -117,43 +128,78 @@ class CheckpointManager:
 
     def save(self, step: int) -> Path:
         """Save a checkpoint of `step`; every rank calls it. Returns the final path (complete on return
-        unless async_save: then after the next save() or finish())."""
+        unless async_save: then after the next save() or finish()). Raises CheckpointWriteError on every
+        rank if a rank could not write (this save's, or the pending async one's)."""
         self.finish()
         final = step_dir(self.run_dir, step)
         tmp = final.parent / broadcast_object(f"{TMP_PREFIX}{step:06d}_{uuid.uuid4().hex[:8]}")
-        if is_main():
-            tmp.mkdir(parents=True)
-        barrier()
-        torch.save(_rng_state(), tmp / f"rng_rank{rank()}.pt")
         train_state = {"step": step, "world_size": world_size(),
                        **{name: obj.state_dict() for name, obj in self.records.items()}, **self.info}
-        if self.async_save:
-            future = dcp.async_save(self.tensors, checkpoint_id=str(tmp), process_group=self._async_group())
-            self.pending = _Save(future, tmp, final, train_state)
-        else:
-            dcp.save(self.tensors, checkpoint_id=str(tmp))
-            self.pending = _Save(None, tmp, final, train_state)
+        save = _Save(step, tmp, final, train_state, _rng_state())
+
+        def make_folder() -> None:
+            fault_point("save.folder", step)
+            tmp.mkdir(parents=True)
+
+        self._agree(save, _attempt(make_folder) if is_main() else None)
+        writer = checkpoint_writer(tmp, step)
+        try:
+            if self.async_save:
+                save.future = dcp.async_save(self.tensors, storage_writer=writer, process_group=self._async_group())
+            else:
+                dcp.save(self.tensors, storage_writer=writer)
+        except (OSError, CheckpointException) as e:  # CheckpointException: a rank failed; every rank gets it
+            save.error = _failure(e)
+        self.pending = save
+        if not self.async_save:
             self.finish()
         return final
 
     def finish(self) -> Path | None:
         """Complete the pending save, if any: wait for its writes on every rank, then rank 0 marks it
-        complete and renames it into place. Returns its final path."""
+        complete and renames it into place. Returns its final path; raises CheckpointWriteError on every
+        rank if a rank could not write, once the partial folder is removed."""
         if self.pending is None:
             return None
         done, self.pending = self.pending, None
+        self._agree(done, done.error or _attempt(lambda: self._write_rest(done)))
+        self._agree(done, _attempt(lambda: self._complete(done)) if is_main() else None)
+        if is_main():
+            self._retain(done.step)
+        return done.final
+
+    def _write_rest(self, done: _Save) -> None:
+        """This rank's part of `done` on disk: its shards (the async write finished) and its RNG states."""
         if done.future is not None:
             done.future.result()
-        barrier()  # every rank's shards are on disk
+        torch.save(done.rng, done.tmp / f"rng_rank{rank()}.pt")
+        fault_point("save.agree", done.step)
+
+    def _complete(self, done: _Save) -> None:
+        """Rank 0, every rank's files written: the train state and the marker, then one rename into place."""
+        fault_point("save.state", done.step)
+        (done.tmp / STATE_FILE).write_text(json.dumps(done.train_state, indent=1))
+        fault_point("save.marker", done.step)
+        (done.tmp / COMPLETE).write_text("")
+        fault_point("save.rename", done.step)
+        if done.final.exists():  # the same step saved before: it becomes a leftover, deleted by _retain
+            _move_away(done.final)
+        done.tmp.rename(done.final)
+
+    def _agree(self, save: _Save, error: str | None) -> None:
+        """Every rank's outcome so far (None: written); if a rank failed, rank 0 removes the save's
+        partial folder and every rank raises the same error."""
+        failures = list(dict.fromkeys(e for e in gather_all(error) if e is not None))
+        if not failures:
+            return
         if is_main():
-            (done.tmp / STATE_FILE).write_text(json.dumps(done.train_state, indent=1))
-            (done.tmp / COMPLETE).write_text("")
-            if done.final.exists():  # the same step saved before: it becomes a leftover, deleted below
-                done.final.rename(done.final.parent / f"{TMP_PREFIX}{done.final.name}_{uuid.uuid4().hex[:8]}")
-            done.tmp.rename(done.final)
-            self._retain(done.final.parent)
-        barrier()
-        return done.final
+            shutil.rmtree(save.tmp, ignore_errors=True)
+        newest = complete_checkpoints(self.run_dir)
+        raise CheckpointWriteError(
+            str(save.final), f"could not be written ({'; '.join(failures)}). Its partial folder is removed; "
+            f"{newest[-1] if newest else 'there is no complete checkpoint'} is the newest complete checkpoint, "
+            "unchanged.", f"free space on (or repair) the storage of {save.final.parent}, then continue with "
+            "resume=auto.")
 
     def load(self, path: Path, train_state: dict) -> None:
         """Restore every state from checkpoint `path` (whose train state, already read, is
@@ -189,13 +235,35 @@ class CheckpointManager:
             self.async_group = dist.new_group(backend="gloo")
         return self.async_group
 
-    def _retain(self, root: Path) -> None:
-        """Delete complete checkpoints beyond the newest keep_last, and leftovers of interrupted saves."""
-        for old in complete_checkpoints(root.parent)[:-self.keep_last]:
-            (old / COMPLETE).unlink()  # first: a deletion cut short leaves no checkpoint that looks whole
-            shutil.rmtree(old)
-        for leftover in root.glob(f"{TMP_PREFIX}*"):
+    def _retain(self, step: int) -> None:
+        """Delete complete checkpoints beyond the newest keep_last, and leftovers of interrupted saves.
+        A checkpoint is first renamed out of sight as a leftover (one step: a kill then leaves no
+        checkpoint that looks whole with files missing, and no folder that no later save deletes)."""
+        fault_point("save.retain", step)
+        for old in complete_checkpoints(self.run_dir)[:-self.keep_last]:
+            _move_away(old)
+        fault_point("save.delete", step)
+        for leftover in checkpoint_root(self.run_dir).glob(f"{TMP_PREFIX}*"):
             shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _move_away(checkpoint: Path) -> None:
+    checkpoint.rename(checkpoint.parent / f"{TMP_PREFIX}{checkpoint.name}_{uuid.uuid4().hex[:8]}")
+
+
+def _attempt(write: Callable[[], None]) -> str | None:
+    """Runs `write`: None once done, or its failure in one line when the storage failed it."""
+    try:
+        write()
+    except (OSError, CheckpointException) as e:
+        return _failure(e)
+    return None
+
+
+def _failure(e: BaseException) -> str:
+    """A failed write in one line, naming the rank it failed on."""
+    failed_rank = min(e.failures) if isinstance(e, CheckpointException) and e.failures else rank()
+    return f"rank {failed_rank}: {first_failure(e)}"
 
 
 def load_model(path: Path, model: torch.nn.Module) -> None:

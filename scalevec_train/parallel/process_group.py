@@ -123,6 +123,15 @@ def broadcast_object(value):
     return box[0]
 
 
+def gather_all(value) -> list:
+    """Every rank's `value` (a picklable object), in rank order, on every rank."""
+    if not dist.is_initialized():
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         t = t.clone()

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from scalevec_train.data.loader import IGNORE
 from scalevec_train.data.protocol import Loader
+from scalevec_train.faults import fault_point
 from scalevec_train.model.protocol import TrainableModel
 from scalevec_train.parallel.data_parallel import (
     clip_grad_norm,
@@ -262,6 +263,7 @@ class Trainer:
         reduce_replicated_grads(self.replicated)
         for cb in self.callbacks:
             cb.on_backward_end(self)
+        fault_point("step.optimizer", self.step + 1)
         grad_norm = clip_grad_norm(self.model, recipe.grad_clip if recipe.grad_clip > 0 else float("inf"))
         mean_loss = all_reduce_mean(total / recipe.accum if weights is None else total)
         z_mean = None if z_total is None else all_reduce_mean(z_total / recipe.accum if weights is None else z_total)
@@ -297,6 +299,7 @@ class Trainer:
         self._log_requested = self._read_back_requested = False
         for cb in self.callbacks:
             cb.on_step_start(self)
+        fault_point("step.start", self.step + 1)
         result = self.train_step()
         self.step += 1
         for cb in self.callbacks:
@@ -314,7 +317,9 @@ class Trainer:
                 cb.on_log(self)
         if self.stop_reason:
             self.record("stopped", self.stop_reason)
+        fault_point("step.record", self.step)
         self._write()
+        fault_point("step.checkpoint", self.step)
         for cb in self.callbacks:
             cb.on_step_done(self)
 

@@ -1,4 +1,4 @@
-"""Checkpoint mechanics and activation checkpointing, in-process on a small model: interrupted and
+"""Checkpoint mechanics and activation checkpointing, in-process on a small model: failed and
 asynchronous saves, what each activation-checkpointing mode recomputes, and the HSDP mesh shape.
 Training on several ranks against one process: test_world_sizes.py.
 """
@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from scalevec_train.checkpoint import files as checkpoint_files
 from scalevec_train.checkpoint.manager import CheckpointManager, ModelState, OptimizerState
-from scalevec_train.errors import ScalevecError
+from scalevec_train.errors import CheckpointWriteError, ScalevecError
+from scalevec_train.faults import FAULT_AT_ENV
 from scalevec_train.model import ModelConfig, Transformer
 from scalevec_train.model.config import ScaleConfig
 from scalevec_train.parallel.config import DistributedConfig
@@ -46,7 +47,7 @@ def load_into(path: Path, model) -> None:
         path, checkpoint_files.read_train_state(path))
 
 
-def test_interrupted_save_leaves_the_last_good_checkpoint(tmp_path, monkeypatch):
+def test_a_failed_save_leaves_the_last_good_checkpoint(tmp_path, monkeypatch):
     model = small_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train_once(model, optimizer)
@@ -55,23 +56,20 @@ def test_interrupted_save_leaves_the_last_good_checkpoint(tmp_path, monkeypatch)
     at_save = {k: v.clone() for k, v in model.state_dict().items()}
     train_once(model, optimizer)
 
-    def crash(state, checkpoint_id):
-        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half a shard")
-        raise OSError("disk full")
-
     with monkeypatch.context() as m:
-        m.setattr(torch.distributed.checkpoint, "save", crash)
-        with pytest.raises(OSError, match="disk full"):
+        m.setenv(FAULT_AT_ENV, "save.files:10=nospace")  # the shard file fails half written
+        with pytest.raises(CheckpointWriteError, match=r"step_000010: could not be written \(rank 0: OSError: "
+                           r"\[Errno 28\] No space left on device"):
             saver.save(10)
     assert checkpoint_files.find_resume(tmp_path, "auto") == good
-    assert list((tmp_path / "checkpoints").glob(".tmp_step_000010_*"))  # the debris of the crash
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000005"]  # no partial folder
 
     fresh = small_model(seed=1)
     load_into(good, fresh)
     for name, value in fresh.state_dict().items():
         torch.testing.assert_close(value, at_save[name], rtol=0, atol=0)
 
-    # The next save completes, clears the debris and keeps the newest keep_last checkpoints.
+    # The next saves complete and keep the newest keep_last checkpoints.
     saver.save(10)
     saver.save(15)
     names = [p.name for p in checkpoint_files.complete_checkpoints(tmp_path)]

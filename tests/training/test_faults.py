@@ -1,0 +1,172 @@
+"""Kills at any moment, and checkpoint writes that fail, with real processes (docs/reliability.md).
+
+Kills: a 2-rank run is stopped at fault points (scalevec_train/faults.py) chosen to land in each phase
+of a step and of a checkpoint, synchronous and asynchronous (before, during and after the shard files,
+the train state, the COMPLETE marker, the rename and the deletion of older checkpoints), and SIGKILLed
+there: one rank (the other then fails in its next collective with it) or every rank at once. After each
+kill every checkpoint that resume=auto may pick is whole, the newest is the one that point allows, and
+the next attempt resumes with resume=auto. The run then ends with parameters, optimizer state, data
+position and guard counters bit-identical to the uninterrupted 2-rank run. The attempts are children
+forked from the workers of one torchrun launch (tests/attempts.py): some 40 kills cost tens of seconds
+of CPU. scripts/kill_soak.py kills at random moments for longer.
+
+Failed writes: a full disk or an I/O error while a checkpoint is written stops the run on every rank
+with exit code 4 and one line naming the rank and the error; the previous complete checkpoint is
+untouched, the partial folder is gone, and resume=auto continues from that checkpoint to the
+uninterrupted run. On 1 rank (in this process) and 2 ranks, synchronous and asynchronous.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from scalevec_train.checkpoint import files as checkpoint_files
+from scalevec_train.data import prepare_data
+from scalevec_train.errors import CheckpointWriteError
+from scalevec_train.faults import FAULT_AT_ENV
+from scalevec_train.train import run
+from tests.helpers import make_config
+from tests.launch import Attempts, assert_identical, records, trained_state
+from tests.presets import TINY_MODEL
+
+STEPS, EVERY = 6, 2
+# 2 ranks of one sequence each per step; keep_last=1: every save deletes the one before.
+RUN = [*TINY_MODEL, "train.seq_len=32", "train.global_batch=4", "train.micro_batch=2", "train.eval_batches=1",
+       "train.eval_every=0", "schedule=constant", "schedule.warmup_steps=1", "device=cpu", "train.log_every=1",
+       f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "checkpoint.keep_last=1"]
+ASYNC = "checkpoint.async_save=true"
+
+# (fault point, kill one rank or all, the newest complete checkpoint after the kill)
+SYNC_KILLS = [
+    ("step.start:1@0", "all", None),
+    ("save.files:2@1", "one", None),  # rank 1's shard half written
+    ("save.agree:2@0", "all", None),  # every shard written (rank 1 waits for rank 0)
+    ("save.marker:2@0", "one", None),  # train_state.json written, no marker
+    ("save.retain:2@0", "all", 2),  # renamed into place
+    ("step.optimizer:3@1", "one", 2),
+    ("step.record:3@0", "all", 2),
+    ("save.folder:4@0", "one", 2),
+    ("save.files:4@0", "all", 2),
+    ("save.state:4@0", "one", 2),
+    ("save.rename:4@0", "all", 2),  # marked, not renamed
+    ("save.delete:4@0", "one", 4),  # step 2 renamed out of sight, not deleted
+    ("step.checkpoint:5@1", "all", 4),
+    ("save.files:6@1", "one", 4),
+]
+# An async save of step s is written while steps s+1.. train, and completed at the next save.
+ASYNC_KILLS = [
+    ("save.files:2@0", "all", None),  # in rank 0's writing thread
+    ("step.start:3@1", "one", None),  # the save of step 2 in flight or written, not complete
+    ("save.agree:2@1", "all", None),  # at step 4's save
+    ("save.marker:2@0", "one", None),
+    ("save.retain:2@0", "all", 2),
+    ("save.files:4@1", "one", 2),
+    ("step.record:5@0", "all", 2),
+    ("save.rename:4@0", "one", 2),  # at step 6's save
+    ("save.delete:4@0", "all", 4),
+    ("save.marker:6@0", "one", 4),  # the last save, completed at the end of the run
+]
+
+
+@pytest.fixture(scope="module")
+def common(data_overrides) -> list[str]:
+    prepare_data(make_config(*data_overrides).data)  # here, once, rather than by 2 ranks at a time
+    return [*data_overrides, *RUN]
+
+
+@pytest.fixture(scope="module")
+def attempts(module_processes, tmp_path_factory):
+    started = Attempts(module_processes, tmp_path_factory.mktemp("attempts") / "spec")
+    yield started
+    started.close()
+
+
+@pytest.fixture(scope="module")
+def reference(common, attempts, tmp_path_factory) -> Path:
+    """The uninterrupted 2-rank run, every checkpoint kept."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    assert attempts.run([*common, "checkpoint.keep_last=10", f"run_dir={run_dir}"]) == [0, 0]
+    return run_dir
+
+
+def newest_whole(run_dir: Path) -> int | None:
+    """The step of the checkpoint resume=auto picks; every step_* folder must be complete and whole (its
+    files there and long enough), so that no pick can fail."""
+    steps = sorted(checkpoint_files.checkpoint_root(run_dir).glob("step_*"))
+    for ckpt in steps:
+        assert (ckpt / checkpoint_files.COMPLETE).is_file(), f"{ckpt} has no marker"
+        checkpoint_files.inspect(ckpt)
+    return checkpoint_files.checkpoint_step(steps[-1]) if steps else None
+
+
+def assert_same_checkpoint(got: Path, expected: Path, scratch: Path) -> None:
+    """Parameters, optimizer state and every plain-data state (data position, guard counters, ...)
+    bit-identical; the config differs only in what the runs were told (run_dir, keep_last, ...)."""
+    assert_identical(trained_state(got, scratch), trained_state(expected, scratch))
+    saved, wanted = checkpoint_files.read_train_state(got), checkpoint_files.read_train_state(expected)
+    assert {k: v for k, v in saved.items() if k != "config"} == {k: v for k, v in wanted.items() if k != "config"}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_kills_at_every_phase_of_steps_and_saves_lose_nothing(mode, common, attempts, reference, tmp_path):
+    run_dir = tmp_path / "killed"
+    overrides = [*common, *([ASYNC] if mode == "async" else []), f"run_dir={run_dir}", "resume=auto"]
+    for fault, kill, newest in SYNC_KILLS if mode == "sync" else ASYNC_KILLS:
+        codes = attempts.run(overrides, fault, kill)
+        assert -9 in codes and 0 not in codes, (fault, codes)
+        assert newest_whole(run_dir) == newest, fault
+    assert attempts.run(overrides) == [0, 0]
+    assert newest_whole(run_dir) == STEPS
+    assert sorted(p.name for p in checkpoint_files.checkpoint_root(run_dir).iterdir()) == [f"step_{STEPS:06d}"]
+    assert_same_checkpoint(checkpoint_files.step_dir(run_dir, STEPS), checkpoint_files.step_dir(reference, STEPS),
+                           tmp_path)
+
+
+# Failed writes.
+
+def assert_stopped_at_a_failed_write(run_dir: Path, reference: Path, scratch: Path) -> None:
+    """Step 4's checkpoint failed: step 2's is the newest, whole and the reference's; nothing else is left."""
+    assert newest_whole(run_dir) == 2
+    assert sorted(p.name for p in checkpoint_files.checkpoint_root(run_dir).iterdir()) == ["step_000002"]
+    assert_same_checkpoint(checkpoint_files.step_dir(run_dir, 2), checkpoint_files.step_dir(reference, 2), scratch)
+
+
+@pytest.mark.parametrize("fault, mode, message", [
+    ("save.files:4@1=nospace", "sync", "rank 1: OSError: [Errno 28] No space left on device"),
+    ("save.files:4@0=ioerror", "async", "rank 0: OSError: [Errno 5] Input/output error"),  # found at step 6
+    ("save.marker:4@0=nospace", "sync", "rank 0: OSError: [Errno 28] No space left on device"),
+])
+def test_a_failed_write_on_two_ranks_stops_both_and_keeps_the_previous_checkpoint(fault, mode, message, common,
+                                                                                  attempts, reference, tmp_path):
+    run_dir = tmp_path / "failed"
+    overrides = [*common, *([ASYNC] if mode == "async" else []), f"run_dir={run_dir}", "resume=auto"]
+    assert attempts.run(overrides, fault) == [4, 4]
+    errors = [line for line in attempts.started.output().splitlines()
+              if line.startswith(("[rank 0] error:", "[rank 1] error:")) and str(run_dir) in line]
+    assert len(errors) == 2, errors  # one line per rank, the same
+    assert errors[0].split("error: ", 1)[1] == errors[1].split("error: ", 1)[1]
+    assert f"{checkpoint_files.step_dir(run_dir, 4)}: could not be written ({message}" in errors[0]
+    assert f"{checkpoint_files.step_dir(run_dir, 2)} is the newest complete checkpoint" in errors[0]
+    assert_stopped_at_a_failed_write(run_dir, reference, tmp_path)
+
+    assert attempts.run(overrides) == [0, 0]
+    assert_same_checkpoint(checkpoint_files.step_dir(run_dir, STEPS), checkpoint_files.step_dir(reference, STEPS),
+                           tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_failed_write_on_one_process_stops_it_and_keeps_the_previous_checkpoint(mode, common, tmp_path,
+                                                                                  monkeypatch):
+    overrides = [*common, *([ASYNC] if mode == "async" else []), f"run_dir={tmp_path / 'failed'}", "resume=auto"]
+    monkeypatch.setenv(FAULT_AT_ENV, "save.files:4=nospace")
+    with pytest.raises(CheckpointWriteError, match=r"rank 0: OSError: \[Errno 28\] No space left on device"):
+        run(make_config(*overrides))
+    run_dir = tmp_path / "failed"
+    assert newest_whole(run_dir) == 2
+    assert sorted(p.name for p in checkpoint_files.checkpoint_root(run_dir).iterdir()) == ["step_000002"]
+
+    monkeypatch.delenv(FAULT_AT_ENV)
+    run(make_config(*overrides))
+    steps = [r["step"] for r in records(run_dir) if "loss" in r]
+    assert steps == [1, 2, 3, 4, *([5, 6] if mode == "async" else []), 3, 4, 5, 6]  # resumed after step 2
+    assert newest_whole(run_dir) == STEPS
