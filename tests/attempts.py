@@ -10,8 +10,15 @@ does what `python -m scalevec_train.train <overrides>` does under torchrun, with
 writes the child's pid to <i>.rank<r>.pid and, once it has ended, its exit code to <i>.rank<r>.exit
 (negative: the signal that ended it). The children of an attempt meet in a process group of their own
 (process_group.init takes a fresh namespace in torchrun's store).
+
+A child's CPU goes mostly to what the worker has not done for it yet: the modules a run imports on first
+use (torch's compiler configs, DCP, Hydra's parser: over a second), and the collections at the end of
+a run, which walk every object of the process. So each child leaves the list of its modules, which the
+worker imports before the next fork, and the worker freezes its objects out of the collector's reach.
 """
 
+import gc
+import importlib
 import json
 import os
 import sys
@@ -20,6 +27,7 @@ import traceback
 from pathlib import Path
 
 from scalevec_train import train
+from scalevec_train.config import compose_raw
 
 
 def write(path: Path, text: str) -> None:
@@ -30,11 +38,11 @@ def write(path: Path, text: str) -> None:
 
 
 def attempt(spec: dict) -> int:
-    """The child's work; returns its exit code."""
+    """The child's work: scalevec_train.train's main on the config Hydra composes (once: Hydra's app
+    composes it twice); returns its exit code."""
     os.environ.update(spec["env"])
-    sys.argv = [sys.argv[0], *spec["overrides"]]
     try:
-        train.main()
+        train.main.__wrapped__(compose_raw(spec["overrides"]))
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 0 if e.code is None else 1
     except BaseException:
@@ -43,17 +51,31 @@ def attempt(spec: dict) -> int:
     return 0
 
 
+def warm(modules: Path) -> None:
+    """Import what the children imported; freeze every object, so that a child's collections skip them."""
+    for name in modules.read_text().split() if modules.exists() else []:
+        if name not in sys.modules:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - warming is optional: the child imports what it needs itself
+                pass
+    gc.freeze()
+
+
 def main(folder: Path) -> None:
     rank = os.environ["RANK"]
+    modules = folder / f"modules.rank{rank}"
     i = 0
     while not (folder / "done").exists():
         spec = folder / f"{i}.json"
         if not spec.exists():
             time.sleep(0.02)
             continue
+        warm(modules)
         pid = os.fork()
         if pid == 0:
             code = attempt(json.loads(spec.read_text()))
+            write(modules, "\n".join(sorted(sys.modules)))
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)  # not the worker's remaining work, nor its exit handlers
