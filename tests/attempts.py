@@ -57,7 +57,7 @@ def warm(modules: Path) -> None:
         if name not in sys.modules:
             try:
                 importlib.import_module(name)
-            except Exception:  # noqa: BLE001 - warming is optional: the child imports what it needs itself
+            except Exception:  # warming is optional: the child imports what it needs itself
                 pass
     gc.freeze()
 

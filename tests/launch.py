@@ -183,25 +183,37 @@ class Attempts:
         `fault`: a stop at a fault point (SCALEVEC_FAULT_AT, scalevec_train/faults.py) or a failing
         write. Once a rank has stopped there, SIGKILL that rank (kill="one": the others fail in their
         next collective with it) or every rank at once (kill="all"); fails if no rank ever stops."""
-        i, self.count = self.count, self.count + 1
-        spec = self.folder / f"{i}.json"
-        spec.with_suffix(".tmp").write_text(json.dumps({"overrides": overrides, "env": {FAULT_AT_ENV: fault or ""}}))
-        spec.with_suffix(".tmp").rename(spec)
-        pids = [self.started.wait_until(lambda r=r: self._read(f"{i}.rank{r}.pid"), f"attempt {i} started")
-                for r in range(self.nproc)]
+        pids = self.start(overrides, fault)
         if fault is not None and fault.partition("=")[2] in ("", "stop"):
 
             def stopped() -> list[int]:
                 found = [pid for pid in pids if _state(pid) == "T"]
-                assert found or None in self._exits(i), f"attempt {i} ended without stopping at {fault}: " \
-                    f"exit codes {self._exits(i)}\n{self.started.describe()}"
+                assert found or None in self.exits(), f"attempt {self.count - 1} ended without stopping at " \
+                    f"{fault}: exit codes {self.exits()}\n{self.started.describe()}"
                 return found
 
-            stopped_pids = self.started.wait_until(stopped, f"a stop at {fault}")
-            for pid in stopped_pids[:1] if kill == "one" else pids:
+            found = self.started.wait_until(stopped, f"a stop at {fault}")
+            for pid in found[:1] if kill == "one" else pids:
                 os.kill(pid, signal.SIGKILL)
-        self.started.wait_until(lambda: None not in self._exits(i), f"the end of attempt {i}")
-        return self._exits(i)
+        return self.wait()
+
+    def start(self, overrides: list[str], fault: str | None = None) -> list[int]:
+        """Start the next attempt; returns the pids of its processes, in rank order."""
+        i, self.count = self.count, self.count + 1
+        spec = self.folder / f"{i}.json"
+        spec.with_suffix(".tmp").write_text(json.dumps({"overrides": overrides, "env": {FAULT_AT_ENV: fault or ""}}))
+        spec.with_suffix(".tmp").rename(spec)
+        return [self.started.wait_until(lambda r=r: self._read(f"{i}.rank{r}.pid"), f"attempt {i} started")
+                for r in range(self.nproc)]
+
+    def exits(self) -> list[int | None]:
+        """The exit codes of the latest attempt's processes; None for those still running."""
+        return [self._read(f"{self.count - 1}.rank{r}.exit") for r in range(self.nproc)]
+
+    def wait(self) -> list[int]:
+        """The exit codes of the latest attempt, once it has ended."""
+        self.started.wait_until(lambda: None not in self.exits(), f"the end of attempt {self.count - 1}")
+        return self.exits()
 
     def close(self) -> None:
         """The workers leave once no attempt is left."""
@@ -211,9 +223,6 @@ class Attempts:
     def _read(self, name: str) -> int | None:
         path = self.folder / name
         return int(path.read_text()) if path.exists() else None
-
-    def _exits(self, i: int) -> list[int | None]:
-        return [self._read(f"{i}.rank{r}.exit") for r in range(self.nproc)]
 
 
 def _state(pid: int) -> str | None:
@@ -286,6 +295,24 @@ def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
 
 def final_model(run_dir: Path, step: int, scratch: Path) -> dict[str, torch.Tensor]:
     return checkpoint_state(checkpoint_files.step_dir(run_dir, step), scratch)["model"]
+
+
+def newest_whole(run_dir: Path) -> int | None:
+    """The step of the checkpoint resume=auto picks; every step_* folder must be complete and whole (its
+    files there and long enough), so that no pick can fail."""
+    steps = sorted(checkpoint_files.checkpoint_root(run_dir).glob("step_*"))
+    for ckpt in steps:
+        assert (ckpt / checkpoint_files.COMPLETE).is_file(), f"{ckpt} has no marker"
+        checkpoint_files.inspect(ckpt)
+    return checkpoint_files.checkpoint_step(steps[-1]) if steps else None
+
+
+def assert_same_checkpoint(got: Path, expected: Path, scratch: Path) -> None:
+    """Parameters, optimizer state and every plain-data state (data position, guard counters, ...)
+    bit-identical; the config differs only in what the runs were told (run_dir, keep_last, ...)."""
+    assert_identical(trained_state(got, scratch), trained_state(expected, scratch))
+    saved, wanted = checkpoint_files.read_train_state(got), checkpoint_files.read_train_state(expected)
+    assert {k: v for k, v in saved.items() if k != "config"} == {k: v for k, v in wanted.items() if k != "config"}
 
 
 def assert_same_curve(got: dict[int, float], expected: dict[int, float], steps, rel: float = 1e-5,

@@ -195,11 +195,10 @@ class CheckpointManager:
         if is_main():
             shutil.rmtree(save.tmp, ignore_errors=True)
         newest = complete_checkpoints(self.run_dir)
+        kept = f"{newest[-1]} is the newest complete checkpoint, unchanged" if newest else "none is complete yet"
         raise CheckpointWriteError(
-            str(save.final), f"could not be written ({'; '.join(failures)}). Its partial folder is removed; "
-            f"{newest[-1] if newest else 'there is no complete checkpoint'} is the newest complete checkpoint, "
-            "unchanged.", f"free space on (or repair) the storage of {save.final.parent}, then continue with "
-            "resume=auto.")
+            str(save.final), f"could not be written ({'; '.join(failures)}). Its partial folder is removed; {kept}.",
+            f"free space on (or repair) the storage of {save.final.parent}, then continue with resume=auto.")
 
     def load(self, path: Path, train_state: dict) -> None:
         """Restore every state from checkpoint `path` (whose train state, already read, is

@@ -26,7 +26,7 @@ from scalevec_train.errors import CheckpointWriteError
 from scalevec_train.faults import FAULT_AT_ENV
 from scalevec_train.train import run
 from tests.helpers import make_config
-from tests.launch import Attempts, assert_identical, records, trained_state
+from tests.launch import Attempts, assert_same_checkpoint, newest_whole, records
 from tests.presets import TINY_MODEL
 
 STEPS, EVERY = 6, 2
@@ -87,24 +87,6 @@ def reference(common, attempts, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("reference") / "run"
     assert attempts.run([*common, "checkpoint.keep_last=10", f"run_dir={run_dir}"]) == [0, 0]
     return run_dir
-
-
-def newest_whole(run_dir: Path) -> int | None:
-    """The step of the checkpoint resume=auto picks; every step_* folder must be complete and whole (its
-    files there and long enough), so that no pick can fail."""
-    steps = sorted(checkpoint_files.checkpoint_root(run_dir).glob("step_*"))
-    for ckpt in steps:
-        assert (ckpt / checkpoint_files.COMPLETE).is_file(), f"{ckpt} has no marker"
-        checkpoint_files.inspect(ckpt)
-    return checkpoint_files.checkpoint_step(steps[-1]) if steps else None
-
-
-def assert_same_checkpoint(got: Path, expected: Path, scratch: Path) -> None:
-    """Parameters, optimizer state and every plain-data state (data position, guard counters, ...)
-    bit-identical; the config differs only in what the runs were told (run_dir, keep_last, ...)."""
-    assert_identical(trained_state(got, scratch), trained_state(expected, scratch))
-    saved, wanted = checkpoint_files.read_train_state(got), checkpoint_files.read_train_state(expected)
-    assert {k: v for k, v in saved.items() if k != "config"} == {k: v for k, v in wanted.items() if k != "config"}
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
