@@ -7,8 +7,10 @@ there: one rank (the other then fails in its next collective with it) or every r
 kill every checkpoint that resume=auto may pick is whole, the newest is the one that point allows, and
 the next attempt resumes with resume=auto. The run then ends with parameters, optimizer state, data
 position and guard counters bit-identical to the uninterrupted 2-rank run. The attempts are children
-forked from the workers of one torchrun launch (tests/attempts.py): some 40 kills cost tens of seconds
-of CPU. scripts/kill_soak.py kills at random moments for longer.
+forked from the workers of one torchrun launch (tests/attempts.py), about 0.6 s of CPU per rank each,
+where a launch costs seconds. The test fails if a checkpoint is marked complete before its files, or if
+its data position is not that of its step (docs/reliability.md says how that was checked).
+scripts/kill_soak.py kills at random moments for longer.
 
 Failed writes: a full disk or an I/O error while a checkpoint is written stops the run on every rank
 with exit code 4 and one line naming the rank and the error; the previous complete checkpoint is
