@@ -12,7 +12,7 @@ rename), then deletes checkpoints beyond the newest `keep_last` and leftovers of
 interrupted save therefore never replaces the last good checkpoint, and `resume=auto` only ever picks
 complete ones. A checkpoint to delete, and one that is written again (a resumed run reaching the same
 step), is first renamed away as a leftover, so that a process killed at any moment never leaves a
-marked directory with missing files (tests/training/test_kills.py kills at each of these moments).
+marked directory with missing files (tests/training/test_faults.py kills at each of these moments).
 
 A write that fails (a full disk, an I/O error) on any rank stops the run: the ranks compare their
 outcomes before the marker and after the rename, rank 0 removes the partial folder, and every rank
