@@ -18,11 +18,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from scalevec_train.errors import ScalevecError
-from scalevec_train.parallel.process_group import rank
 
 FAULT_AT_ENV = "SCALEVEC_FAULT_AT"
 POINTS = {
@@ -75,9 +75,14 @@ def _action(point: str, step: int) -> str | None:
             raise ScalevecError(FAULT_AT_ENV, f"{entry!r} is not <point>:<step>[@<rank>][=<action>] with a point "
                                 f"of {', '.join(POINTS)} and an action of stop, {', '.join(ERRNOS)}.",
                                 "unset it (it only injects faults for tests), or write e.g. save.marker:6@0=stop.")
-        if (name, int(at_step)) == (point, step) and (only == "" or int(only) == rank()):
+        if (name, int(at_step)) == (point, step) and (only == "" or int(only) == _rank()):
             return action
     return None
+
+
+def _rank() -> int:
+    """torch's rank, not parallel.process_group's: this module sits below parallel/ in the layers."""
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 class _Interrupted(FileSystem):
