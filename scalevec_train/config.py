@@ -23,6 +23,8 @@ from scalevec_train.model.config import ModelConfig, ScaleConfig
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.optim.config import OptimConfig, ScheduleConfig
 from scalevec_train.parallel.config import DistributedConfig
+from scalevec_train.parallel.data_parallel import mesh_shape
+from scalevec_train.parallel.expert_parallel import check as check_expert_parallel
 from scalevec_train.tasks.config import TasksConfig
 from scalevec_train.training.config import CheckpointConfig, LoggerConfig, TrainConfig
 
@@ -72,6 +74,10 @@ class Config:
         self.logger.validate()
         self.checkpoint.validate()
         self.distributed.validate()
+        if self.distributed.expert_parallel > 1:
+            moe = self.model.moe
+            check_expert_parallel(self.distributed, None if moe is None else moe.num_experts, world_size,
+                                  mesh_shape(self.distributed, world_size)[0])
         self.tasks.validate()
         if self.train.seq_len > self.model.max_seq_len:
             raise ScalevecError("train.seq_len", f"{self.train.seq_len} is longer than the model's "

@@ -36,6 +36,7 @@ Each layer reports its load balance through compute_metrics().
 """
 
 import math
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -77,9 +78,22 @@ def _expert_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, sizes: li
     return torch.cat([F.linear(chunk, w[e]) for e, chunk in enumerate(chunks)])
 
 
+class ExpertDispatch(Protocol):
+    """Runs a token's routed experts where they live (installed as RoutedExperts.dispatch by the parallel
+    layer: expert parallelism); the model itself never communicates."""
+
+    def __call__(self, experts: "RoutedExperts", xs_gate: torch.Tensor, xs_up: torch.Tensor,
+                 gates: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The outputs of RoutedExperts.compute for the rows given (sorted by expert, `counts` per expert,
+        gates: their routing weights), in the same order."""
+        ...
+
+
 class RoutedExperts(ExpertSwiGLU):
     """The E routed SwiGLU experts, as weight stacks w_gate, w_up [E, expert_dim, dim] and
-    w_down [E, dim, expert_dim]."""
+    w_down [E, dim, expert_dim]. `dispatch` None: every expert runs here, on this rank's tokens."""
+
+    dispatch: ExpertDispatch | None = None
 
     def __init__(self, cfg: ModelConfig, plan: SwiGLUPlan):
         super().__init__()
@@ -105,11 +119,27 @@ class RoutedExperts(ExpertSwiGLU):
         tokens, k = chosen.shape
         order = chosen.flatten().argsort(stable=True)
         token_of = order // k
-        expert_of = chosen.flatten().index_select(0, order)
         dtype = _compute_dtype(self.w_gate, x_gate.device)
-        w_gate, w_up, w_down = (w.to(dtype) for w in self.folded_weights())
         xs_gate = x_gate.to(dtype).index_select(0, token_of)
         xs_up = xs_gate if x_up is x_gate else x_up.to(dtype).index_select(0, token_of)
+        gates = weights.flatten().index_select(0, order).to(dtype)
+        if self.dispatch is None:
+            expert_of = chosen.flatten().index_select(0, order)
+            out = self.compute(xs_gate, xs_up, gates, counts, expert_of, self.weights())
+        else:
+            out = self.dispatch(self, xs_gate, xs_up, gates, counts)
+        # Back to token order (a permutation: no atomics, so deterministic), then the fp32 sum over k.
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        return out.index_select(0, inverse).view(tokens, k, -1).sum(1, dtype=torch.float32)
+
+    def compute(self, xs_gate: torch.Tensor, xs_up: torch.Tensor, gates: torch.Tensor, counts: torch.Tensor,
+                expert_of: torch.Tensor, stacks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                rows: slice | None = None) -> torch.Tensor:
+        """gates_i E_{expert_of_i}(x_i) for rows sorted by expert (`counts` rows per expert, in the compute
+        dtype), with the weight stacks `stacks` of those experts: all of them, or (an expert-parallel
+        rank's) the experts `rows` of the sites."""
+        dtype = xs_gate.dtype
+        w_gate, w_up, w_down = (w.to(dtype) for w in self.folded_weights(stacks, rows))
         if self.backend == "auto":
             grouped = _grouped_mm_supported(xs_gate, (w_gate.shape[-1], w_gate.shape[-2]))
         else:
@@ -117,12 +147,8 @@ class RoutedExperts(ExpertSwiGLU):
         # One host sync for the three matmuls, and one set of sizes, so that the compiler knows gate and up alike.
         sizes = None if grouped else counts.tolist()
         hidden = self.hidden(_expert_mm(xs_gate, w_gate, counts, sizes), _expert_mm(xs_up, w_up, counts, sizes),
-                             counts, expert_of)
-        hidden = hidden * weights.flatten().index_select(0, order).unsqueeze(-1).to(dtype)
-        out = _expert_mm(hidden, w_down, counts, sizes)
-        # Back to token order (a permutation: no atomics, so deterministic), then the fp32 sum over k.
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        return out.index_select(0, inverse).view(tokens, k, -1).sum(1, dtype=torch.float32)
+                             counts, expert_of, rows)
+        return _expert_mm(hidden * gates.unsqueeze(-1), w_down, counts, sizes)
 
 
 class SharedExpert(ExpertSwiGLU):

@@ -52,13 +52,14 @@ class SwiGLU:
         return y if folded else scaled(y, s)
 
 
-def fold_sites(w: torch.Tensor, s_in: ScaleSite | None, s_out: ScaleSite | None) -> torch.Tensor:
+def fold_sites(w: torch.Tensor, s_in: ScaleSite | None, s_out: ScaleSite | None,
+               rows: slice | None = None) -> torch.Tensor:
     """W with an input site on its columns and an output site behind no normalization on its rows
-    (W [..., out, in])."""
-    s = s_in() if s_in is not None else None
+    (W [..., out, in]; `rows`: the experts of a stack that W holds, None: all)."""
+    s = _vector(s_in, rows)
     if s is not None:
         w = w * s.unsqueeze(-2)
-    s = s_out() if s_out is not None and not s_out.behind_norm else None
+    s = _vector(s_out, rows) if s_out is not None and not s_out.behind_norm else None
     if s is not None:
         w = w * s.unsqueeze(-1)
     return w
@@ -87,17 +88,24 @@ class ExpertSwiGLU(nn.Module):
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def folded_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(W_gate, W_up, W_down) with the sites behind no normalization applied."""
-        w_gate, w_up, w_down = self.weights()
-        return (fold_sites(w_gate, self.gate_in, self.gate_out), fold_sites(w_up, self.up_in, self.up_out),
-                fold_sites(w_down, self.down_in, None))
+    def folded_weights(self, stacks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                       rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(W_gate, W_up, W_down) with the sites behind no normalization applied: of `weights()`, or of
+        `stacks`, the experts `rows` of a stack (an expert-parallel rank's)."""
+        w_gate, w_up, w_down = self.weights() if stacks is None else stacks
+        return (fold_sites(w_gate, self.gate_in, self.gate_out, rows),
+                fold_sites(w_up, self.up_in, self.up_out, rows), fold_sites(w_down, self.down_in, None, rows))
 
     def hidden(self, gate: torch.Tensor, up: torch.Tensor, counts: torch.Tensor | None = None,
-               expert_of: torch.Tensor | None = None) -> torch.Tensor:
-        """The SwiGLU of the folded maps' outputs (rows grouped by expert: counts, expert_of)."""
-        return self.swiglu(gate, up, _vector(self.gate_out), _vector(self.up_out), counts, expert_of, folded=True)
+               expert_of: torch.Tensor | None = None, rows: slice | None = None) -> torch.Tensor:
+        """The SwiGLU of the folded maps' outputs (rows grouped by expert: counts, expert_of, each
+        relative to the experts `rows` of the sites, None: all)."""
+        return self.swiglu(gate, up, _vector(self.gate_out, rows), _vector(self.up_out, rows), counts, expert_of,
+                           folded=True)
 
 
-def _vector(site: ScaleSite | None) -> torch.Tensor | None:
-    return None if site is None else site()
+def _vector(site: ScaleSite | None, rows: slice | None = None) -> torch.Tensor | None:
+    """A site's vector, or its rows `rows` (experts); None without a site."""
+    if site is None:
+        return None
+    return site() if rows is None else site()[rows]

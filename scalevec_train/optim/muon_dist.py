@@ -41,7 +41,7 @@ def shard_layout(param: torch.Tensor) -> ShardLayout | None:
     """None when this rank holds whole matrices of `param`; otherwise its row-shard layout.
 
     Whole matrices are local for plain tensors, replicated DTensors, shard groups of one rank, and 3-D
-    expert stacks sharded on the expert dimension. With HSDP's (replicate, shard) mesh only the shard
+    expert stacks sharded on the expert dimension (by FSDP, expert parallelism or both). With HSDP's (replicate, shard) mesh only the shard
     dimension takes part: the replicas hold the same rows and repeat the same work.
     """
     if not isinstance(param, DTensor):
@@ -53,9 +53,10 @@ def shard_layout(param: torch.Tensor) -> ShardLayout | None:
     shard_dims = [i for i, pl in enumerate(placements) if pl.is_shard()]
     if not shard_dims:
         return None
-    if len(shard_dims) > 1 or placements[shard_dims[0]].dim != 0:
+    if any(placements[i].dim != 0 for i in shard_dims) or (len(shard_dims) > 1 and param.ndim != 3):
         raise ScalevecError("optim (muon)", f"parameter of shape {tuple(param.shape)} has placements "
-                            f"{placements}; Muon supports sharding on dim 0 over one mesh dimension.",
+                            f"{placements}; Muon supports sharding on dim 0 over one mesh dimension (an "
+                            "expert stack: over several).",
                             "use fully_shard's default Shard(0) placement (FSDP or HSDP).")
     mesh_dim = shard_dims[0]
     world = param.device_mesh.size(mesh_dim)

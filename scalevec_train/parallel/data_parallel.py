@@ -23,6 +23,7 @@ from scalevec_train.errors import ScalevecError
 from scalevec_train.model.protocol import TrainableModel
 from scalevec_train.model.strategies import scale_sites
 from scalevec_train.parallel.config import DistributedConfig
+from scalevec_train.parallel.expert_parallel import shard_experts
 from scalevec_train.parallel.process_group import full_value, world_size
 from scalevec_train.parallel.wrap import wrap_block
 
@@ -47,12 +48,26 @@ def mesh_shape(cfg: DistributedConfig, world: int) -> tuple[int, int]:
 
 
 def build_mesh(cfg: DistributedConfig, device: torch.device):
+    """The data-parallel mesh: (shard,) or (replicate, shard); under expert parallelism shard is
+    (expert_shard, ep) flattened (expert_parallel.py)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     replicate, shard = mesh_shape(cfg, world_size())
-    if replicate == 1:
-        return init_device_mesh(device.type, (shard,), mesh_dim_names=("shard",))
-    return init_device_mesh(device.type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+    ep = cfg.expert_parallel
+    sizes, names = (shard,), ("shard",)
+    if ep > 1:
+        sizes, names = (shard // ep, ep), ("expert_shard", "ep")
+    if replicate > 1:
+        sizes, names = (replicate, *sizes), ("replicate", *names)
+    mesh = init_device_mesh(device.type, sizes, mesh_dim_names=names)
+    if ep > 1:
+        mesh["expert_shard", "ep"]._flatten("shard")
+    return mesh
+
+
+def dense_mesh(mesh):
+    """The mesh the dense part of the model is sharded over: (shard,) or (replicate, shard)."""
+    return mesh["replicate", "shard"] if "replicate" in mesh.mesh_dim_names else mesh["shard"]
 
 
 def uses_bf16(dtype: str, device: torch.device) -> bool:
@@ -81,6 +96,9 @@ def parallelize(model: TrainableModel, cfg: DistributedConfig, device: torch.dev
     # the forward in bf16, where their small updates vanish): FSDP ignores them, and their gradients are
     # averaged in one all-reduce per step (reduce_replicated_grads).
     sites = {p for _, site in scale_sites(model) for p in site.parameters()}
+    if cfg.expert_parallel > 1:
+        shard_experts(model, mesh, mp, sites)
+        mesh = dense_mesh(mesh)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=sites)
     # The root's parameters (embedding = tied head) are needed again right at the start of the backward
@@ -148,15 +166,17 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     from torch.distributed.tensor.experimental import implicit_replication
 
     params = [p for p in model.parameters() if p.grad is not None]
-    parts = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
-    parts = [part for part in parts if part]
+    # One part per mesh (expert parallelism puts the experts on a mesh of their own: torch's norm stacks
+    # the norms of one mesh only), and the replicated parameters.
+    meshes: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        meshes.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    parts = [part for mesh, part in meshes.items() if mesh is not None] + [meshes[m] for m in meshes if m is None]
     if len(parts) == 1:  # one kind: torch's own clipping, bit for bit
         return full_value(torch.nn.utils.clip_grad_norm_(parts[0], max_norm))
-    sharded, whole = parts
-    norms = [full_value(torch.nn.utils.get_total_norm([p.grad for p in sharded])),
-             torch.nn.utils.get_total_norm([p.grad for p in whole])]
+    norms = [full_value(torch.nn.utils.get_total_norm([p.grad for p in part])) for part in parts]
     norm = torch.linalg.vector_norm(torch.stack(norms))
     with implicit_replication():  # the plain norm scales the DTensor gradients too
-        torch.nn.utils.clip_grads_with_norm_(sharded, max_norm, norm)
-    torch.nn.utils.clip_grads_with_norm_(whole, max_norm, norm)
+        for part in parts:
+            torch.nn.utils.clip_grads_with_norm_(part, max_norm, norm)
     return norm

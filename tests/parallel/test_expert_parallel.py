@@ -1,0 +1,251 @@
+"""Expert parallelism (distributed.expert_parallel) computes the run of one process.
+
+Each case trains a tiny MoE (8 experts, top 2, a shared expert; document masking, the z-loss, the
+router's load-balancing and z losses on, clipping active) for 20 steps with the real Trainer on gloo
+ranks (one spawned group runs every case of a world size, one after the other); this process then
+takes the same steps on the plain model, the ranks' micro-batches accumulated, each step from the
+parameters the ranks had (two fp32 runs drift apart by a few 1e-6 in 20 steps, whatever computes them).
+Every step's loss, gradient norm and whole gradient (every parameter's, gathered whole) must be the
+reference's within 1e-6 relative (in norm), each parameter's gradient within 1e-5 (magnitudes()
+says why not 1e-6), the parameters after every step within what Adam makes of that, and the expert
+biases and loads exactly.
+Cases: on 2 ranks EP=2, {baseline, unified, unified with per-expert sites} x {AdamW, Muon}; on 4 ranks
+EP=2 x expert-FSDP=2, unified per-expert with Muon and baseline with AdamW.
+"""
+
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from scalevec_train.data.loader import IGNORE, Batch, document_ids
+from scalevec_train.errors import ScalevecError
+from scalevec_train.model import Transformer
+from scalevec_train.model.moe import MoEFeedForward
+from scalevec_train.optim.groups import build_optimizer
+from scalevec_train.parallel.data_parallel import parallelize
+from scalevec_train.parallel.process_group import full_value
+from scalevec_train.training.trainer import Callback, Compute, Schedule, StepRecipe, Trainer
+from tests.helpers import make_config
+from tests.launch import gloo_group
+from tests.presets import TINY_MOE
+
+STEPS, SEQ, EOS, VOCAB, LR = 20, 16, 1, 64, 3e-3
+MICRO = 2  # sequences per rank and step
+Z_LOSS = 1e-3
+MODEL = [*TINY_MOE, f"model.vocab_size={VOCAB}", "model.attention_mask=document", "model.moe.aux_loss_coef=0.01",
+         "model.moe.z_loss_coef=1e-3", "model.moe.bias_update_rate=1e-2", f"optim.lr={LR}", "optim.ns_dtype=float32"]
+CASES = {
+    "baseline-adamw": ["scale=baseline", "optim=adamw"],
+    "baseline-muon": ["scale=baseline", "optim=muon"],
+    "unified-adamw": ["scale=unified", "optim=adamw"],
+    "unified-muon": ["scale=unified", "optim=muon"],
+    "per_expert-adamw": ["scale=unified", "scale.per_expert=true", "optim=adamw"],
+    "per_expert-muon": ["scale=unified", "scale.per_expert=true", "optim=muon"],
+}
+TWO = list(CASES)
+FOUR = ["per_expert-muon", "baseline-adamw"]
+CLIP = 0.5  # below the norms of the first steps: the clipping acts
+REL, TENSOR_REL = 1e-6, 1e-5
+PARAM_ATOL = 1e-5
+
+
+def overrides(name: str, ep: int) -> list[str]:
+    return [*MODEL, *CASES[name], f"distributed.expert_parallel={ep}", "distributed.replicate=1"]
+
+
+def global_batch(step: int, world: int) -> Batch:
+    """The step's world * MICRO sequences, documents ending at random EOS positions."""
+    gen = torch.Generator().manual_seed(step)
+    tokens = torch.randint(2, VOCAB, (world * MICRO, SEQ + 1), generator=gen)
+    tokens[torch.rand(tokens.shape, generator=gen) < 0.1] = EOS
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    return Batch(inputs, targets.masked_fill(inputs == EOS, IGNORE), document_ids(inputs, EOS))
+
+
+def part(batch: Batch, rank: int) -> Batch:
+    rows = slice(rank * MICRO, (rank + 1) * MICRO)
+    return Batch(batch.inputs[rows], batch.targets[rows], batch.doc_ids[rows])
+
+
+class ListLoader:
+    def __init__(self, batches: list[Batch]):
+        self.batches = iter(batches)
+
+    def next_batch(self) -> Batch:
+        return next(self.batches)
+
+
+class Capture(Callback):
+    """Every step's parameters and gradients, whole (a collective under FSDP: every rank gathers)."""
+
+    def __init__(self):
+        self.params, self.grads = [], []
+
+    def on_backward_end(self, trainer: Trainer) -> None:
+        named = list(trainer.model.named_parameters())
+        self.params.append({n: full_value(p).detach().clone() for n, p in named})
+        self.grads.append({n: full_value(p.grad).clone() for n, p in named})
+
+
+def whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: full_value(p).detach().clone() for n, p in model.named_parameters()}
+
+
+def train(name: str, ep: int, world: int, rank: int | None, forced: list[dict] | None = None) -> dict:
+    """STEPS steps of case `name`: on this rank of a group (its part of every batch), or (rank None) on
+    one process accumulating all `world` parts, from the parameters `forced` gives for each step if given
+    (another run's: fp32 rounding, amplified by the optimizers, makes two runs drift apart by a few 1e-6
+    in 20 steps, so each step is compared from the same point). The losses, gradient norms, every
+    step's parameters before and after the step and gradients, the final biases and loads."""
+    cfg = make_config(*overrides(name, ep), world_size=world if rank is not None else 1)
+    with torch.device("meta"):
+        model = Transformer(cfg.model, cfg.scale)
+    model = parallelize(model, cfg.distributed, torch.device("cpu"), seed=0, dtype="fp32")
+    batches = [global_batch(step, world) for step in range(STEPS)]
+    micro = ([part(b, rank)] if rank is not None else [part(b, r) for r in range(world)] for b in batches)
+    capture = Capture()
+    accum = 1 if rank is not None else world
+    trainer = Trainer(model, build_optimizer(model, cfg.optim), ListLoader([m for ms in micro for m in ms]),
+                      Schedule(steps=STEPS, lr_at=lambda step: 1.0, log_every=1),
+                      StepRecipe(accum=accum, tokens_per_step=world * MICRO * SEQ, grad_clip=CLIP,
+                                 z_loss_coef=Z_LOSS, documents=True),
+                      Compute(torch.device("cpu"), nullcontext), [capture])
+    losses, norms, after = [], [], []
+    for step in range(STEPS):
+        if forced is not None:
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(forced[step][n])
+        result = trainer.train_step()
+        losses.append(result.loss.item())
+        norms.append(result.grad_norm.item())
+        after.append(whole(model))
+    biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
+    loads = [m.last_load.clone() for m in model.modules() if isinstance(m, MoEFeedForward)]
+    return {"loss": losses, "grad_norm": norms, "params": capture.params, "grads": capture.grads, "after": after,
+            "biases": biases, "loads": loads}
+
+
+def _rank(rank: int, world: int, store: str, out: str, names: list[str]) -> None:
+    with gloo_group(store, rank, world):
+        for name in names:
+            torch.save(train(name, 2, world, rank), f"{out}/{name}-rank{rank}.pt")
+
+
+def launch(root: Path, world: int, names: list[str]) -> Path:
+    root.mkdir()
+    mp.spawn(_rank, args=(world, str(root / "store"), str(root), names), nprocs=world, join=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("expert_parallel")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(root) -> Path:
+    return launch(root / "two", 2, TWO)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(root) -> Path:
+    return launch(root / "four", 4, FOUR)
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def magnitudes(name: str) -> tuple[set[str], set[str]]:
+    """The scale sites' magnitudes (or's beta, er's b), and those of sites whose every map is normalized
+    right after (describe lists them).
+
+    Expert parallelism sums each expert's rows of both ranks in one matmul where one process sums a
+    micro-batch at a time (2 ranks without EP are exact here). That rounding, 1e-7 relative in the
+    experts' gradients, reaches the gradients of maps and sites behind a normalization amplified by its
+    cancellation: seen up to 3e-6 relative (attention's q and k and their head-norm weights), and a
+    magnitude's, one sum over its whole site, up to 4e-5 of its own small value. A cancelled
+    magnitude's gradient is rounding noise only, which Adam turns into a step of up to about the LR."""
+    with torch.device("meta"):
+        cfg = make_config(*overrides(name, 1))
+        plan = Transformer(cfg.model, cfg.scale).plan
+    params = [(row, f"{row.path}.{p.name}") for row in plan.rows for p in row.params if p.name in ("beta", "b")]
+    return {n for _, n in params}, {n for row, n in params if row.cancelled_by}
+
+
+def assert_grads(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], magnitude: set[str], norm: float,
+                 what: str) -> None:
+    """The whole gradient within REL in norm; each tensor within TENSOR_REL, a magnitude within REL of
+    the step's gradient norm."""
+    assert got.keys() == want.keys()
+    whole = relative(torch.cat([g.flatten() for g in got.values()]), torch.cat([w.flatten() for w in want.values()]))
+    assert whole <= REL, (what, whole)
+    for n, value in want.items():
+        if n in magnitude:
+            torch.testing.assert_close(got[n], value, rtol=0, atol=REL * norm, msg=lambda m, n=n: f"{what}, {n}: {m}")
+        else:
+            assert relative(got[n], value) <= TENSOR_REL, (what, n, relative(got[n], value))
+
+
+def assert_same_run(got: dict, want: dict, name: str) -> None:
+    """`want` (one process) was forced through `got`'s parameters: each step from the same point."""
+    assert got["loss"] == pytest.approx(want["loss"], rel=REL, abs=0)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=REL, abs=0)
+    magnitude, noise = magnitudes(name)
+    for step in range(STEPS):
+        assert_grads(got["grads"][step], want["grads"][step], magnitude, want["grad_norm"][step],
+                     f"gradients of step {step}")
+        # the optimizer's step from the same point and nearly the same gradients: Adam divides them by
+        # their RMS, which moves parameters with tiny gradients by a few 1e-7 (tests/parallel/
+        # test_world_sizes.py); a gradient lost or doubled would move them by about LR
+        after = f"parameters after step {step}"
+        for n, value in want["after"][step].items():
+            atol = 2 * LR if n in noise else PARAM_ATOL
+            torch.testing.assert_close(got["after"][step][n], value, rtol=0, atol=atol, msg=lambda m, n=n: f"{after}, {n}: {m}")
+    for name, value in want["biases"].items():
+        assert torch.equal(got["biases"][name], value), name
+    for g, w in zip(got["loads"], want["loads"], strict=True):
+        assert torch.equal(g, w)
+
+
+def reference(run: dict, name: str, world: int) -> dict:
+    """The one-process run of `name` forced through `run`'s parameters; its first step starts from its
+    own initialization, which must be the run's."""
+    want = train(name, 1, world, None, forced=run["params"])
+    for n, value in want["params"][0].items():
+        assert torch.equal(run["params"][0][n], value), n
+    return want
+
+
+@pytest.mark.parametrize("name", TWO)
+def test_two_ranks_expert_parallel_give_the_run_of_one_process(name, two_ranks):
+    runs = [torch.load(two_ranks / f"{name}-rank{rank}.pt") for rank in range(2)]
+    want = reference(runs[0], name, 2)
+    for run in runs:
+        assert_same_run(run, want, name)
+
+
+@pytest.mark.parametrize("name", FOUR)
+def test_four_ranks_expert_parallel_times_fsdp_give_the_run_of_one_process(name, four_ranks):
+    runs = [torch.load(four_ranks / f"{name}-rank{rank}.pt") for rank in range(4)]
+    want = reference(runs[0], name, 4)
+    for run in runs:
+        assert_same_run(run, want, name)
+
+
+@pytest.mark.parametrize(("extra", "world", "match"), [
+    (["model=dense-tiny"], 2, "on a dense model.*expert_parallel=1"),
+    ([*TINY_MOE], 1, "larger than the world size.*at most 1"),
+    ([*TINY_MOE, "distributed.expert_parallel=3"], 4, "3 does not divide the 4 ranks"),
+    ([*TINY_MOE, "model.moe.num_experts=6"], 4, "num_experts=6 do not split over .* 2 x 2 .*divisible by 4"),
+])
+def test_refusals_name_the_fix(extra, world, match):
+    """Before any work: one line naming the option and the fix."""
+    with pytest.raises(ScalevecError, match=match) as refused:
+        make_config("distributed.expert_parallel=2", "distributed.replicate=1", "train.global_batch=12", *extra,
+                    world_size=world)
+    assert "\n" not in str(refused.value) and "Fix:" in str(refused.value)
