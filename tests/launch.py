@@ -12,6 +12,7 @@ workers a store of its own, gloo binds its own sockets, and spawned test groups 
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -262,6 +263,15 @@ def latest_step(run_dir: Path) -> int:
 
 def complete_steps(run_dir: Path) -> list[int]:
     return [checkpoint_files.checkpoint_step(p) for p in checkpoint_files.complete_checkpoints(run_dir)]
+
+
+def copy_run(src: Path, dst: Path, keep_step: int) -> Path:
+    """A copy of run `src` whose checkpoints after `keep_step` are left incomplete (marker removed)."""
+    shutil.copytree(src, dst)
+    for ckpt in (dst / "checkpoints").glob("step_*"):
+        if int(ckpt.name.split("_")[1]) > keep_step:
+            (ckpt / checkpoint_files.COMPLETE).unlink()
+    return dst
 
 
 def checkpoint_state(ckpt: Path, scratch: Path) -> dict:

@@ -41,7 +41,8 @@ def shard_layout(param: torch.Tensor) -> ShardLayout | None:
     """None when this rank holds whole matrices of `param`; otherwise its row-shard layout.
 
     Whole matrices are local for plain tensors, replicated DTensors, shard groups of one rank, and 3-D
-    expert stacks sharded on the expert dimension (by FSDP, expert parallelism or both). With HSDP's (replicate, shard) mesh only the shard
+    expert stacks sharded on the expert dimension (by FSDP, expert parallelism or both). With HSDP's
+    (replicate, shard) mesh only the shard
     dimension takes part: the replicas hold the same rows and repeat the same work.
     """
     if not isinstance(param, DTensor):

@@ -202,10 +202,9 @@ def assert_same_run(got: dict, want: dict, name: str) -> None:
         # the optimizer's step from the same point and nearly the same gradients: Adam divides them by
         # their RMS, which moves parameters with tiny gradients by a few 1e-7 (tests/parallel/
         # test_world_sizes.py); a gradient lost or doubled would move them by about LR
-        after = f"parameters after step {step}"
         for n, value in want["after"][step].items():
-            atol = 2 * LR if n in noise else PARAM_ATOL
-            torch.testing.assert_close(got["after"][step][n], value, rtol=0, atol=atol, msg=lambda m, n=n: f"{after}, {n}: {m}")
+            torch.testing.assert_close(got["after"][step][n], value, rtol=0, atol=2 * LR if n in noise else PARAM_ATOL,
+                                       msg=lambda m, n=n, step=step: f"parameters after step {step}, {n}: {m}")
     for name, value in want["biases"].items():
         assert torch.equal(got["biases"][name], value), name
     for g, w in zip(got["loads"], want["loads"], strict=True):

@@ -16,7 +16,6 @@ nodes must continue with the reference's numbers.
 import math
 import os
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -30,7 +29,15 @@ from scalevec_train.model import Transformer
 from scalevec_train.model.strategies import scale_sites
 from scalevec_train.train import run
 from tests.helpers import REPO, make_config
-from tests.launch import assert_same_curve, assert_same_tensors, child_env, final_model, many_command, records
+from tests.launch import (
+    assert_same_curve,
+    assert_same_tensors,
+    child_env,
+    copy_run,
+    final_model,
+    many_command,
+    records,
+)
 from tests.presets import SMALL_MODEL
 
 STEPS, EVERY, LR = 4, 2, 3e-3
@@ -91,15 +98,6 @@ def assert_same_run(run_dir: Path, reference: Path, scratch: Path, skip: int = 0
         expected = {r["step"]: r[key] for r in records(reference) if key in r and r["step"] >= first}
         assert_same_curve({r["step"]: r[key] for r in got if key in r}, expected, expected, what=key)
     assert_params(final_model(run_dir, STEPS, scratch), final_model(reference, STEPS, scratch))
-
-
-def copy_run(src: Path, dst: Path, keep_step: int) -> Path:
-    """A copy of run `src` whose checkpoints after `keep_step` are left incomplete (marker removed)."""
-    shutil.copytree(src, dst)
-    for ckpt in (dst / "checkpoints").glob("step_*"):
-        if int(ckpt.name.split("_")[1]) > keep_step:
-            (ckpt / checkpoint_files.COMPLETE).unlink()
-    return dst
 
 
 def rank_files(run_dir: Path, world: int) -> list[dict]:
