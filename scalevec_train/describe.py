@@ -9,7 +9,8 @@ optimizer and distributed.activation_checkpointing: parameters, gradients, optim
 activations (kept by the forward, and one block's recompute under checkpointing), logits and loss,
 FSDP's gathered blocks, the optimizer step's transients, and the total against a device of `device_gb`
 GB (10^9 bytes), with the change that makes it fit when it does not and the world sizes it fits on
-(memory.py documents each term)."""
+(memory.py documents each term); under distributed.expert_parallel, the bytes each rank sends per step in
+the experts' all-to-alls (communication.py)."""
 
 import copy
 import json
@@ -18,7 +19,7 @@ from typing import get_args
 
 import torch
 from hydra.errors import HydraException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from scalevec_train.accounting import (
     active_params,
@@ -27,9 +28,10 @@ from scalevec_train.accounting import (
     total_params,
     train_flops_per_token,
 )
+from scalevec_train.communication import expert_all_to_all
 from scalevec_train.config import compose_raw, to_config
 from scalevec_train.errors import ScalevecError
-from scalevec_train.memory import GB, estimate, fix
+from scalevec_train.memory import GB, estimate, fix, precision
 from scalevec_train.model.config import ScaleConfig
 from scalevec_train.model.plan import ScalePlan
 from scalevec_train.model.strategies import site_display_name
@@ -126,6 +128,8 @@ def memory(raw: DictConfig, world: int, device_gb: float) -> dict:
     except ScalevecError as e:  # describe still reports the sites
         return {"world_size": world, "error": str(e)}
     est = estimate(at_world, world)
+    all_to_all = expert_all_to_all(at_world, build_meta(at_world.model, at_world.scale), world,
+                                   precision(at_world, "cuda", world).compute)
     fits_on = []
     for w in WORLD_SIZES:
         try:
@@ -140,7 +144,9 @@ def memory(raw: DictConfig, world: int, device_gb: float) -> dict:
         e = estimate(trial, world)
         by_mode[mode] = {"activations": e.activations, "recompute": e.recompute, "total": e.total}
     return dict(est.as_dict(), device_bytes=device, fits=est.total <= device, fix=fix(at_world, world, device),
-                fits_world_sizes=fits_on, by_checkpointing=by_mode)
+                fits_world_sizes=fits_on, by_checkpointing=by_mode,
+                expert_parallel=at_world.distributed.expert_parallel,
+                all_to_all_bytes_per_step=None if all_to_all is None else all_to_all.total)
 
 
 def format_memory(m: dict) -> str:
@@ -159,6 +165,10 @@ def format_memory(m: dict) -> str:
     lines.append(f"  {m['total'] / GB:.1f} of {m['device_bytes'] / GB:.0f} GB: {verdict}")
     sizes = ", ".join(map(str, m["fits_world_sizes"])) or "none"
     lines.append(f"  fits {m['device_bytes'] / GB:.0f} GB on world sizes: {sizes}")
+    if m["all_to_all_bytes_per_step"] is not None:
+        lines.append(f"  expert parallelism over {m['expert_parallel']} ranks: each rank sends "
+                     f"{m['all_to_all_bytes_per_step'] / GB:.3f} GB per step in the experts' all-to-alls "
+                     "(balanced routing)")
     return "\n".join(lines)
 
 
@@ -183,7 +193,8 @@ def main(argv: list[str]) -> int:
             raise ScalevecError("world_size/device_gb", f"world_size={options['world_size']}, device_gb="
                                 f"{options['device_gb']}.", "give a positive whole world_size and positive device_gb.")
         raw = compose_raw(overrides)
-        d = describe(to_config(raw))
+        # the sites and their costs do not depend on the ranks: described as on one process
+        d = describe(to_config(OmegaConf.merge(raw, {"distributed": {"expert_parallel": 1}})))
         d["memory"] = memory(raw, world, device_gb)
     except (ScalevecError, HydraException) as e:
         print(f"error: {e}", file=sys.stderr)

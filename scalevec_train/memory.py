@@ -18,7 +18,10 @@ Counted from the config on the meta device (no weights are allocated):
                      backward when blocks are checkpointed.
   logits             the logits and their fp32 upcast for the loss, then their gradients.
   fsdp_buffers       unsharded compute-dtype parameters of the root and of two blocks (the current
-                     one and the prefetched one), and one block's unsharded gradients being reduced.
+                     one and the prefetched one), and one block's unsharded gradients being reduced;
+                     under expert parallelism a block's routed experts are those of the rank's EP
+                     slice only (the all-to-all's rows are the sorted rows a rank keeps without EP, on
+                     balanced routing: activations as without EP).
   optimizer_step     Muon's transient copies: the update, the exchange of whole matrices with their
                      owner ranks, Newton-Schulz's workspace on the largest matrix and its new value
                      before it is selected into place (its skip on the device); the new value, denominator
@@ -41,6 +44,7 @@ from scalevec_train.activations import (
     weight_copy_bytes,
 )
 from scalevec_train.config import Config
+from scalevec_train.model.moe import RoutedExperts
 from scalevec_train.model.plan import ScalePlan
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.optim.groups import param_groups
@@ -161,7 +165,11 @@ def estimate(cfg: Config, world: int, device: str = "cuda") -> MemoryEstimate:
     fsdp = 0.0
     if world > 1:
         root = sum(t.numel() for n, t in model.named_parameters() if not n.startswith("layers.") and id(t) not in sites)
-        block = max(sum(t.numel() for t in b.parameters() if id(t) not in sites) for b in model.layers)
+        # each rank gathers its EP slice of the experts (expert_parallel.py)
+        slices = {id(t): cfg.distributed.expert_parallel for m in model.modules() if isinstance(m, RoutedExperts)
+                  for t in m.weights()}
+        block = max(sum(t.numel() / slices.get(id(t), 1) for t in b.parameters() if id(t) not in sites)
+                    for b in model.layers)
         fsdp = p.compute * (root + 2 * block) + (p.compute + FP32) * block
     step = 0.0
     if muon:

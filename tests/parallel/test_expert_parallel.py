@@ -13,13 +13,17 @@ Cases: on 2 ranks EP=2, {baseline, unified, unified with per-expert sites} x {Ad
 EP=2 x expert-FSDP=2, unified per-expert with Muon and baseline with AdamW.
 """
 
+import math
 from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from scalevec_train.communication import expert_all_to_all
+from scalevec_train.config import Config
 from scalevec_train.data.loader import IGNORE, Batch, document_ids
 from scalevec_train.errors import ScalevecError
 from scalevec_train.model import Transformer
@@ -27,7 +31,7 @@ from scalevec_train.model.moe import MoEFeedForward
 from scalevec_train.optim.groups import build_optimizer
 from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.parallel.process_group import full_value
-from scalevec_train.training.trainer import Callback, Compute, Schedule, StepRecipe, Trainer
+from scalevec_train.training.trainer import Callback, Compute, Schedule, StepRecipe, Trainer, cross_entropy
 from tests.helpers import make_config
 from tests.launch import gloo_group
 from tests.presets import TINY_MOE
@@ -47,6 +51,7 @@ CASES = {
 }
 TWO = list(CASES)
 FOUR = ["per_expert-muon", "baseline-adamw"]
+TRAFFIC = "unified-adamw"  # the case whose all-to-all volume is measured
 CLIP = 0.5  # below the norms of the first steps: the clipping acts
 REL, TENSOR_REL = 1e-6, 1e-5
 PARAM_ATOL = 1e-5
@@ -94,16 +99,23 @@ def whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: full_value(p).detach().clone() for n, p in model.named_parameters()}
 
 
+def build(name: str, ep: int, world: int) -> tuple[Config, Transformer]:
+    """The config of case `name` for `world` ranks, a step of MICRO sequences per rank, and its model,
+    parallelized in the process group if any."""
+    cfg = make_config(*overrides(name, ep), f"train.seq_len={SEQ}", f"train.global_batch={world * MICRO}",
+                      f"train.micro_batch={MICRO}", world_size=world)
+    with torch.device("meta"):
+        model = Transformer(cfg.model, cfg.scale)
+    return cfg, parallelize(model, cfg.distributed, torch.device("cpu"), seed=0, dtype="fp32")
+
+
 def train(name: str, ep: int, world: int, rank: int | None, forced: list[dict] | None = None) -> dict:
     """STEPS steps of case `name`: on this rank of a group (its part of every batch), or (rank None) on
     one process accumulating all `world` parts, from the parameters `forced` gives for each step if given
     (another run's: fp32 rounding, amplified by the optimizers, makes two runs drift apart by a few 1e-6
     in 20 steps, so each step is compared from the same point). The losses, gradient norms, every
     step's parameters before and after the step and gradients, the final biases and loads."""
-    cfg = make_config(*overrides(name, ep), world_size=world if rank is not None else 1)
-    with torch.device("meta"):
-        model = Transformer(cfg.model, cfg.scale)
-    model = parallelize(model, cfg.distributed, torch.device("cpu"), seed=0, dtype="fp32")
+    cfg, model = build(name, ep, world if rank is not None else 1)
     batches = [global_batch(step, world) for step in range(STEPS)]
     micro = ([part(b, rank)] if rank is not None else [part(b, r) for r in range(world)] for b in batches)
     capture = Capture()
@@ -129,10 +141,36 @@ def train(name: str, ep: int, world: int, rank: int | None, forced: list[dict] |
             "biases": biases, "loads": loads}
 
 
+class AllToAllBytes(TorchDispatchMode):
+    """The bytes this rank sends to others through the functional all_to_all_single (the experts' rows)."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank, self.sent = rank, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops._c10d_functional.all_to_all_single.default:
+            x, _, send = args[:3]
+            rows = sum(n for j, n in enumerate(send) if j != self.rank)
+            self.sent += rows * x.element_size() * math.prod(x.shape[1:])
+        return func(*args, **(kwargs or {}))
+
+
+def measure_all_to_all(name: str, world: int, rank: int) -> float:
+    """What this rank's all-to-alls send in the forward and backward of one step of case `name` (its
+    first batch)."""
+    _, model = build(name, 2, world)
+    batch = part(global_batch(0, world), rank)
+    with AllToAllBytes(rank) as counted:
+        cross_entropy(model(batch.inputs, doc_ids=batch.doc_ids), batch.targets).backward()
+    return counted.sent
+
+
 def _rank(rank: int, world: int, store: str, out: str, names: list[str]) -> None:
     with gloo_group(store, rank, world):
         for name in names:
             torch.save(train(name, 2, world, rank), f"{out}/{name}-rank{rank}.pt")
+        torch.save(measure_all_to_all(TRAFFIC, world, rank), f"{out}/traffic-rank{rank}.pt")
 
 
 def launch(root: Path, world: int, names: list[str]) -> Path:
@@ -234,6 +272,17 @@ def test_four_ranks_expert_parallel_times_fsdp_give_the_run_of_one_process(name,
     want = reference(runs[0], name, 4)
     for run in runs:
         assert_same_run(run, want, name)
+
+
+def test_all_to_all_volume_is_the_predicted(two_ranks):
+    """describe's prediction (communication.py, balanced routing) against what the 2 ranks' all-to-alls
+    moved in one step's forward and backward: the routing of a fresh router is balanced up to the
+    sampling of 64 tokens' 128 rows per layer (a few percent)."""
+    cfg, model = build(TRAFFIC, 2, 2)
+    predicted = expert_all_to_all(cfg, model, 2, compute_bytes=4)
+    assert predicted.dispatch_row == (2 * 32 + 1) * 4  # unified: gate and up read their own branches
+    for rank in range(2):
+        assert torch.load(two_ranks / f"traffic-rank{rank}.pt") == pytest.approx(predicted.total, rel=0.15)
 
 
 @pytest.mark.parametrize(("extra", "world", "match"), [
