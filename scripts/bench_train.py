@@ -18,6 +18,7 @@ budget for the next run needs.
     python scripts/bench_train.py --presets dense-0.12b,dense-1b --scales baseline,unified
     python scripts/bench_train.py --presets dense-1b --micro-batch 4 -- distributed.activation_checkpointing=full
     torchrun --nproc_per_node=8 scripts/bench_train.py --presets dense-1b     # rank 0 prints
+    torchrun --nproc_per_node=8 scripts/bench_train.py --presets moe-2b --expert-parallel 8   # experts over 8 ranks
     python scripts/bench_train.py --presets dense-tiny --no-compile --seq-len 128 --steps 3 --warmup 1  # CPU smoke
 
 Arguments after `--` are Hydra overrides for every run. Each row is printed as soon as its pair is
@@ -46,7 +47,7 @@ from scalevec_train.config import compose_config
 from scalevec_train.errors import ScalevecError
 from scalevec_train.parallel import process_group
 
-COLUMNS = ["preset", "scale", "ranks", "params", "tokens/step", "step ms", "tokens/s/device", "MFU",
+COLUMNS = ["preset", "scale", "ranks", "EP", "params", "tokens/step", "step ms", "tokens/s/device", "MFU",
            "peak mem GiB", "fwd+bwd ms", "optimizer ms", "data ms", "build s", "warm-up s"]
 
 
@@ -59,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sequences per rank and step (no gradient accumulation)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per phase")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    p.add_argument("--expert-parallel", type=int, default=1,
+                   help="ranks each MoE layer's experts are split over (distributed.expert_parallel)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="torch.compile each block (distributed.compile)")
     p.add_argument("--profile", action="store_true",
@@ -78,6 +81,7 @@ def run_overrides(preset: str, scale: str, args: argparse.Namespace, world: int,
     return [f"model={preset}", f"scale={scale}", f"train.seq_len={args.seq_len}",
             f"train.micro_batch={args.micro_batch}", f"train.global_batch={args.micro_batch * world}",
             "train.steps=100000", f"distributed.compile={str(args.compile).lower()}",
+            f"distributed.expert_parallel={args.expert_parallel}",
             "logger.progress_bar=false", f"run_dir={run_dir}", "resume=none", *args.overrides]
 
 
@@ -107,7 +111,7 @@ def bench(preset: str, scale: str, args: argparse.Namespace) -> dict:
     run_dir = process_group.broadcast_object(tempfile.mkdtemp(prefix="scalevec_bench_") if process_group.is_main()
                                            else None)
     cfg = compose_config(run_overrides(preset, scale, args, world, run_dir), world)
-    row = {"preset": preset, "scale": scale, "ranks": world}
+    row = {"preset": preset, "scale": scale, "ranks": world, "EP": args.expert_parallel}
     device = None
     try:
         start = time.perf_counter()

@@ -9,7 +9,9 @@
 
 Every expert is a SwiGLU, E_e(x) = W_down,e (silu(W_gate,e x_g) * W_up,e x_u), stored as 3-D weights
 [experts, out, in]. Dropless: tokens are sorted by expert and every expert takes all of its tokens,
-through torch._grouped_mm or a loop of matmuls. The routing weight g multiplies an expert's hidden
+through torch._grouped_mm or a loop of matmuls. Under expert parallelism the parallel layer installs a
+dispatch (RoutedExperts.dispatch) that runs each sorted row on the rank holding its expert and brings the
+output back; routing, counts and losses stay here, on every rank's own tokens. The routing weight g multiplies an expert's hidden
 activation (W_down is linear, so this equals weighting its output); a token's k expert outputs are
 then summed in fp32. Several shared experts act as one SwiGLU of their summed width.
 

@@ -4,5 +4,6 @@ mixed precision, activation checkpointing and compilation.
     config.py         DistributedConfig
     process_group.py  joining the group under torchrun, rank and world size, small collectives
     data_parallel.py  one process or FSDP2/HSDP shards, initialization, replicated gradients, clipping
+    expert_parallel.py  the MoE experts split over an `ep` mesh dimension, tokens sent to them by all-to-all
     wrap.py           activation checkpointing and torch.compile of each block
 """
