@@ -53,6 +53,15 @@ def check(cfg: DistributedConfig, num_experts: int | None, world: int, replicate
         raise ScalevecError(where, f"{ep} does not divide the {shard} ranks of a replica group "
                             f"({world} ranks, {replicate} replica groups).",
                             "use a divisor of the ranks per replica group (distributed.replicate sets the groups).")
+    # The experts' own FSDP module inside a block runs hooks that break the block's one compiled graph,
+    # and that selective checkpointing's recompute sees at other counts than the forward did.
+    if cfg.compile:
+        raise ScalevecError(where, f"{ep} with distributed.compile=true: the experts' FSDP hooks break the "
+                            "block's graph.", "set distributed.compile=false, or distributed.expert_parallel=1.")
+    if cfg.activation_checkpointing == "selective":
+        raise ScalevecError(where, f"{ep} with distributed.activation_checkpointing=selective: the experts' "
+                            "FSDP hooks differ between the forward and its recomputation.",
+                            "use distributed.activation_checkpointing=full or none.")
     if num_experts % shard:
         raise ScalevecError(where, f"model.moe.num_experts={num_experts} do not split over expert_parallel x "
                             f"expert-FSDP = {ep} x {shard // ep} ranks (whole experts on every rank).",
