@@ -11,9 +11,10 @@ Every expert is a SwiGLU, E_e(x) = W_down,e (silu(W_gate,e x_g) * W_up,e x_u), s
 [experts, out, in]. Dropless: tokens are sorted by expert and every expert takes all of its tokens,
 through torch._grouped_mm or a loop of matmuls. Under expert parallelism the parallel layer installs a
 dispatch (RoutedExperts.dispatch) that runs each sorted row on the rank holding its expert and brings the
-output back; routing, counts and losses stay here, on every rank's own tokens. The routing weight g multiplies an expert's hidden
-activation (W_down is linear, so this equals weighting its output); a token's k expert outputs are
-then summed in fp32. Several shared experts act as one SwiGLU of their summed width.
+output back; routing, counts and losses stay here, on every rank's own tokens. The routing weight g
+multiplies an expert's hidden activation (W_down is linear, so this equals weighting its output); a
+token's k expert outputs are then summed in fp32. Several shared experts act as one SwiGLU of their
+summed width.
 
 Scale sites (the plan's MoEPlan, plan.py; the experts' SwiGLU builds and applies its own: swiglu.py):
 the pre-norm hands this layer the branch FFN (one site read by the router and all experts), GATE, UP and
