@@ -118,3 +118,23 @@ def test_each_site_shows_its_peak_lr_and_decay(capsys):
     assert main(["model=dense-tiny", "scale=none", "format=json"]) == 0
     final = next(s for s in json.loads(capsys.readouterr().out)["sites"] if s["name"] == "final_norm.sites.final")
     assert (final["lr"], final["weight_decay"], final["decayed"]) == (None, 0.0, [])  # fixed: no parameter
+
+
+def test_describe_reports_expert_parallelism(capsys):
+    """`describe world_size=8 distributed.expert_parallel=4`: the memory per rank with a block's experts
+    gathered for the rank's EP slice only, and the bytes each rank sends per step in the all-to-alls,
+    communication.py's formula written out here for moe-tiny (2 of 8 experts chosen, gate and up read
+    one branch under baseline): rows of 4 layers x tokens x 2 chosen x 3/4 off-rank, dispatched with
+    their routing weight (dim + 1 bf16 values) and combined (dim), forward and backward."""
+    common = ["model=moe-tiny", "world_size=8", "format=json"]
+    assert main([*common, "distributed.expert_parallel=4"]) == 0
+    with_ep = json.loads(capsys.readouterr().out)["memory"]
+    assert main(common) == 0
+    without = json.loads(capsys.readouterr().out)["memory"]
+    assert (with_ep["expert_parallel"], without["all_to_all_bytes_per_step"]) == (4, None)
+    tokens = with_ep["micro_batch_tokens"] * with_ep["accumulation"]
+    dim = 256
+    assert with_ep["all_to_all_bytes_per_step"] == 4 * tokens * 2 * 3 / 4 * ((dim + 1) * 2 + dim * 2) * 2
+    assert with_ep["fsdp_buffers"] < without["fsdp_buffers"]
+    for key in ("params", "grads", "optimizer", "activations"):  # the same count of ranks shards them
+        assert with_ep[key] == without[key], key
