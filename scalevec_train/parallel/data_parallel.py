@@ -5,8 +5,11 @@ One process (no torchrun, or torchrun with one process) trains the plain model. 
 shard it with FSDP2 over a DeviceMesh: `fully_shard` on every transformer block, then on the root.
 With `distributed.replicate` > 1 the mesh is (replicate, shard) and FSDP2 runs as HSDP: parameters
 are sharded within a group of ranks (a node, by default) and replicated across groups; gradients are
-reduce-scattered within the group and all-reduced across groups. Scale sites are left whole and fp32
-on every rank (replicated_params), their gradients averaged in one all-reduce per step.
+reduce-scattered within the group and all-reduced across groups. With `distributed.expert_parallel` > 1
+the shard dimension is (expert_shard, ep) flattened, and the MoE experts are placed on `ep` and sharded
+over the rest before the blocks are (expert_parallel.py); gradient clipping then sums the norms of the
+two meshes. Scale sites are left whole and fp32 on every rank (replicated_params), their gradients
+averaged in one all-reduce per step.
 
 Parameters are built on the meta device, sharded, allocated on the device, and then filled with their
 initial values: every rank computes the full initial tensor of a parameter from (seed, name)
