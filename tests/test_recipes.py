@@ -122,8 +122,10 @@ def test_tokens_per_param_sets_the_steps_from_the_non_embedding_parameters():
         make_config("train.tokens_per_param=0")
 
 
-def readme_train_overrides() -> list[list[str]]:
-    """The overrides of every training command in the README's code blocks, one list per sweep point."""
+def readme_train_overrides() -> list[tuple[list[str], tuple[int, ...]]]:
+    """The overrides of every training command in the README's code blocks, one list per sweep point,
+    each with the world sizes it must compose at: the one its torchrun line names (nnodes x
+    nproc_per_node), else 1 and 8 (a plain command, or a launcher script taking the size elsewhere)."""
     commands, lines = [], []
     for line in (REPO / "README.md").read_text().splitlines():
         if lines and lines[-1].endswith("\\"):  # a command continued on the next line
@@ -136,19 +138,27 @@ def readme_train_overrides() -> list[list[str]]:
             continue
         words = shlex.split(line.split(" #")[0])
         start = next(i for i, w in enumerate(words) if w.endswith(("scalevec_train.train", ".sh", ".sbatch"))) + 1
+        launcher = dict(w.removeprefix("--").split("=", 1) for w in words[:start] if w.startswith("--") and "=" in w)
+        sizes = ((int(launcher.get("nnodes", 1)) * int(launcher["nproc_per_node"]),)
+                 if "nproc_per_node" in launcher else (1, 8))
         args = [w for w in words[start:] if w != "-m"]
         axes = [[f"{w.split('=', 1)[0]}={v}" for v in w.split("=", 1)[1].split(",")] if "," in w else [w]
                 for w in args]
-        commands.extend(list(point) for point in itertools.product(*axes))
+        commands.extend((list(point), sizes) for point in itertools.product(*axes))
     return commands
 
 
-def test_every_readme_training_command_composes_on_1_and_8_ranks():
+def test_every_readme_training_command_composes_at_its_world_size():
+    """At the world size its torchrun line names (an expert-parallel command needs its ranks), else at 1
+    and 8 ranks."""
     commands = readme_train_overrides()
-    assert ["model=dense-1b"] in commands and len(commands) >= 8
-    assert any("train.tokens_per_param=50" in c and any(w.startswith("branch_from=") for w in c) for c in commands)
-    for overrides, ranks in itertools.product(commands, (1, 8)):
-        make_config(*overrides, world_size=ranks)
+    overrides = [c for c, _ in commands]
+    assert ["model=dense-1b"] in overrides and len(commands) >= 8
+    assert any("train.tokens_per_param=50" in c and any(w.startswith("branch_from=") for w in c) for c in overrides)
+    assert (["model=moe-2b", "distributed.expert_parallel=8"], (8,)) in commands
+    for command, sizes in commands:
+        for ranks in sizes:
+            make_config(*command, world_size=ranks)
 
 
 def train_launched(processes: Processes, nproc: int, run_dir: Path, overrides: list[str]) -> dict[int, float]:
