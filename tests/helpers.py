@@ -12,6 +12,7 @@ from types import ModuleType
 from omegaconf import OmegaConf
 
 from scalevec_train.config import Config, compose_config
+from scalevec_train.data.loader import Batch
 
 # the repository root (configs/, scripts/)
 REPO = Path(__file__).resolve().parents[1]
@@ -51,3 +52,13 @@ def write_run(root: Path, name: str, cfg: dict, rows: list[dict], params: float 
 # A few CPU steps of tiny batches: one evaluation batch, no periodic evaluation, one data worker.
 SHORT_RUN = ["train.seq_len=32", "train.global_batch=4", "train.micro_batch=4", "train.eval_batches=1",
              "train.eval_every=0", "schedule.warmup_steps=1", "device=cpu", "data.num_workers=1"]
+
+
+class ListLoader:
+    """A loader that hands out the given batches in order (what a test trains the Trainer on directly)."""
+
+    def __init__(self, batches: list[Batch]):
+        self.batches = iter(batches)
+
+    def next_batch(self) -> Batch:
+        return next(self.batches)

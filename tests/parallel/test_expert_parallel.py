@@ -33,7 +33,7 @@ from scalevec_train.optim.groups import build_optimizer
 from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.parallel.process_group import full_value
 from scalevec_train.training.trainer import Callback, Compute, Schedule, StepRecipe, Trainer, cross_entropy
-from tests.helpers import make_config
+from tests.helpers import ListLoader, make_config
 from tests.launch import gloo_group
 from tests.presets import TINY_MOE
 
@@ -77,14 +77,6 @@ def global_batch(step: int, world: int) -> Batch:
 def part(batch: Batch, rank: int) -> Batch:
     rows = slice(rank * MICRO, (rank + 1) * MICRO)
     return Batch(batch.inputs[rows], batch.targets[rows], batch.doc_ids[rows])
-
-
-class ListLoader:
-    def __init__(self, batches: list[Batch]):
-        self.batches = iter(batches)
-
-    def next_batch(self) -> Batch:
-        return next(self.batches)
 
 
 class Capture(Callback):

@@ -16,7 +16,7 @@ from scalevec_train.model import Transformer
 from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.parallel.process_group import full_value
 from scalevec_train.training.trainer import Callback, Compute, Schedule, StepRecipe, Trainer, z_loss
-from tests.helpers import make_config
+from tests.helpers import ListLoader, make_config
 from tests.launch import gloo_group
 from tests.presets import SMALL_MODEL
 
@@ -37,14 +37,6 @@ def rows() -> Batch:
 
 
 ONE_STEP, CPU = Schedule(steps=1, lr_at=lambda step: 1.0, log_every=1), Compute(torch.device("cpu"), nullcontext)
-
-
-class ListLoader:
-    def __init__(self, batches: list[Batch]):
-        self.batches = iter(batches)
-
-    def next_batch(self) -> Batch:
-        return next(self.batches)
 
 
 class Capture(Callback):
