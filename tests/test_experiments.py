@@ -12,7 +12,7 @@ from scalevec_train.config import CONFIG_DIR
 from scalevec_train.train import run
 from scalevec_train.training.config import LoggerConfig
 from scalevec_train.training.logger import wandb_init_args
-from tests.helpers import make_config
+from tests.helpers import make_config, make_configs
 
 # study_base and ladder hold shared settings of scripts/run_study.sh; they are not sweeps by themselves.
 EXPERIMENTS = sorted(p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("*.yaml")
@@ -32,8 +32,8 @@ def test_every_sweep_point_composes_and_validates(experiment):
     points = sweep_points(experiment)
     assert len(points) >= 2
     run_dirs = set()
-    for point in points:
-        cfg = make_config(f"+experiment={experiment}", *point)
+    # points that differ only in values (seed, lr, ...) share one compose of their config groups
+    for cfg in make_configs([[f"+experiment={experiment}", *point] for point in points]):
         run_dirs.add(cfg.run_dir)
         assert cfg.run_dir.startswith("runs/study/" if experiment.startswith("study") else f"runs/{experiment}/")
         assert f"-s{cfg.seed}" in cfg.run_dir and cfg.scale.name in cfg.run_dir

@@ -10,7 +10,7 @@ import pytest
 from scalevec_train.accounting import non_embedding_params
 from scalevec_train.branch import shared_steps
 from scalevec_train.model.transformer import Transformer
-from tests.helpers import make_config
+from tests.helpers import make_config_shared, make_configs
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "run_study.sh"
 
@@ -21,8 +21,12 @@ def rung_overrides() -> dict[str, list[str]]:
     return {rung: args.split() for rung, args in found}
 
 
+def ladder_overrides(rung: str, *extra: str) -> list[str]:
+    return ["+experiment=ladder", f"model={rung}", *rung_overrides()[rung], *extra]
+
+
 def ladder_config(rung: str, *extra: str):
-    return make_config("+experiment=ladder", f"model={rung}", *rung_overrides()[rung], *extra)
+    return make_config_shared(*ladder_overrides(rung, *extra))
 
 
 def test_the_script_names_the_three_rungs():
@@ -51,10 +55,12 @@ def test_budgets_branch_points_and_validation_set(rung, scale):
 
 
 def test_every_run_has_its_own_directory():
-    dirs = {ladder_config(rung, f"scale={scale}", f"optim={optim}", f"optim.lr={lr}", f"seed={seed}",
-                          *([] if tpp is None else [f"train.tokens_per_param={tpp}"])).run_dir
-            for rung in ("dense-l1", "dense-l3") for scale in ("baseline", "unified") for optim in ("adamw", "muon")
-            for lr in (0.003, 0.01) for seed in (0, 1) for tpp in (None, 2.5, 5)}
+    # the runs of one rung, scale and optimizer share a compose (make_configs)
+    dirs = {cfg.run_dir for cfg in make_configs(
+        ladder_overrides(rung, f"scale={scale}", f"optim={optim}", f"optim.lr={lr}", f"seed={seed}",
+                         *([] if tpp is None else [f"train.tokens_per_param={tpp}"]))
+        for rung in ("dense-l1", "dense-l3") for scale in ("baseline", "unified") for optim in ("adamw", "muon")
+        for lr in (0.003, 0.01) for seed in (0, 1) for tpp in (None, 2.5, 5))}
     assert len(dirs) == 2 * 2 * 2 * 2 * 2 * 3
     assert all(d.startswith("runs/ladder/") for d in dirs)
 

@@ -12,7 +12,8 @@ import yaml
 
 from scalevec_train.config import CONFIG_DIR
 from scalevec_train.errors import ScalevecError
-from tests.helpers import REPO, make_config
+from scalevec_train.train import run
+from tests.helpers import REPO, make_config_at, make_config_shared
 from tests.launch import Processes, train_command
 
 MODELS = sorted(p.stem for p in (Path(CONFIG_DIR) / "model").glob("*.yaml"))
@@ -44,8 +45,7 @@ def recipe_owner(name: str) -> str:
 @pytest.mark.parametrize("model", MODELS)
 def test_every_model_has_a_recipe_that_runs_on_1_to_8_ranks(model):
     assert (Path(CONFIG_DIR) / "recipe" / f"{model}.yaml").is_file()
-    for ranks in (1, 2, 4, 8):
-        cfg = make_config(f"model={model}", world_size=ranks)
+    for ranks, cfg in make_config_at([f"model={model}"], (1, 2, 4, 8)).items():
         t = cfg.train
         accumulation = t.global_batch // (t.micro_batch * ranks)
         assert accumulation * t.micro_batch * ranks == t.global_batch
@@ -59,38 +59,38 @@ def test_gpu_recipes_follow_their_rule(model):
     recipe's model, warm-up over 10% of the steps (at most 2,000)."""
     owner = recipe_owner(model)
     own = recipe_file(owner)
-    cfg = make_config(f"model={model}")
+    cfg = make_config_shared(f"model={model}")
     tokens = int(own["train"]["global_batch"].removeprefix("${batch_tokens:").removesuffix("}"))
     assert cfg.train.seq_len == 2048 and cfg.train.global_batch * 2048 == tokens
-    assert cfg.train.steps == round(20 * closed_form_params(make_config(f"model={owner}").model) / tokens)
+    assert cfg.train.steps == round(20 * closed_form_params(make_config_shared(f"model={owner}").model) / tokens)
     assert cfg.schedule.warmup_steps == min(round(0.1 * cfg.train.steps), 2000)
     assert cfg.optim.lr == own["optim"]["lr"]
 
 
 def test_models_without_a_gpu_recipe_keep_the_defaults():
-    tiny = make_config("model=dense-tiny")
+    tiny = make_config_shared("model=dense-tiny")
     for model in ("dense-study", "moe-study", "dense-l2", "moe-tiny"):
-        cfg = make_config(f"model={model}")
+        cfg = make_config_shared(f"model={model}")
         assert (cfg.train, cfg.optim, cfg.schedule) == (tiny.train, tiny.optim, tiny.schedule)
     assert (tiny.train.steps, tiny.train.global_batch, tiny.train.micro_batch, tiny.train.seq_len) == (300, 16, 16, 128)
 
 
 def test_explicit_values_win_over_the_recipe():
-    base = make_config("model=dense-1b")
+    base = make_config_shared("model=dense-1b")
     assert (base.train.seq_len, base.train.global_batch, base.optim.lr) == (2048, 256, 6e-4)
     # the recipe's batch is in tokens: a shorter sequence means more of them
-    assert make_config("model=dense-1b", "train.seq_len=1024").train.global_batch == 512
-    cfg = make_config("model=dense-1b", "train.global_batch=64", "optim.lr=1e-3", "train.steps=10",
+    assert make_config_shared("model=dense-1b", "train.seq_len=1024").train.global_batch == 512
+    cfg = make_config_shared("model=dense-1b", "train.global_batch=64", "optim.lr=1e-3", "train.steps=10",
                       "schedule.warmup_steps=2", "optim=muon")
     assert (cfg.train.global_batch, cfg.optim.lr, cfg.train.steps, cfg.schedule.warmup_steps) == (64, 1e-3, 10, 2)
-    assert make_config("model=dense-1b", "optim=muon").optim.lr == 6e-4
-    other = make_config("model=dense-1b", "recipe=dense-0.12b")
+    assert make_config_shared("model=dense-1b", "optim=muon").optim.lr == 6e-4
+    other = make_config_shared("model=dense-1b", "recipe=dense-0.12b")
     assert (other.model.dim, other.optim.lr, other.train.steps) == (2048, 1.5e-3, 3510)
     # experiment presets come after the recipe: the study's pinned settings hold on any model
-    study = make_config("+experiment=study_base", "model=dense-1b")
+    study = make_config_shared("+experiment=study_base", "model=dense-1b")
     assert (study.train.seq_len, study.train.global_batch, study.train.steps, study.optim.lr) == (128, 16, 160, 3e-3)
     with pytest.raises(ScalevecError, match="train.global_batch: 524288 tokens are not a whole number of sequences"):
-        make_config("model=dense-1b", "train.seq_len=1000")
+        make_config_shared("model=dense-1b", "train.seq_len=1000")
 
 
 @pytest.mark.parametrize("global_batch,ranks,seq_len,cap,micro", [
@@ -99,27 +99,28 @@ def test_explicit_values_win_over_the_recipe():
     (12, 1, 4096, 2048, 1), (96, 2, 1000, 10000, 8),
 ])
 def test_micro_batch_is_the_largest_whole_share_within_the_cap(global_batch, ranks, seq_len, cap, micro):
-    cfg = make_config(f"train.global_batch={global_batch}", f"train.seq_len={seq_len}", "model.max_seq_len=4096",
+    cfg = make_config_shared(f"train.global_batch={global_batch}", f"train.seq_len={seq_len}", "model.max_seq_len=4096",
                       f"train.max_micro_batch_tokens={cap}", f"train.eval_batches={ranks}", world_size=ranks)
     assert cfg.train.micro_batch == micro
-    explicit = make_config("train.micro_batch=4", world_size=2)
+    explicit = make_config_shared("train.micro_batch=4", world_size=2)
     assert explicit.train.micro_batch == 4
 
 
 def test_tokens_per_param_sets_the_steps_from_the_non_embedding_parameters():
-    dense = make_config("model=dense-l2", "train.tokens_per_param=10")
+    dense = make_config_shared("model=dense-l2", "train.tokens_per_param=10")
     n = 13312 * 2**3  # the ladder rule: 13 * (32 L)^2 * L
     assert dense.train.steps == round(10 * n / (16 * 128)) == 520
     # scale vectors do not count: every strategy gets the same budget
-    assert make_config("model=dense-l2", "scale=unified", "train.tokens_per_param=10").train.steps == 520
-    moe = make_config("model=moe-l2", "train.tokens_per_param=10")
+    assert make_config_shared("model=dense-l2", "scale=unified", "train.tokens_per_param=10").train.steps == 520
+    moe = make_config_shared("model=moe-l2", "train.tokens_per_param=10")
     assert moe.train.steps == round(10 * (n + 64 * 8 * 2) / (16 * 128))  # plus the routers, 64 x 8 per layer
     # it replaces train.steps, a recipe's included
-    assert make_config("model=dense-0.12b", "train.tokens_per_param=5").train.steps == round(5 * 92_012_544 / 524288)
+    recipe = make_config_shared("model=dense-0.12b", "train.tokens_per_param=5")
+    assert recipe.train.steps == round(5 * 92_012_544 / 524288)
     # checkpoints at fixed budgets: every 2.5 tokens per parameter, without tokens_per_param too
-    assert make_config("model=dense-l2", "checkpoint.every_tokens_per_param=2.5").checkpoint.every == 130
+    assert make_config_shared("model=dense-l2", "checkpoint.every_tokens_per_param=2.5").checkpoint.every == 130
     with pytest.raises(ScalevecError, match="train.tokens_per_param: must be positive"):
-        make_config("train.tokens_per_param=0")
+        make_config_shared("train.tokens_per_param=0")
 
 
 def readme_train_overrides() -> list[tuple[list[str], tuple[int, ...]]]:
@@ -157,17 +158,20 @@ def test_every_readme_training_command_composes_at_its_world_size():
     assert any("train.tokens_per_param=50" in c and any(w.startswith("branch_from=") for w in c) for c in overrides)
     assert (["model=moe-2b", "distributed.expert_parallel=8"], (8,)) in commands
     for command, sizes in commands:
-        for ranks in sizes:
-            make_config(*command, world_size=ranks)
+        make_config_at(command, sizes)
 
 
-def train_launched(processes: Processes, nproc: int, run_dir: Path, overrides: list[str]) -> dict[int, float]:
-    """Train with `nproc` processes (torchrun above 1) and no batch override; returns the losses. One
+def train_launched(processes: Processes | None, nproc: int, run_dir: Path, overrides: list[str]) -> dict[int, float]:
+    """Train with `nproc` processes (torchrun above 1; one process: in this one, `run` of the config the
+    command composes, which needs no process of its own) and no batch override; returns the losses. One
     validation batch (at steps 0 and 3), not 8: the batch split is what this checks, and 16 validation
     forwards cost more than the 3 steps."""
-    processes.run(train_command(nproc, *overrides, "model=dense-tiny", "train.steps=3", "schedule.warmup_steps=1",
-                                "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
-                                f"run_dir={run_dir}"), run_dir.parent)
+    overrides = [*overrides, "model=dense-tiny", "train.steps=3", "schedule.warmup_steps=1", "train.log_every=1",
+                 "train.eval_every=0", "train.eval_batches=1", f"run_dir={run_dir}"]
+    if nproc == 1:
+        run(make_config_shared(*overrides))
+    else:
+        processes.run(train_command(nproc, *overrides), run_dir.parent)
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["micro_batch"] == 16 // nproc
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["tokens"] for r in records if "loss" in r] == [16 * 128 * s for s in (1, 2, 3)]
@@ -175,8 +179,8 @@ def train_launched(processes: Processes, nproc: int, run_dir: Path, overrides: l
 
 
 @pytest.fixture(scope="module")
-def one_process_losses(data_overrides, module_processes, tmp_path_factory) -> dict[int, float]:
-    return train_launched(module_processes, 1, tmp_path_factory.mktemp("ranks1") / "run", data_overrides)
+def one_process_losses(data_overrides, tmp_path_factory) -> dict[int, float]:
+    return train_launched(None, 1, tmp_path_factory.mktemp("ranks1") / "run", data_overrides)
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
