@@ -1,13 +1,16 @@
 """Shared test utilities: composing configs the way the entry points do, loading or running a script,
 writing a run directory as the trainer does."""
 
+import contextlib
 import copy
 import importlib.util
+import inspect
+import io
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
 
@@ -75,6 +78,27 @@ def run_script(name: str, *args) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, str(REPO / "scripts" / name), *map(str, args)],
                           capture_output=True, text=True, env=env, cwd=REPO)
+
+
+def run_main(main: Callable, *args) -> subprocess.CompletedProcess:
+    """A script's main called in this process as run_script would run the script: with args as its
+    argv (its parameter, or sys.argv where it takes none), its exit status (SystemExit's included) and
+    what it printed. For a script whose command line one run_script already covers: a child Python
+    importing torch again costs seconds."""
+    argv, out, err = list(map(str, args)), io.StringIO(), io.StringIO()
+    saved = sys.argv
+    sys.argv = [main.__module__, *argv]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(argv) if inspect.signature(main).parameters else main()
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) or e.code is None else 1
+                if not isinstance(e.code, int) and e.code is not None:
+                    print(e.code, file=sys.stderr)  # as the interpreter prints sys.exit("message")
+    finally:
+        sys.argv = saved
+    return subprocess.CompletedProcess(args, code or 0, out.getvalue(), err.getvalue())
 
 
 def write_run(root: Path, name: str, cfg: dict, rows: list[dict], params: float | None = None) -> Path:

@@ -3,7 +3,7 @@ written here: per-seed differences against the baseline, the share of unified's 
 the final norm's scale from the last diagnostics record, each expectation worked out by hand; and a
 group missing a seed is refused."""
 
-from tests.helpers import run_script, write_run
+from tests.helpers import REPO, load_script, run_main, run_script, write_run
 
 FINAL = "diag/final_norm.sites.final/scale_rms"
 
@@ -46,5 +46,7 @@ def test_a_group_missing_a_seed_is_refused(tmp_path):
     base = runs(tmp_path, "base", {0: 3.0, 1: 3.2})
     uni = runs(tmp_path, "uni", {0: 3.2, 1: 3.3})
     short = runs(tmp_path, "short", {0: 3.1})
-    done = run_script("arm_report.py", tmp_path / "t.md", "--baseline", base, "--unified", uni, short)
+    # main() in this process: the test above runs the command itself
+    done = run_main(load_script(REPO / "scripts" / "arm_report.py").main, tmp_path / "t.md", "--baseline", base,
+                    "--unified", uni, short)
     assert done.returncode == 1 and "short lacks seed(s) [1] that the baseline has" in done.stderr

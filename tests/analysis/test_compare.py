@@ -30,7 +30,7 @@ from scalevec_analysis import (
 )
 from scalevec_analysis.groups import summary_markdown, write_summary_csv
 from scalevec_train.errors import ScalevecError
-from tests.helpers import run_script, write_run
+from tests.helpers import REPO, load_script, run_main, run_script, write_run
 
 # The plots need matplotlib (an optional package): the tests that write them skip without it.
 needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
@@ -400,14 +400,15 @@ def test_write_scaling_files(tmp_path):
 
 
 def cli(*args):
-    return run_script("compare_runs.py", *args)
+    """compare_runs.py's main in this process (test_cli runs the command itself once)."""
+    return run_main(load_script(REPO / "scripts" / "compare_runs.py").main, *args)
 
 
 @needs_matplotlib
 def test_cli(run_dirs, tmp_path):
     out = tmp_path / "cli"
-    done = cli(*run_dirs, "--reference", "scale=baseline", "--out", out, "--metric", "val_loss",
-               "--ema", "0.5")
+    done = run_script("compare_runs.py", *run_dirs, "--reference", "scale=baseline", "--out", out,
+                      "--metric", "val_loss", "--ema", "0.5")
     assert done.returncode == 0, done.stderr
     assert "scale=baseline train.steps=40 (ref)" in done.stdout and "| 0.475 |" in done.stdout
     assert all((out / f).stat().st_size > 0 for f in ("curves.png", "summary.md", "summary.csv"))

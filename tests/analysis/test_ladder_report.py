@@ -2,7 +2,7 @@
 written here: the LR picks run_study.sh feeds to the ladder, and the terminal table's means, standard
 deviations and per-seed differences, each expectation worked out by hand."""
 
-from tests.helpers import run_script, write_run
+from tests.helpers import REPO, load_script, run_main, run_script, write_run
 
 
 def ladder_run(root, name, *, scale, optim, lr=0.01, seed=0, tpp=10.0, val=(4.0, 3.0), bpb=(2.0, 1.5),
@@ -22,8 +22,11 @@ def ladder_run(root, name, *, scale, optim, lr=0.01, seed=0, tpp=10.0, val=(4.0,
     return d
 
 
-def report(*args):
-    done = run_script("ladder_report.py", *args)
+def report(*args, command: bool = False):
+    """The script's output: with `command`, run as a command; else its main in this process (a child
+    Python costs seconds, and one test running the command covers it)."""
+    script = "ladder_report.py"
+    done = run_script(script, *args) if command else run_main(load_script(REPO / "scripts" / script).main, *args)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -35,7 +38,7 @@ def test_lr_grid_picks_each_arms_lowest_terminal_loss_and_the_lower_lr_on_a_tie(
     runs = [ladder_run(tmp_path, f"{scale}-{optim}-{lr}", scale=scale, optim=optim, lr=lr, val=(v - 0.5, v))
             for (scale, optim), grid in terminal.items() for lr, v in grid.items()]
     out = tmp_path / "grid" / "lr_grid.md"
-    assert report("lr", out, *runs) == "baseline adamw 0.003\nunified muon 0.001\n"
+    assert report("lr", out, *runs, command=True) == "baseline adamw 0.003\nunified muon 0.001\n"
     assert out.read_text() == (
         "| arm | lr 0.001 | lr 0.003 | lr 0.01 | best |\n"
         "|---|---:|---:|---:|---:|\n"
