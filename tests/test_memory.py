@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from scalevec_train.build import autocast_for
-from scalevec_train.config import compose_config
 from scalevec_train.memory import GB, estimate, fix
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.optim.groups import build_optimizer
 from scalevec_train.parallel.wrap import wrap_block
 from scalevec_train.training.skip import ConditionalStep
 from scalevec_train.training.trainer import cross_entropy
+from tests.helpers import make_configs
 
 SHAPE = ["train.micro_batch=2", "train.global_batch=2", "train.seq_len=64"]
 
@@ -41,11 +41,12 @@ def live_storages() -> dict[int, torch.UntypedStorage]:
     return out
 
 
-def measure(cfg) -> dict[str, int]:
+def measure(cfg, states: bool = True) -> dict[str, int]:
     """Bytes of one real training step on the CPU: activations (what the saved-tensor hooks see, and
     the tensors made during the forward that are still alive after it: selective checkpointing's
     cache of matmul outputs, which no hook sees), the saved tensors per block when the blocks are not
-    checkpointed, parameters, gradients, optimizer state, the skip's copies."""
+    checkpointed, and with `states` parameters, gradients, optimizer state, the skip's copies (the
+    backward and two optimizer steps: the forward alone without)."""
     torch.manual_seed(0)
     model = Transformer(cfg.model, cfg.scale)
     model.init_weights(0)
@@ -77,13 +78,17 @@ def measure(cfg) -> dict[str, int]:
     cached = {k: s.nbytes() for k, s in live_storages().items()
               if k not in before and k not in saved and k not in weights}
     del before
+    activations = {"activations": sum(saved.values()) + sum(cached.values()),
+                   "block": max(per_layer.values(), default=0)}
+    if not states:
+        return activations
     loss.backward()
     optimizer = build_optimizer(model, cfg.optim)
     step = ConditionalStep(optimizer, model)
     for _ in range(2):  # the first step creates the optimizer state, the second keeps its copies
         step(torch.tensor(True))
     state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    return {"activations": sum(saved.values()) + sum(cached.values()), "block": max(per_layer.values(), default=0),
+    return {**activations,
             "params": storage_bytes(model.parameters()), "grads": storage_bytes(p.grad for p in model.parameters()),
             "optimizer": storage_bytes(state), "skip_copies": storage_bytes(step.copies.values())}
 
@@ -98,12 +103,15 @@ def close(estimated: float, measured: float, rel: float = 0.10) -> bool:
 def test_estimate_matches_a_real_cpu_step(model, scale, optim):
     """Within 10% of the measured bytes for each checkpointing mode: `none` keeps every block's
     tensors, `selective` the blocks' inputs and matmul outputs, `full` only the blocks' inputs (both
-    recompute one block in its backward; `full`'s is the largest block measured without checkpointing)."""
+    recompute one block in its backward; `full`'s is the largest block measured without checkpointing).
+    Parameters, gradients and optimizer state do not depend on the mode: measured once (`none`), each
+    mode's estimate of them is checked against that."""
     base = [f"model={model}", f"scale={scale}", f"optim={optim}", *SHAPE]
     measured = {}
     for mode in ("none", "selective", "full"):
-        cfg = compose_config([*base, f"distributed.activation_checkpointing={mode}"])
-        got, est = measure(cfg), estimate(cfg, world=1, device="cpu")
+        cfg = make_configs([[*base, f"distributed.activation_checkpointing={mode}"]])[0]
+        got = {**measured.get("none", {}), **measure(cfg, states=mode == "none")}
+        est = estimate(cfg, world=1, device="cpu")
         measured[mode] = got
         for key in ("params", "grads", "optimizer", "skip_copies", "activations"):
             assert close(getattr(est, key), got[key]), (mode, key, getattr(est, key), got[key])
@@ -120,8 +128,8 @@ def test_estimate_matches_a_real_cpu_step(model, scale, optim):
     ["model=moe-tiny", "scale=unified", "scale.per_expert=true"],
 ])
 def test_estimate_matches_other_strategies(overrides):
-    cfg = compose_config([*overrides, *SHAPE])
-    got, est = measure(cfg), estimate(cfg, world=1, device="cpu")
+    cfg = make_configs([[*overrides, *SHAPE]])[0]
+    got, est = measure(cfg, states=False), estimate(cfg, world=1, device="cpu")
     assert close(est.activations, got["activations"]), (est.activations, got["activations"])
 
 
@@ -130,8 +138,8 @@ def test_estimate_matches_other_strategies(overrides):
 def test_estimate_matches_under_bf16_autocast(model, scale):
     """train.dtype=bf16 on the CPU: the matmuls keep bf16 casts of their fp32 inputs and of the weights,
     as on one GPU (whose norms are the fused kernels instead)."""
-    cfg = compose_config([f"model={model}", f"scale={scale}", *SHAPE, "train.dtype=bf16"])
-    got, est = measure(cfg), estimate(cfg, world=1, device="cpu")
+    cfg = make_configs([[f"model={model}", f"scale={scale}", *SHAPE, "train.dtype=bf16"]])[0]
+    got, est = measure(cfg, states=False), estimate(cfg, world=1, device="cpu")
     assert close(est.activations, got["activations"]), (est.activations, got["activations"])
 
 
@@ -139,14 +147,14 @@ def test_checkpointing_and_micro_batch_shrink_the_estimate():
     """The orders an estimate must respect: full < selective < none for activations, activations
     linear in the micro-batch, states divided by the ranks."""
     overrides = ["model=dense-1b"]
-    by_mode = {mode: estimate(compose_config([*overrides, f"distributed.activation_checkpointing={mode}"],
-                                             world_size=8), world=8)
+    by_mode = {mode: estimate(make_configs([[*overrides, f"distributed.activation_checkpointing={mode}"]], 8)[0],
+                              world=8)
                for mode in ("none", "selective", "full")}
     assert by_mode["full"].activations < by_mode["selective"].activations < by_mode["none"].activations
-    half = estimate(compose_config([*overrides, "train.max_micro_batch_tokens=8192"], world_size=8), world=8)
+    half = estimate(make_configs([[*overrides, "train.max_micro_batch_tokens=8192"]], 8)[0], world=8)
     assert half.micro_batch_tokens * 2 == by_mode["none"].micro_batch_tokens
     assert close(half.activations * 2, by_mode["none"].activations, rel=1e-6)
-    one = estimate(compose_config(overrides, world_size=1), world=1)
+    one = estimate(make_configs([overrides], 1)[0], world=1)
     assert one.params == pytest.approx(8 * by_mode["none"].params, rel=1e-3)
 
 
@@ -159,7 +167,7 @@ GPU_RECIPES = ["dense-0.12b", "dense-0.5b", "dense-gemma-0.5b", "dense-1b", "den
 def test_gpu_recipes_fit_80gb_at_8_ranks(model, scale, optim):
     """Every GPU recipe, with its default micro-batch and checkpointing, under the default strategy and
     the heaviest one (unified), fits an 80 GB GPU at 8 ranks."""
-    cfg = compose_config([f"model={model}", f"scale={scale}", f"optim={optim}"], world_size=8)
+    cfg = make_configs([[f"model={model}", f"scale={scale}", f"optim={optim}"]], 8)[0]
     est = estimate(cfg, world=8)
     assert est.total <= 80 * GB, (model, est.as_dict())
     assert fix(cfg, 8, 80 * GB) is None
@@ -179,7 +187,7 @@ def test_describe_reports_memory_with_a_verdict_and_a_fix(capsys):
     modes = m["by_checkpointing"]
     assert modes["none"]["total"] == m["total"] and modes["selective"]["total"] <= 80 * GB
     assert modes["full"]["activations"] < modes["selective"]["activations"] < modes["none"]["activations"]
-    fixed = compose_config(["model=dense-2b", "distributed.activation_checkpointing=selective"])
+    fixed = make_configs([["model=dense-2b", "distributed.activation_checkpointing=selective"]])[0]
     assert estimate(fixed, world=1).total <= 80 * GB
     assert main(["model=dense-tiny", "world_size=0"]) == 2
     assert "world_size" in capsys.readouterr().err
