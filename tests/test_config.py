@@ -9,7 +9,7 @@ import pytest
 from hydra.errors import HydraException
 
 from scalevec_train.errors import ScalevecError
-from tests.helpers import make_config
+from tests.helpers import make_config_shared
 
 CASES = [
     (["model.dim=100", "model.n_heads=3"], "model.dim: hidden size 100 is not divisible by model.n_heads=3"),
@@ -49,7 +49,7 @@ CASES = [
 @pytest.mark.parametrize("overrides,message", CASES)
 def test_config_error_names_key(overrides, message):
     with pytest.raises(ScalevecError, match=message) as info:
-        make_config(*overrides)
+        make_config_shared(*overrides)
     assert info.value.where
 
 
@@ -65,7 +65,7 @@ def choice_keys(cfg, prefix: str = "") -> list[str]:
     return keys
 
 
-MOE_CONFIG = make_config("model=moe-tiny")
+MOE_CONFIG = make_config_shared("model=moe-tiny")
 
 
 @pytest.mark.parametrize("key", choice_keys(MOE_CONFIG))
@@ -76,7 +76,7 @@ def test_every_choice_refuses_an_unknown_value_naming_the_choices(key):
     assert len(allowed) >= 2
     allowed = ", ".join(allowed)
     with pytest.raises(ScalevecError, match=f"^{key}: unknown value 'bogus'. Fix: use one of: {allowed}.$"):
-        make_config("model=moe-tiny", f"{key}=bogus")
+        make_config_shared("model=moe-tiny", f"{key}=bogus")
 
 
 def test_choices_cover_the_options_that_name_a_mode():
@@ -88,18 +88,18 @@ def test_choices_cover_the_options_that_name_a_mode():
 
 def test_global_batch_must_divide_by_world_size():
     with pytest.raises(ScalevecError, match=r"train.global_batch: 16 sequences cannot be split evenly over 3 ranks"):
-        make_config(world_size=3)
+        make_config_shared(world_size=3)
     with pytest.raises(ScalevecError, match=r"micro_batch \* ranks = 16 \* 2"):
-        make_config("train.micro_batch=16", world_size=2)
+        make_config_shared("train.micro_batch=16", world_size=2)
 
 
 def test_unknown_preset_is_refused_with_the_options():
     with pytest.raises(HydraException, match="dense-tiny"):
-        make_config("model=dense-huge")
+        make_config_shared("model=dense-huge")
 
 
 def test_defaults_compose_and_validate():
-    cfg = make_config()
+    cfg = make_config_shared()
     assert (cfg.model.name, cfg.scale.name, cfg.optim.name, cfg.schedule.name) == (
         "dense-tiny", "baseline", "adamw", "cosine")
     assert cfg.run_dir == "runs/dense-tiny-baseline-adamw-cosine-s0"

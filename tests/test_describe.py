@@ -12,7 +12,7 @@ from scalevec_train.describe import describe, format_table, main
 from scalevec_train.model import Transformer
 from scalevec_train.model.strategies import scale_sites
 from scalevec_train.training.callbacks.scales import site_grad_norms, site_prefix
-from tests.helpers import make_config
+from tests.helpers import make_config_shared
 from tests.presets import SMALL_MODEL
 
 
@@ -72,7 +72,7 @@ def test_moe_unified_has_per_expert_output_sites():
 ])
 def test_extra_flops_of_unified_count_every_new_norm(model, extra_per_layer):
     """3 FLOPs per normalized element, 1 per scaled element, forward; training is 3x forward."""
-    d = describe(make_config(f"model={model}", "scale=unified"))
+    d = describe(make_config_shared(f"model={model}", "scale=unified"))
     assert d["extra_train_flops_per_token"] == 3 * 4 * extra_per_layer
 
 
@@ -80,7 +80,7 @@ def test_cancelled_magnitudes_get_no_gradient():
     """What describe marks is what autograd finds: the or-magnitude of every marked site has (almost)
     no gradient, every other one a clear gradient (a tiny eps so that it barely leaks; the norms compute
     in fp32, whose rounding leaves about 1e-6 of the terms that cancel)."""
-    cfg = make_config("scale=unified", *SMALL_MODEL, "model.vocab_size=128", "model.norm_eps=1e-12")
+    cfg = make_config_shared("scale=unified", *SMALL_MODEL, "model.vocab_size=128", "model.norm_eps=1e-12")
     model = Transformer(cfg.model, cfg.scale).double()
     model.init_weights(0)
     with torch.no_grad():
@@ -102,14 +102,14 @@ def test_each_site_shows_its_peak_lr_and_decay(capsys):
     """Per site: the peak LR (optim.scale_lr; null: the other AdamW groups') and the decay rate with the
     parameters it acts on (unified: the magnitudes of the input sites; decay_final_norm=false: not the
     final norm's; reparam_decay=all_params: beta and alpha), as the table and the JSON show them."""
-    d = describe(make_config("model=dense-tiny", "scale=unified", "optim=muon", "optim.adamw_lr=1e-3",
+    d = describe(make_config_shared("model=dense-tiny", "scale=unified", "optim=muon", "optim.adamw_lr=1e-3",
                              "optim.scale_lr=2e-3", "optim.scale_weight_decay=0.05", "scale.decay_final_norm=false"))
     assert len(d["sites"]) == 4 * 10 + 1
     for s in d["sites"]:
         decayed = s["role"] == "input" and s["name"] != "final_norm.sites.final"
         expected = (2e-3, 0.05, ["beta"]) if decayed else (2e-3, 0.0, [])
         assert (s["lr"], s["weight_decay"], s["decayed"]) == expected, s["name"]
-    d = describe(make_config("model=dense-tiny", "scale=unified", "scale.reparam_decay=all_params",
+    d = describe(make_config_shared("model=dense-tiny", "scale=unified", "scale.reparam_decay=all_params",
                              "optim.lr=4e-3", "optim.weight_decay=0.2"))
     for s in d["sites"]:
         expected = (4e-3, 0.2, ["beta", "alpha"]) if s["role"] == "input" else (4e-3, 0.0, [])

@@ -34,7 +34,7 @@ from scalevec_train.model.fold import fold
 from scalevec_train.model.strategies import scale_sites
 from scalevec_train.optim.groups import build_optimizer
 from scalevec_train.train import run
-from tests.helpers import SHORT_RUN, make_config
+from tests.helpers import SHORT_RUN, make_config_shared
 from tests.presets import TINY_MODEL
 
 TINY = [*TINY_MODEL, *SHORT_RUN, "train.steps=30", "train.log_every=30", "optim.lr=1e-2"]
@@ -61,7 +61,7 @@ def transformers():
 def runs(data_overrides, tmp_path_factory) -> dict[str, Path]:
     """Run directories trained 30 steps: dense under baseline, unified, none; MoE under unified."""
     root = tmp_path_factory.mktemp("export_runs")
-    return {name: run(make_config(*data_overrides, *TINY, *extra, f"run_dir={root / name}"))
+    return {name: run(make_config_shared(*data_overrides, *TINY, *extra, f"run_dir={root / name}"))
             for name, extra in RUNS.items()}
 
 
@@ -83,7 +83,7 @@ def test_load_gives_the_checkpoint_the_trainer_resumes_from(runs):
     model, tokenizer = load(run_dir)
     assert isinstance(model, torch.nn.Module) and not model.training
     assert tokenizer.encode("def f(x):") and tokenizer.get_piece_size() <= model.cfg.vocab_size
-    cfg = make_config(*TINY, "scale=unified", "model.vocab_size=512")
+    cfg = make_config_shared(*TINY, "scale=unified", "model.vocab_size=512")
     reference = Transformer(cfg.model, cfg.scale)
     reference.init_weights(seed=123)
     path = checkpoint_files.complete_checkpoints(run_dir)[-1]
@@ -181,7 +181,7 @@ LAYOUTS = {
 def assert_export_parity(overrides: list[str], runs, out: Path, transformers) -> bool:
     """An untrained model with every scale parameter and expert bias drawn at random, exported, gives
     the same logits in transformers; returns whether it exported as a stock Llama."""
-    cfg = make_config(*TINY, "model.vocab_size=512", *overrides)
+    cfg = make_config_shared(*TINY, "model.vocab_size=512", *overrides)
     model = Transformer(cfg.model, cfg.scale)
     model.init_weights(seed=1)
     gen = torch.Generator().manual_seed(2)
@@ -297,7 +297,7 @@ def test_imported_llama_computes_the_hf_function(tmp_path, transformers, tied):
 def test_imported_llama_trains_under_unified(tmp_path, transformers):
     random_llama(transformers, tmp_path, tied=False)
     model = import_llama(tmp_path, UNIFIED)
-    cfg = make_config("scale=unified")
+    cfg = make_config_shared("scale=unified")
     optimizer = build_optimizer(model, cfg.optim)
     ids = token_batch(300)
     losses = []
@@ -312,14 +312,14 @@ def test_imported_llama_trains_under_unified(tmp_path, transformers):
 
 def test_init_from_hf_checks_the_config(tmp_path, transformers):
     hf = random_llama(transformers, tmp_path, tied=False)
-    cfg = make_config(*RANDOM_LLAMA, "scale=hg")
+    cfg = make_config_shared(*RANDOM_LLAMA, "scale=hg")
     model = Transformer(cfg.model, cfg.scale)
     model.init_weights(seed=0)
     init_from_hf(model, tmp_path)
     ids = token_batch(300)
     torch.testing.assert_close(logits(model.eval(), ids), logits(hf, ids), rtol=0, atol=1e-4)
     with torch.device("meta"):  # the check runs before the model is materialized
-        wrong = Transformer(make_config(*TINY, "model.vocab_size=300").model, cfg.scale)
+        wrong = Transformer(make_config_shared(*TINY, "model.vocab_size=300").model, cfg.scale)
     with pytest.raises(ScalevecError, match=r"model\.ffn_dim=64 but the checkpoint has 48"):
         check_init_from(wrong, tmp_path)
 
@@ -327,7 +327,7 @@ def test_init_from_hf_checks_the_config(tmp_path, transformers):
 def test_init_from_hf_fills_fsdp_shards(tmp_path, transformers):
     """FSDP2 on a one-rank gloo group: the parameters are DTensors, as under torchrun."""
     hf = random_llama(transformers, tmp_path, tied=False)
-    cfg = make_config(*RANDOM_LLAMA)
+    cfg = make_config_shared(*RANDOM_LLAMA)
     # a file store, not a port picked here and bound later: another process may take it in between
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
@@ -351,17 +351,18 @@ def test_training_run_starts_from_init_from(data_overrides, tmp_path, transforme
     hf = random_llama(transformers, tmp_path / "hf", tied=False, vocab=512)
     overrides = [*data_overrides, *TINY, "model.ffn_dim=48", "model.norm_eps=1e-5", "model.rope_theta=5000",
                  "model.tie_embeddings=false", "scale=hg", f"run_dir={tmp_path / 'run'}"]
-    trainer = build(make_config(*overrides, f"init_from={tmp_path / 'hf'}")).trainer
+    trainer = build(make_config_shared(*overrides, f"init_from={tmp_path / 'hf'}")).trainer
     ids = token_batch(512)
     torch.testing.assert_close(logits(trainer.model.eval(), ids), logits(hf, ids), rtol=0, atol=1e-4)
 
     with pytest.raises(ScalevecError, match=r"model\.ffn_dim=64 but the checkpoint has 48"):
-        build(make_config(*data_overrides, *TINY, f"run_dir={tmp_path / 'bad'}", f"init_from={tmp_path / 'hf'}"))
+        build(make_config_shared(*data_overrides, *TINY, f"run_dir={tmp_path / 'bad'}", f"init_from={tmp_path / 'hf'}"))
     assert not (tmp_path / "bad").exists()
 
-    run_dir = run(make_config(*overrides, "train.steps=2"))
+    run_dir = run(make_config_shared(*overrides, "train.steps=2"))
     trained = logits(load(run_dir)[0], ids)
-    resumed = build(make_config(*overrides, "train.steps=4", "resume=auto", f"init_from={tmp_path / 'hf'}")).trainer
+    resumed = build(make_config_shared(*overrides, "train.steps=4", "resume=auto",
+                                       f"init_from={tmp_path / 'hf'}")).trainer
     torch.testing.assert_close(logits(resumed.model.eval(), ids), trained, rtol=0, atol=1e-5)
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from scalevec_train.model import Transformer
 from scalevec_train.model.masking import block_mask, dense_mask, flex_attention, positions
 from scalevec_train.parallel.wrap import wrap_block
-from tests.helpers import make_config
+from tests.helpers import make_config_shared
 
 # three documents in a row of 24 tokens (lengths 7, 9, 8), and a second row of two (12, 12)
 DOC_IDS = torch.tensor([[0] * 7 + [1] * 9 + [2] * 8, [0] * 12 + [1] * 12])
@@ -17,7 +17,7 @@ HEAD_NORMS = ["scale=unified", "model.qk_norm=true"]  # per-head norms behind q,
 
 
 def model_for(*overrides: str, seed: int = 0) -> Transformer:
-    cfg = make_config("model.n_layers=2", "model.n_kv_heads=2", "model.attention_mask=document", *overrides)
+    cfg = make_config_shared("model.n_layers=2", "model.n_kv_heads=2", "model.attention_mask=document", *overrides)
     model = Transformer(cfg.model, cfg.scale)
     model.init_weights(seed)
     return model
@@ -110,7 +110,7 @@ def test_flex_training_on_cpu_is_refused_before_any_work(tmp_path):
     from scalevec_train.build import build
     from scalevec_train.errors import ScalevecError
 
-    cfg = make_config("model.attention_mask=document", "model.attention_backend=flex", "device=cpu",
+    cfg = make_config_shared("model.attention_mask=document", "model.attention_backend=flex", "device=cpu",
                       f"run_dir={tmp_path / 'run'}")
     with pytest.raises(ScalevecError, match="model.attention_backend: flex trains on CUDA only"):
         build(cfg)
@@ -123,8 +123,8 @@ def test_describe_and_flops_count_the_attention_the_mask_leaves():
     from scalevec_train.accounting import matmul_params_per_token, train_flops_per_token
     from scalevec_train.describe import describe
 
-    causal = make_config("train.seq_len=128")
-    document = make_config("train.seq_len=128", "model.attention_mask=document")
+    causal = make_config_shared("train.seq_len=128")
+    document = make_config_shared("train.seq_len=128", "model.attention_mask=document")
     model = Transformer(causal.model, causal.scale)
     width = causal.model.n_heads * causal.model.head_dim
     matmuls = 6 * matmul_params_per_token(model)

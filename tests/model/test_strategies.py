@@ -9,7 +9,7 @@ from scalevec_train.model import Transformer
 from scalevec_train.model.fold import fold
 from scalevec_train.model.strategies import ScaleSite, scale_sites, site_display_name
 from scalevec_train.optim.groups import build_optimizer, classify
-from tests.helpers import make_config
+from tests.helpers import make_config_shared
 from tests.presets import SMALL_MODEL
 
 PRESETS = ["none", "baseline", "iwd", "wd_all", "hg", "dp", "dnp", "or", "er", "unified"]
@@ -17,7 +17,7 @@ SMALL = [*SMALL_MODEL, "model.vocab_size=128"]
 
 
 def build(scale: str, *extra: str, seed: int = 0) -> Transformer:
-    cfg = make_config(f"scale={scale}", *SMALL, *extra)
+    cfg = make_config_shared(f"scale={scale}", *SMALL, *extra)
     model = Transformer(cfg.model, cfg.scale)
     model.init_weights(seed)
     return model
@@ -217,7 +217,7 @@ LR, WD = 0.01, 0.5
 def one_step(reparam: str, optim: str, decay: str, zero_grads: bool):
     """A unified model under scale.reparam=`reparam`, after one optimizer step from random sites with
     random (or zero) gradients: (sites before, their gradients, the model after)."""
-    cfg = make_config("scale=unified", f"scale.reparam={reparam}", f"scale.reparam_decay={decay}", *SMALL,
+    cfg = make_config_shared("scale=unified", f"scale.reparam={reparam}", f"scale.reparam_decay={decay}", *SMALL,
                       f"optim={optim}", f"optim.lr={LR}", f"optim.weight_decay={WD}")
     model = Transformer(cfg.model, cfg.scale)
     model.init_weights(0)
@@ -277,7 +277,7 @@ def test_one_step_of_a_reparameterized_site_matches_the_closed_form(reparam, dec
 
 @pytest.mark.parametrize("scale", PRESETS)
 def test_scale_parameters_are_a_tiny_share_on_0_12b(scale):
-    cfg = make_config("model=dense-0.12b", f"scale={scale}")
+    cfg = make_config_shared("model=dense-0.12b", f"scale={scale}")
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.scale)
     total = sum(p.numel() for p in model.parameters())
@@ -286,9 +286,9 @@ def test_scale_parameters_are_a_tiny_share_on_0_12b(scale):
 
 
 def test_axes_override_on_top_of_a_preset():
-    cfg = make_config("scale=unified", "scale.reparam=er", *SMALL)
+    cfg = make_config_shared("scale=unified", "scale.reparam=er", *SMALL)
     model = Transformer(cfg.model, cfg.scale)
     assert {s.param for _, s in scale_sites(model)} == {"er"}
-    cfg = make_config("scale=unified", "scale.reparam_sites=input", *SMALL)
+    cfg = make_config_shared("scale=unified", "scale.reparam_sites=input", *SMALL)
     model = Transformer(cfg.model, cfg.scale)
     assert {s.param for _, s in scale_sites(model) if s.role == "output"} == {"plain"}

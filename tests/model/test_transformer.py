@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from scalevec_train.model import Transformer
-from tests.helpers import make_config
+from tests.helpers import make_config_shared
 from tests.presets import TINY_MODEL
 
 SIZES = {"dense-tiny": 4.2e6, "dense-0.12b": 0.12e9, "dense-0.5b": 0.5e9, "dense-1b": 1.0e9,
@@ -14,7 +14,7 @@ SIZES = {"dense-tiny": 4.2e6, "dense-0.12b": 0.12e9, "dense-0.5b": 0.5e9, "dense
 
 @pytest.mark.parametrize("preset", sorted(SIZES))
 def test_preset_parameter_count_matches_its_name(preset):
-    cfg = make_config(f"model={preset}")
+    cfg = make_config_shared(f"model={preset}")
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.scale)
     total = sum(p.numel() for p in model.parameters())
@@ -23,7 +23,7 @@ def test_preset_parameter_count_matches_its_name(preset):
 
 @pytest.mark.parametrize("extra", [[], ["scale=unified"], ["model.qk_norm=true", "model.post_norm=true"]])
 def test_causality(extra):
-    cfg = make_config("model.n_layers=2", *extra)
+    cfg = make_config_shared("model.n_layers=2", *extra)
     model = Transformer(cfg.model, cfg.scale)
     model.init_weights(0)
     x = torch.randint(0, cfg.model.vocab_size, (2, 40))
@@ -36,7 +36,7 @@ def test_causality(extra):
 
 def test_forward_matches_a_plain_reference():
     """One block written out by hand (repeat-kv attention with an explicit mask, rotate-half RoPE)."""
-    cfg = make_config("model.n_layers=1", "model.tie_embeddings=false")
+    cfg = make_config_shared("model.n_layers=1", "model.tie_embeddings=false")
     model = Transformer(cfg.model, cfg.scale)
     model.init_weights(3)
     c = cfg.model
@@ -80,7 +80,7 @@ def test_init_depends_only_on_seed_and_name():
     models = {}
     for key, extra in {"base": [], "vocab": ["model.vocab_size=3000"], "unified": ["scale=unified"],
                        "untied": ["model.tie_embeddings=false"]}.items():
-        cfg = make_config(*TINY_MODEL, *extra)
+        cfg = make_config_shared(*TINY_MODEL, *extra)
         models[key] = Transformer(cfg.model, cfg.scale)
         models[key].init_weights(5)
     base = dict(models["base"].named_parameters())
@@ -95,7 +95,7 @@ def test_init_depends_only_on_seed_and_name():
     reseeded.init_weights(6)
     assert not torch.equal(wq, reseeded.layers[0].attn.wq.weight)
     # the scale: init_std, and init_std / sqrt(2 * n_layers) for the maps into the residual stream
-    cfg = make_config("model.n_layers=2")
+    cfg = make_config_shared("model.n_layers=2")
     model = Transformer(cfg.model, cfg.scale)
     model.init_weights(5)
     assert model.layers[0].attn.wo.weight.std().item() == pytest.approx(0.02 / 2, rel=0.1)

@@ -19,7 +19,7 @@ from scalevec_train.model import Transformer
 from scalevec_train.model.strategies import scale_sites
 from scalevec_train.optim.groups import build_optimizer, classify
 from scalevec_train.optim.schedules import lr_multiplier
-from tests.helpers import make_config
+from tests.helpers import make_config_shared
 from tests.presets import TINY_MODEL
 
 SMALL = [*TINY_MODEL, "model.vocab_size=64"]  # dense, 2 layers, tied head
@@ -32,7 +32,7 @@ OPTIMIZERS = {"adamw": (["optim=adamw"], LR), "muon": (["optim=muon"], LR),
 def built(*overrides: str, lr: float = LR):
     """A model with random parameters everywhere (so that decay and steps show on every entry) and the
     optimizer the trainer builds for it."""
-    cfg = make_config(*SMALL, f"optim.lr={lr}", *overrides)
+    cfg = make_config_shared(*SMALL, f"optim.lr={lr}", *overrides)
     model = Transformer(cfg.model, cfg.scale)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -136,7 +136,7 @@ BRANCH_MAGNITUDES = [f"layers.{layer}.{norm}.sites.{branch}.beta" for layer in (
     ("false", BRANCH_MAGNITUDES),
 ])
 def test_decay_final_norm_decides_whether_the_final_norms_site_decays(decay_final_norm, expected):
-    cfg = make_config(*SMALL, "scale=unified", f"scale.decay_final_norm={decay_final_norm}")
+    cfg = make_config_shared(*SMALL, "scale=unified", f"scale.decay_final_norm={decay_final_norm}")
     groups = classify(Transformer(cfg.model, cfg.scale))
     assert sorted(n for n, _ in groups["scale_decay"]) == sorted(expected)
     # ... and in the optimizer: with no gradient the final site's magnitude shrinks only when it decays
@@ -150,7 +150,7 @@ def test_decay_final_norm_decides_whether_the_final_norms_site_decays(decay_fina
 
 def test_decay_final_norm_keeps_the_final_site_of_every_policy_undecayed():
     """wd_all decays every site but, with decay_final_norm=false, the final norm's."""
-    cfg = make_config(*SMALL, "scale=wd_all", "scale.decay_final_norm=false")
+    cfg = make_config_shared(*SMALL, "scale=wd_all", "scale.decay_final_norm=false")
     groups = classify(Transformer(cfg.model, cfg.scale))
     assert [n for n, _ in groups["scale_no_decay"]] == ["final_norm.sites.final.scale"]
     assert sorted(n for n, _ in groups["scale_decay"]) == sorted(
@@ -165,7 +165,7 @@ EXPLICIT_DEFAULTS = ["optim.scale_weight_decay=0.1", "scale.decay_final_norm=tru
 def train(*overrides: str, steps: int = 4) -> dict[str, torch.Tensor]:
     """The parameters after `steps` steps of next-token training on fixed random tokens, the schedule's
     multiplier applied as the trainer applies it."""
-    cfg = make_config(*SMALL, "optim.weight_decay=0.1", f"train.steps={steps}", "schedule.warmup_steps=2",
+    cfg = make_config_shared(*SMALL, "optim.weight_decay=0.1", f"train.steps={steps}", "schedule.warmup_steps=2",
                       *overrides)
     model = Transformer(cfg.model, cfg.scale)
     model.init_weights(0)
@@ -209,8 +209,8 @@ WSD = ["schedule=wsd", "schedule.warmup_steps=2", "schedule.decay_fraction=0.5",
 ])
 def test_a_branch_must_share_its_trunks_scale_lr(trunk, branch, shared):
     """branch_from's check: a branch with another peak LR for the scale sites leaves the trunk at step 0."""
-    trunk_cfg = make_config(*SMALL, *WSD, f"optim.lr={LR}", *trunk)
-    branch_cfg = make_config(*SMALL, *WSD, f"optim.lr={LR}", *branch)
+    trunk_cfg = make_config_shared(*SMALL, *WSD, f"optim.lr={LR}", *trunk)
+    branch_cfg = make_config_shared(*SMALL, *WSD, f"optim.lr={LR}", *branch)
     assert shared_steps(trunk_cfg, branch_cfg, 20) == shared
 
 
