@@ -11,6 +11,7 @@ workers a store of its own, gloo binds its own sockets, and spawned test groups 
 """
 
 import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from scalevec_train.checkpoint import files as checkpoint_files
@@ -54,6 +56,29 @@ def gloo_group(store: str, rank: int, world: int) -> Iterator[None]:
         finished = True
     finally:
         shutdown(finished)
+
+
+# What spawned test workers import, imported once by the fork server (spawn()).
+WORKER_IMPORTS = ["pytest", "torch", "torch.distributed", "torch.distributed.checkpoint",
+                  "torch.distributed.fsdp", "torch.multiprocessing", "scalevec_train.train", "tests.launch"]
+
+
+def spawn(fn: Callable, args: tuple = (), nprocs: int = 2) -> None:
+    """mp.spawn(fn, args, nprocs), each process forked from multiprocessing's fork server, which imports
+    WORKER_IMPORTS once per pytest process: a fresh interpreter importing torch and scalevec costs some
+    3 s of CPU per process, a fork a fraction of that. The server is a clean process with one thread (no
+    test runs in it), so forking it is safe. Each process gets this process's environment of now (a
+    forked process would have the server's, from when it started). Fails if a process fails, as
+    mp.spawn does."""
+    multiprocessing.set_forkserver_preload(WORKER_IMPORTS)
+    mp.start_processes(_with_env, args=(fn, dict(os.environ), args), nprocs=nprocs, join=True,
+                       start_method="forkserver")
+
+
+def _with_env(rank: int, fn: Callable, env: dict[str, str], args: tuple) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    fn(rank, *args)
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
 from scalevec_analysis.groups import group_runs, summarize
 from scalevec_analysis.runs import load_run_dir
@@ -27,7 +26,7 @@ from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.train import run
 from scalevec_train.training.logger import read_records
 from tests.helpers import SHORT_RUN, make_config
-from tests.launch import checkpoint_state, gloo_group
+from tests.launch import checkpoint_state, gloo_group, spawn
 from tests.presets import TINY_MODEL
 
 STEPS = [2, 4, 6]
@@ -106,7 +105,7 @@ def loaded_on_two_ranks(averaged, tmp_path_factory) -> Path:
     tensors each rank then held, as <name>-rank<r>.pt."""
     out = tmp_path_factory.mktemp("two_ranks")
     checkpoints = {name: str(path) for name, path in averaged.items()}
-    mp.spawn(_rank, args=(2, str(out / "store"), checkpoints, str(out)), nprocs=2, join=True)
+    spawn(_rank, (2, str(out / "store"), checkpoints, str(out)))
     return out
 
 

@@ -1,13 +1,12 @@
 """Muon under FSDP2 on 2 gloo processes against one plain process, and DCP resume across world sizes.
 
-One launch of 2 ranks (this file run as a script) does all distributed work: FSDP, HSDP with the
-shard dimension live, HSDP with only the replica dimension live, a DCP save, and a resume of the
-one-process checkpoint. The one-process reference, its checkpoint and the resume of the 2-rank
-checkpoint run in the pytest process.
+One spawned group of 2 ranks does all distributed work: FSDP, HSDP with the shard dimension live,
+HSDP with only the replica dimension live, a DCP save, and a resume of the one-process checkpoint.
+The one-process reference, its checkpoint and the resume of the 2-rank checkpoint run in the pytest
+process.
 """
 
 import os
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from tests.launch import child_env
+from tests.launch import spawn
 from tests.optim.muon_net import BATCH, VOCAB, build
 
 STEPS, SAVE_AT = 5, 3
@@ -95,14 +94,14 @@ def _assert_params_close(got, want):
         torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
 
 
-def test_fsdp_matches_one_process_and_resumes_across_world_sizes(tmp_path, processes):
+def test_fsdp_matches_one_process_and_resumes_across_world_sizes(tmp_path):
     model, opt = build(None)
     ref_losses = train(model, opt, range(SAVE_AT))
     save(model, opt, tmp_path / "ckpt_1process")
     ref_losses += train(model, opt, range(SAVE_AT, STEPS))
     ref_params = full_params(model)
 
-    processes.run([sys.executable, __file__, str(tmp_path)], tmp_path, child_env())
+    spawn(_worker, (str(tmp_path),))
     out = torch.load(tmp_path / "dist.pt")
 
     for name in MESHES:
@@ -118,8 +117,3 @@ def test_fsdp_matches_one_process_and_resumes_across_world_sizes(tmp_path, proce
     assert train(model, opt, range(SAVE_AT, STEPS)) == pytest.approx(ref_losses[SAVE_AT:], abs=1e-5)
     _assert_params_close(full_params(model), ref_params)
 
-
-if __name__ == "__main__":
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(sys.argv[1],), nprocs=2, join=True)

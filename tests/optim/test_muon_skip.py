@@ -5,7 +5,6 @@ bit-identical, and the step after it equals that of a run that never had it. The
 flag (tests/training/test_host_reads.py counts reads in whole runs)."""
 
 import os
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from scalevec_train.dtensor import local
-from tests.launch import child_env
+from tests.launch import spawn
 from tests.optim.muon_net import BATCH, VOCAB, build
 
 
@@ -75,8 +74,8 @@ def test_skip_on_one_process():
     assert mismatches(None) == []
 
 
-def test_skip_on_two_ranks(tmp_path, processes):
-    processes.run([sys.executable, __file__, str(tmp_path)], tmp_path, child_env())
+def test_skip_on_two_ranks(tmp_path):
+    spawn(_worker, (str(tmp_path),))
     assert torch.load(tmp_path / "skip.pt") == {0: [], 1: []}
 
 
@@ -97,8 +96,3 @@ def _worker(rank, workdir):
     finally:
         dist.destroy_process_group()
 
-
-if __name__ == "__main__":
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(sys.argv[1],), nprocs=2, join=True)

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from scalevec_train import train
 from scalevec_train.config import compose_raw
 from scalevec_train.data import prepare_data
 from scalevec_train.training.guards import FAULT_NAN_ENV
 from tests.helpers import SHORT_RUN, make_config
+from tests.launch import spawn
 from tests.presets import TINY_MODEL
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads thread names from /proc")
@@ -64,7 +64,7 @@ def _rank(rank: int, world: int, store: str, out: str, overrides: list[str]) -> 
 
 
 def leave(tmp_path: Path, overrides: list[str]) -> list[dict]:
-    mp.spawn(_rank, args=(2, str(tmp_path / "store"), str(tmp_path), overrides), nprocs=2, join=True)
+    spawn(_rank, (2, str(tmp_path / "store"), str(tmp_path), overrides))
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 

@@ -3,14 +3,13 @@ MixedPrecisionPolicy on 2 gloo ranks, the s every site hands the forward pass is
 one-process value, while the matrices compute in bf16."""
 
 import torch
-import torch.multiprocessing as mp
 
 from scalevec_train.model.layers import Linear
 from scalevec_train.model.strategies import ScaleSite, scale_sites
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.parallel.data_parallel import parallelize
 from tests.helpers import make_config
-from tests.launch import gloo_group
+from tests.launch import gloo_group, spawn
 from tests.parallel.helpers import site_values
 from tests.presets import SMALL_MODEL
 
@@ -42,7 +41,7 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
 
 
 def test_sites_stay_fp32_and_equal_one_process_under_bf16_fsdp(tmp_path):
-    mp.spawn(_rank, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    spawn(_rank, (2, str(tmp_path / "store"), str(tmp_path)))
     cfg = make_config(*OVERRIDES)
     reference = Transformer(cfg.model, cfg.scale)
     reference.init_weights(0)

@@ -11,7 +11,6 @@ of its tensor arguments, of its outputs, and of the tensors autograd saves insid
 import contextlib
 
 import torch
-import torch.multiprocessing as mp
 
 import scalevec_train.model.layers as layers
 import scalevec_train.model.moe as moe
@@ -21,7 +20,7 @@ from scalevec_train.model.transformer import Transformer
 from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.training.trainer import cross_entropy
 from tests.helpers import make_config
-from tests.launch import gloo_group
+from tests.launch import gloo_group, spawn
 from tests.parallel.helpers import site_values
 from tests.presets import SMALL_MODEL
 
@@ -126,7 +125,7 @@ def test_one_process_and_fsdp_train_in_one_regime(tmp_path):
     for case, result in one.items():
         check_design(case, result["calls"])
         assert result["logits"] == BF16
-    mp.spawn(_rank, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    spawn(_rank, (2, str(tmp_path / "store"), str(tmp_path)))
     for rank in range(2):
         sharded = torch.load(tmp_path / f"rank{rank}.pt")
         for case in CASES:

@@ -9,7 +9,6 @@ from functools import partial
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch._dynamo.utils import counters
 
 from scalevec_train import evaluate as evaluate_cli
@@ -20,7 +19,7 @@ from scalevec_train.tasks.formats import Item
 from scalevec_train.tasks.scoring import choice_logprobs, encode_task, score
 from scalevec_train.train import run
 from tests.helpers import SHORT_RUN, make_config
-from tests.launch import gloo_group, records
+from tests.launch import gloo_group, records, spawn
 from tests.presets import TINY_MODEL, TINY_MOE
 
 MAX_LEN = 24
@@ -118,8 +117,7 @@ def test_two_ranks_give_the_scores_of_one(tok, tmp_path):
     tok_file = tmp_path / "tokenizer.model"
     tok_file.write_bytes(tok.serialized_model_proto())
     one = choice_logprobs(model, encode_task("t", ITEMS, tok, MAX_LEN), torch.device("cpu"), nullcontext, 2)
-    mp.spawn(_rank, args=(2, str(tmp_path / "store"), str(tmp_path), str(tmp_path / "model.pt"), str(tok_file)),
-             nprocs=2, join=True)
+    spawn(_rank, (2, str(tmp_path / "store"), str(tmp_path), str(tmp_path / "model.pt"), str(tok_file)))
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         torch.testing.assert_close(got, one, rtol=1e-5, atol=1e-5)

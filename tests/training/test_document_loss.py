@@ -8,7 +8,6 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from scalevec_train.data.loader import IGNORE, Batch, document_ids
@@ -17,7 +16,7 @@ from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.parallel.process_group import full_value
 from scalevec_train.training.trainer import Callback, Compute, Schedule, StepRecipe, Trainer, z_loss
 from tests.helpers import ListLoader, make_config
-from tests.launch import gloo_group
+from tests.launch import gloo_group, spawn
 from tests.presets import SMALL_MODEL
 
 EOS, SEQ = 1, 16
@@ -118,7 +117,7 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
 
 
 def test_two_ranks_of_two_micro_batches_give_the_global_mean(tmp_path):
-    mp.spawn(_rank, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    spawn(_rank, (2, str(tmp_path / "store"), str(tmp_path)))
     want_ce, want_z, want = reference(1e-2)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
