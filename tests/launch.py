@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from multiprocessing import reduction
 from pathlib import Path
 
 import pytest
@@ -60,25 +61,60 @@ def gloo_group(store: str, rank: int, world: int) -> Iterator[None]:
 
 # What spawned test workers import, imported once by the fork server (spawn()).
 WORKER_IMPORTS = ["pytest", "torch", "torch.distributed", "torch.distributed.checkpoint",
-                  "torch.distributed.fsdp", "torch.multiprocessing", "scalevec_train.train", "tests.launch"]
+                  "torch.distributed.fsdp", "torch.multiprocessing", "scalevec_train.train", "tests.launch",
+                  "tests.train_many"]
 
 
 def spawn(fn: Callable, args: tuple = (), nprocs: int = 2) -> None:
     """mp.spawn(fn, args, nprocs), each process forked from multiprocessing's fork server, which imports
     WORKER_IMPORTS once per pytest process: a fresh interpreter importing torch and scalevec costs some
     3 s of CPU per process, a fork a fraction of that. The server is a clean process with one thread (no
-    test runs in it), so forking it is safe. Each process gets this process's environment of now (a
-    forked process would have the server's, from when it started). Fails if a process fails, as
-    mp.spawn does."""
+    test runs in it), so forking it is safe. Each process gets this process's environment, stdout and
+    stderr of now (a forked process would have the server's, from when it started). Fails if a process
+    fails, as mp.spawn does."""
     multiprocessing.set_forkserver_preload(WORKER_IMPORTS)
-    mp.start_processes(_with_env, args=(fn, dict(os.environ), args), nprocs=nprocs, join=True,
+    mp.start_processes(_as_spawned, args=(fn, dict(os.environ), _Stdio(), args), nprocs=nprocs, join=True,
                        start_method="forkserver")
 
 
-def _with_env(rank: int, fn: Callable, env: dict[str, str], args: tuple) -> None:
+class _Stdio:
+    """This process's stdout and stderr, handed to a process spawn() starts (duplicated while it starts)."""
+
+    def __init__(self, fds: tuple = ()):
+        self.fds = fds
+
+    def __reduce__(self):
+        return _Stdio, ((reduction.DupFd(1), reduction.DupFd(2)),)
+
+    def attach(self) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target, fd in zip((1, 2), self.fds, strict=True):
+            os.dup2(fd.detach(), target)
+
+
+def _as_spawned(rank: int, fn: Callable, env: dict[str, str], stdio: _Stdio, args: tuple) -> None:
+    stdio.attach()
     os.environ.clear()
     os.environ.update(env)
     fn(rank, *args)
+
+
+def train_spawned(nprocs: int, runs: list[list[str]], spec: Path) -> None:
+    """What `many_command(nprocs, runs, spec)` launches (tests/train_many.py), on nprocs gloo ranks that
+    spawn() forks rather than torchrun's fresh interpreters. Each rank gets the variables torchrun sets
+    (the trainer reads RANK and LOCAL_WORLD_SIZE), and a group that meets in a file next to `spec`."""
+    spec.write_text(json.dumps(runs))
+    spawn(_train_many, (nprocs, str(spec.with_suffix(".store")), str(spec)), nprocs)
+
+
+def _train_many(rank: int, world: int, store: str, spec: str) -> None:
+    from tests import train_many
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    # process_group.init() then joins nothing: the group exists
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    train_many.main(Path(spec))
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -1,8 +1,8 @@
 """Any world size computes the same run: the trainer on 4 and 2 gloo ranks (FSDP2, HSDP) against one process.
 
 The reference of every configuration is one plain process without torchrun (the trainer in this
-process). Each multi-rank launch trains several runs one after the other (tests/train_many.py), so that
-torchrun and its workers start once:
+process). Each multi-rank group trains several runs one after the other (tests/train_many.py, its ranks
+forked by tests/launch.py's spawn, not started by torchrun), so that its processes start once:
   4 ranks: dense (a shrunk dense-tiny) under {baseline, unified} x {adamw, muon} x {FSDP over 4,
            HSDP (2, 2)}, and a shrunk moe-tiny (load-balancing and z losses on, Muon on the experts);
   2 ranks: resumes of 4-rank checkpoints, moe-tiny again, a run with gradient accumulation, full
@@ -35,8 +35,8 @@ from tests.launch import (
     child_env,
     copy_run,
     final_model,
-    many_command,
     records,
+    train_spawned,
 )
 from tests.presets import SMALL_MODEL
 
@@ -132,15 +132,15 @@ def reference(data_overrides, root):
 
 
 @pytest.fixture(scope="module")
-def four_ranks(data_overrides, root, module_processes) -> Path:
+def four_ranks(data_overrides, root) -> Path:
     prepare_data(make_config(*data_overrides).data)  # here, once, rather than by 4 ranks at a time
     runs = [[*data_overrides, *setup_overrides(name), f"run_dir={root / 'four' / name}"] for name in FOUR]
-    module_processes.run(many_command(4, runs, root / "four.json"), cwd=root)
+    train_spawned(4, runs, root / "four.json")
     return root / "four"
 
 
 @pytest.fixture(scope="module")
-def two_ranks(data_overrides, root, four_ranks, module_processes) -> Path:
+def two_ranks(data_overrides, root, four_ranks) -> Path:
     out = root / "two"
     out.mkdir()
     runs = []
@@ -154,7 +154,7 @@ def two_ranks(data_overrides, root, four_ranks, module_processes) -> Path:
          "distributed.activation_checkpointing=full", "checkpoint.async_save=true", f"run_dir={out / 'accum'}"],
         [*data_overrides, *setup_overrides("dense-unified-adamw-fsdp"), *BF16, f"run_dir={out / 'bf16'}"],
     ]
-    module_processes.run(many_command(2, runs, root / "two.json"), cwd=root)
+    train_spawned(2, runs, root / "two.json")
     return out
 
 
