@@ -1,8 +1,8 @@
 """The weight EMA on 2 gloo ranks (FSDP2: DTensor shards of the EMA, the replicated fp32 scale sites whole):
-the run of one process, the same EMA; 6 steps, a resume and 6 more give the EMA of 12 steps bit for bit;
+the run of one process, the same EMA; 4 steps, a resume and 4 more give the EMA of 8 steps bit for bit;
 checkpoints of 1 process resume on 2 ranks and of 2 ranks on 1, the EMA resharded with the model.
-The MoE model with the unified strategy covers the sites and the routers' expert_bias. One torchrun launch
-trains every 2-rank run (tests/train_many.py)."""
+The MoE model with the unified strategy covers the sites and the routers' expert_bias. One group of 2
+ranks (tests/launch.py train_spawned) trains every 2-rank run (tests/train_many.py)."""
 
 import re
 import shutil
@@ -15,7 +15,7 @@ from scalevec_train.checkpoint.files import COMPLETE, step_dir
 from scalevec_train.data import prepare_data
 from scalevec_train.train import run
 from tests.helpers import make_config
-from tests.launch import assert_same_curve, checkpoint_state, curve, many_command
+from tests.launch import assert_same_curve, checkpoint_state, curve, train_spawned
 from tests.presets import TINY_MOE
 
 STEPS, HALF = 8, 4
@@ -44,7 +44,7 @@ def resumable_copy(run_dir: Path, dst: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(data_overrides, tmp_path_factory, module_processes) -> dict[str, Path]:
+def runs(data_overrides, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ema_ranks")
     prepare_data(make_config(*data_overrides).data)  # once, not by 2 ranks at a time
     one = run(make_config(*data_overrides, *RUN, f"train.steps={STEPS}", f"run_dir={root / 'one'}"))
@@ -57,7 +57,7 @@ def runs(data_overrides, tmp_path_factory, module_processes) -> dict[str, Path]:
         [*common, f"train.steps={STEPS}", f"run_dir={root / 'split'}", "resume=auto"],
         [*common, f"train.steps={STEPS}", f"run_dir={one_to_two}", "resume=auto"],
     ]
-    module_processes.run(many_command(2, launch, root / "launch.json"), cwd=root)
+    train_spawned(2, launch, root / "launch.json")
     two_to_one = resumable_copy(root / "two", root / "two_to_one")
     run(make_config(*data_overrides, *RUN, f"train.steps={STEPS}", f"run_dir={two_to_one}", "resume=auto"))
     return {"one": one, "two": root / "two", "split": root / "split", "one_to_two": one_to_two,

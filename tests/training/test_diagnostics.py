@@ -20,7 +20,7 @@ from scalevec_train.model import Transformer, scale_sites
 from scalevec_train.train import run
 from scalevec_train.training.diagnostics import activation_stats
 from tests.helpers import SHORT_RUN, make_config
-from tests.launch import many_command, records
+from tests.launch import records, train_spawned
 from tests.presets import TINY_MODEL, TINY_MOE
 
 STEPS = ["train.steps=4", "train.log_every=2"]
@@ -230,7 +230,7 @@ def test_activations_within_documents(data_overrides):
     assert any(causal[k] != pytest.approx(v, rel=1e-3) for k, v in expected.items() if k.endswith("max_logit"))
 
 
-def test_two_ranks_with_compiled_blocks_measure_what_one_eager_process_does(tmp_path, data_overrides, processes):
+def test_two_ranks_with_compiled_blocks_measure_what_one_eager_process_does(tmp_path, data_overrides):
     """FSDP2 shards every matrix (row-wise) and the expert stacks (by expert) over 2 ranks; the blocks are
     compiled. Baseline strategies: unified's cancelled magnitudes drift apart on different world sizes
     (tests/parallel/test_world_sizes.py), and with them what they scale."""
@@ -238,7 +238,7 @@ def test_two_ranks_with_compiled_blocks_measure_what_one_eager_process_does(tmp_
     runs = {name: [*data_overrides, *TINY_MODEL, *SHORT_RUN, *STEPS, ON, *CASES[name], "train.global_batch=4",
                    "train.micro_batch=2"] for name in ("baseline", "moe")}
     spec = [[*o, "distributed.compile=true", f"run_dir={tmp_path / name}-2"] for name, o in runs.items()]
-    processes.run(many_command(2, spec, tmp_path / "runs.json"), tmp_path)
+    train_spawned(2, spec, tmp_path / "runs.json")
     for name, o in runs.items():
         one = run(make_config(*o, f"run_dir={tmp_path / name}-1"))
         got = [diag(r) for r in records(tmp_path / f"{name}-2") if diag(r)]

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from scalevec_train.data import prepare_data
-from tests.helpers import REPO, make_config
+from tests.helpers import make_config
 from tests.host_reads import ReadCounter, count_reads
-from tests.launch import assert_identical, torchrun, trained_state
+from tests.launch import assert_identical, gloo_group, spawn, trained_state
 from tests.presets import SMALL_MODEL
 
 SHAPE = [*SMALL_MODEL, "model.ffn_dim=64",
@@ -68,15 +68,21 @@ def test_no_reads_between_logs_with_a_data_mixture(corpus_dir, tmp_path):
                                                                   .read_text().splitlines()[-1]).keys()
 
 
-def test_no_reads_between_logs_on_two_ranks(data_overrides, processes, tmp_path):
+def _count_reads(rank: int, world: int, store: str, spec: list) -> None:
+    """What `torchrun tests/host_reads.py` does on each rank, in a process spawn() forked."""
+    with gloo_group(store, rank, world):
+        for out, run_overrides in spec:
+            count_reads(run_overrides, Path(out))
+
+
+def test_no_reads_between_logs_on_two_ranks(data_overrides, tmp_path):
     """On 2 gloo ranks (FSDP2) every case reads nothing between logs, and under Muon neither a step counter
-    nor a copy; one torchrun launch trains every case (tests/host_reads.py, one run after the other)."""
+    nor a copy; one group of 2 ranks trains every case (tests/host_reads.py, one run after the other)."""
     prepare_data(make_config(*data_overrides).data)  # once, not by 2 ranks at a time
     outs = {case: tmp_path / "{}-{}-{{rank}}.json".format(*case) for case in CASES}
     spec = [[str(outs[model, optim]), overrides(data_overrides, model, optim, tmp_path / f"{model}-{optim}")]
             for model, optim in CASES]
-    (tmp_path / "runs.json").write_text(json.dumps(spec))
-    processes.run([*torchrun(2), str(REPO / "tests" / "host_reads.py"), str(tmp_path / "runs.json")], tmp_path)
+    spawn(_count_reads, (2, str(tmp_path / "store"), spec))
     for (model, optim), out in outs.items():
         for rank in (0, 1):
             counts = json.loads(Path(str(out).format(rank=rank)).read_text())
