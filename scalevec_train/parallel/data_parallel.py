@@ -6,8 +6,8 @@ shard it with FSDP2 over a DeviceMesh: `fully_shard` on every transformer block,
 With `distributed.replicate` > 1 the mesh is (replicate, shard) and FSDP2 runs as HSDP: parameters
 are sharded within a group of ranks (a node, by default) and replicated across groups; gradients are
 reduce-scattered within the group and all-reduced across groups. With `distributed.expert_parallel` > 1
-the shard dimension is (expert_shard, ep) flattened, and the MoE experts are placed on `ep` and sharded
-over the rest before the blocks are (expert_parallel.py); gradient clipping then sums the norms of the
+the shard dimension also unflattens into (expert_shard, ep), and the MoE experts are placed on `ep` and
+sharded over the rest before the blocks are (expert_parallel.py); gradient clipping then sums the norms of the
 two meshes. Scale sites are left whole and fp32 on every rank (replicated_params), their gradients
 averaged in one all-reduce per step.
 
@@ -51,26 +51,18 @@ def mesh_shape(cfg: DistributedConfig, world: int) -> tuple[int, int]:
 
 
 def build_mesh(cfg: DistributedConfig, device: torch.device):
-    """The data-parallel mesh: (shard,) or (replicate, shard); under expert parallelism shard is
-    (expert_shard, ep) flattened (expert_parallel.py)."""
+    """The data-parallel mesh, (shard,) or (replicate, shard), and under expert parallelism the same ranks
+    with shard unflattened into (expert_shard, ep) (expert_parallel.py; None without)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     replicate, shard = mesh_shape(cfg, world_size())
-    ep = cfg.expert_parallel
-    sizes, names = (shard,), ("shard",)
-    if ep > 1:
-        sizes, names = (shard // ep, ep), ("expert_shard", "ep")
-    if replicate > 1:
-        sizes, names = (replicate, *sizes), ("replicate", *names)
+    sizes, names = ((replicate, shard), ("replicate", "shard")) if replicate > 1 else ((shard,), ("shard",))
     mesh = init_device_mesh(device.type, sizes, mesh_dim_names=names)
-    if ep > 1:
-        mesh["expert_shard", "ep"]._flatten("shard")
-    return mesh
-
-
-def dense_mesh(mesh):
-    """The mesh the dense part of the model is sharded over: (shard,) or (replicate, shard)."""
-    return mesh["replicate", "shard"] if "replicate" in mesh.mesh_dim_names else mesh["shard"]
+    ep = cfg.expert_parallel
+    # Unflattened from the dense mesh, not the dense mesh flattened from it: torch deprecates slicing a
+    # flattened dimension from its root mesh.
+    experts = mesh._unflatten("shard", (shard // ep, ep), ("expert_shard", "ep")) if ep > 1 else None
+    return mesh, experts
 
 
 def uses_bf16(dtype: str, device: torch.device) -> bool:
@@ -91,7 +83,7 @@ def parallelize(model: TrainableModel, cfg: DistributedConfig, device: torch.dev
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = build_mesh(cfg, device)
+    mesh, expert_mesh = build_mesh(cfg, device)
     # bf16 weights for compute, fp32 gradient reduction, fp32 master weights.
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if uses_bf16(dtype, device) else MixedPrecisionPolicy())
@@ -99,9 +91,8 @@ def parallelize(model: TrainableModel, cfg: DistributedConfig, device: torch.dev
     # the forward in bf16, where their small updates vanish): FSDP ignores them, and their gradients are
     # averaged in one all-reduce per step (reduce_replicated_grads).
     sites = {p for _, site in scale_sites(model) for p in site.parameters()}
-    if cfg.expert_parallel > 1:
-        shard_experts(model, mesh, mp, sites)
-        mesh = dense_mesh(mesh)
+    if expert_mesh is not None:
+        shard_experts(model, expert_mesh, mp, sites)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=sites)
     # The root's parameters (embedding = tied head) are needed again right at the start of the backward
