@@ -81,6 +81,14 @@ def _expert_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, sizes: li
     return torch.cat([F.linear(chunk, w[e]) for e, chunk in enumerate(chunks)])
 
 
+@torch.compiler.disable
+def _outside_graph(module: nn.Module, *args: torch.Tensor) -> torch.Tensor:
+    """`module(*args)`, run eagerly where a compiled block calls it: dispatched experts' all-to-alls have
+    data-dependent splits, and their own FSDP hooks cannot be traced; the block compiles around the call
+    (wrap.py)."""
+    return module(*args)
+
+
 class ExpertDispatch(Protocol):
     """Runs a token's routed experts where they live (installed as RoutedExperts.dispatch by the parallel
     layer: expert parallelism); the model itself never communicates."""
@@ -245,7 +253,8 @@ class MoEFeedForward(nn.Module):
             # micro-batch alike: the relative loads, all the bias update and metrics use, stay.
             self.token_counts += counts
         self._record_aux(logits, scores, counts)
-        y = self.experts(flat_gate, flat_up, chosen, weights, counts)
+        args = (flat_gate, flat_up, chosen, weights, counts)
+        y = self.experts(*args) if self.experts.dispatch is None else _outside_graph(self.experts, *args)
         if self.shared is not None:
             y = y + self.shared(flat_gate, flat_up).float()
         s = self.down_out() if self.down_out is not None else None

@@ -75,7 +75,7 @@ def parallelize(model: TrainableModel, cfg: DistributedConfig, device: torch.dev
     """Wrap the blocks of a meta-device Transformer (activation checkpointing, compile), shard it when
     there are several processes, and materialize and initialize it on `device`."""
     for block in model.layers:
-        wrap_block(block, cfg.activation_checkpointing, cfg.compile)
+        wrap_block(block, cfg.activation_checkpointing, cfg.compile, fullgraph=cfg.expert_parallel == 1)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         model = model.to_empty(device=device)
         model.init_weights(seed)

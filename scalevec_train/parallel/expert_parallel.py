@@ -2,8 +2,8 @@
 groups of EP ranks, the tokens sent to them by all-to-all.
 
 The data-parallel ranks of a replica group (all ranks under FSDP) form a mesh (expert_shard, ep), ep the
-inner dimension (EP consecutive ranks); the dense part of the model is sharded over the two flattened
-("shard"), as without EP. Each expert stack is a DTensor placed Shard(0) on `ep` (rank r of an EP group
+inner dimension (EP consecutive ranks), unflattened from the "shard" dimension that shards the rest of
+the model as without EP. Each expert stack is a DTensor placed Shard(0) on `ep` (rank r of an EP group
 holds experts [r E/EP, (r+1) E/EP)), and FSDP shards it further over expert_shard (and replicates it
 over HSDP's replicate dimension), so a rank's shard is whole expert matrices (Muon orthogonalizes them
 where they lie). The experts' per-expert scale sites stay whole on every rank, as every site does
@@ -53,14 +53,12 @@ def check(cfg: DistributedConfig, num_experts: int | None, world: int, replicate
         raise ScalevecError(where, f"{ep} does not divide the {shard} ranks of a replica group "
                             f"({world} ranks, {replicate} replica groups).",
                             "use a divisor of the ranks per replica group (distributed.replicate sets the groups).")
-    # The experts' own FSDP module inside a block runs hooks that break the block's one compiled graph,
-    # and that selective checkpointing's recompute sees at other counts than the forward did.
-    if cfg.compile:
-        raise ScalevecError(where, f"{ep} with distributed.compile=true: the experts' FSDP hooks break the "
-                            "block's graph.", "set distributed.compile=false, or distributed.expert_parallel=1.")
+    # torch's selective checkpointing matches every op of the recomputation to the forward's by its call
+    # count, and the experts' FSDP post-forward hook, inside the block, calls the profiler's record_function
+    # once more in the recomputation (torch 2.13: "record_function_enter_new invocation index 2 ... not found")
     if cfg.activation_checkpointing == "selective":
         raise ScalevecError(where, f"{ep} with distributed.activation_checkpointing=selective: the experts' "
-                            "FSDP hooks differ between the forward and its recomputation.",
+                            "FSDP hooks run other ops in the recomputation than in the forward.",
                             "use distributed.activation_checkpointing=full or none.")
     if num_experts % shard:
         raise ScalevecError(where, f"model.moe.num_experts={num_experts} do not split over expert_parallel x "

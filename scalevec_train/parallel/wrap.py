@@ -35,12 +35,20 @@ def _selective_contexts():
     return create_selective_checkpoint_contexts(_keep_matmuls)
 
 
-def wrap_block(block: nn.Module, ac: str, compile_block: bool) -> None:
+def wrap_block(block: nn.Module, ac: str, compile_block: bool, fullgraph: bool = True) -> None:
     """Replace `block.forward` by its checkpointed and/or compiled version. Done on the instance, not
-    with a wrapper module, so that parameter names stay as they are."""
+    with a wrapper module, so that parameter names stay as they are. `fullgraph` False: the graph may
+    break (expert parallelism runs the dispatched experts outside it: moe.py)."""
     if ac == "none" and not compile_block:
         return
     inner = block.forward
+    if compile_block and not fullgraph:
+        # A graph break inside a checkpointed region makes dynamo run the whole region eagerly: here the
+        # checkpoint goes around the compiled forward, and its graphs take the data-dependent shapes
+        # (bincount, tolist) that fullgraph traces without asking.
+        inner = torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True)(
+            torch.compile(inner))
+        compile_block = False
     if ac == "full":
         def forward(*args):
             return checkpoint(inner, *args, use_reentrant=False)
