@@ -18,7 +18,7 @@ budget for the next run needs.
     python scripts/bench_train.py --presets dense-0.12b,dense-1b --scales baseline,unified
     python scripts/bench_train.py --presets dense-1b --micro-batch 4 -- distributed.activation_checkpointing=full
     torchrun --nproc_per_node=8 scripts/bench_train.py --presets dense-1b     # rank 0 prints
-    torchrun --nproc_per_node=8 scripts/bench_train.py --presets moe-2b --expert-parallel 8 --no-compile  # EP: eager
+    torchrun --nproc_per_node=8 scripts/bench_train.py --presets moe-2b --expert-parallel 8   # experts over 8 ranks
     python scripts/bench_train.py --presets dense-tiny --no-compile --seq-len 128 --steps 3 --warmup 1  # CPU smoke
 
 Arguments after `--` are Hydra overrides for every run. Each row is printed as soon as its pair is
