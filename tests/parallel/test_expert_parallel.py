@@ -16,6 +16,7 @@ per-expert with Muon and baseline with AdamW, and HSDP (2 replica groups of EP=2
 """
 
 import math
+import multiprocessing
 from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
@@ -235,7 +236,11 @@ def _rank(rank: int, world: int, store: str, out: str, names: list[str]) -> None
 
 def launch(root: Path, world: int, names: list[str]) -> Path:
     root.mkdir()
-    mp.spawn(_rank, args=(world, str(root / "store"), str(root), names), nprocs=world, join=True)
+    # Forked from a server that imported this module once for both groups (spawned, every rank imports
+    # torch and scalevec anew: seconds each on 2 cores); the server is a fresh single-threaded process.
+    multiprocessing.set_forkserver_preload([__name__])
+    mp.start_processes(_rank, args=(world, str(root / "store"), str(root), names), nprocs=world, join=True,
+                       start_method="forkserver")
     return root
 
 
