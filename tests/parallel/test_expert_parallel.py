@@ -6,7 +6,7 @@ ranks (one spawned group runs every case of a world size, one after the other); 
 takes the same steps on the plain model, the ranks' micro-batches accumulated, each step from the
 parameters the ranks had (two fp32 runs drift apart by a few 1e-6 in 20 steps, whatever computes them).
 Every step's loss, gradient norm and whole gradient (every parameter's, gathered whole) must be the
-reference's within 1e-6 relative (in norm), each parameter's gradient within 1e-5 (magnitudes()
+reference's within 1e-6 relative (in norm), each parameter's gradient within 5e-6 (magnitudes()
 says why not 1e-6), the parameters after every step within what Adam makes of that, and the expert
 biases and loads exactly.
 Cases: on 2 ranks EP=2, {baseline, unified, unified with per-expert sites} x {AdamW, Muon}, and
@@ -68,7 +68,7 @@ TWO = [name for name in CASES if name != "hsdp"]
 FOUR = ["per_expert-muon", "baseline-adamw", "hsdp"]
 TRAFFIC = "unified-adamw"  # the case whose all-to-all volume is measured
 CLIP = 0.5  # below the norms of the first steps: the clipping acts
-REL, TENSOR_REL = 1e-6, 1e-5
+REL, TENSOR_REL = 1e-6, 5e-6
 PARAM_ATOL = 1e-4
 
 
@@ -284,9 +284,14 @@ def magnitudes(name: str) -> tuple[set[str], set[str]]:
     Expert parallelism sums each expert's rows of both ranks in one matmul where one process sums a
     micro-batch at a time (2 ranks without EP are exact here). That rounding, 1e-7 relative in the
     experts' gradients, reaches the gradients of maps and sites behind a normalization amplified by its
-    cancellation: seen up to 3e-6 relative (attention's q and k and their head-norm weights), and a
-    magnitude's, one sum over its whole site, up to 4e-5 of its own small value. A cancelled
-    magnitude's gradient is rounding noise only, which Adam turns into a step of up to about the LR."""
+    cancellation. Measured on 2 ranks over the 20 steps (2026-11-26): under baseline every tensor within
+    4.2e-7; under unified, with or without per-expert sites, up to 2.6e-6 (attention's wq and wk, their
+    output sites' alpha and the head-norm sites' alpha, layer 1 most), hence TENSOR_REL; a magnitude's,
+    one sum over its whole site, up to 4e-5 of its own small value. A reference that sums the experts'
+    rows as the ranks do (one micro-batch of both ranks' sequences) is not the same run: the
+    load-balancing loss is taken per forward, and it moves the router's gradient by 0.4 relative. A
+    cancelled magnitude's gradient is rounding noise only, which Adam turns into a step of up to about
+    the LR."""
     with torch.device("meta"):
         cfg = make_config(*overrides(name, 1))
         plan = Transformer(cfg.model, cfg.scale).plan
