@@ -17,7 +17,8 @@ class DistributedConfig:
     # attention outputs) | full (recompute whole blocks)
     activation_checkpointing: str = choice("none", ActivationCheckpointing)
     # torch.compile each transformer block and the training loss, each as one graph (fullgraph; inductor,
-    # on CPU too: it needs a C compiler there). The first steps are slower while it compiles
+    # on CPU too: it needs a C compiler there; under expert parallelism a block's graph breaks where its
+    # experts run). The first steps are slower while it compiles
     compile: bool = False
     # expert parallelism: the routed experts of every MoE layer are split over groups of this many ranks
     # (each holds num_experts / N of them, tokens travel to them by all-to-all) and sharded by FSDP over
