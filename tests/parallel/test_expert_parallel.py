@@ -20,7 +20,6 @@ tests/kernels/test_swiglu_norm.py covers those, experts without rows included.
 """
 
 import math
-import multiprocessing
 from contextlib import contextmanager, nullcontext
 from functools import cache, partial
 from pathlib import Path
@@ -28,7 +27,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -42,7 +40,7 @@ from scalevec_train.optim.groups import build_optimizer
 from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.training.trainer import Callback, Compute, Schedule, StepRecipe, Trainer, cross_entropy
 from tests.helpers import ListLoader, make_config
-from tests.launch import gloo_group
+from tests.launch import gloo_group, spawn
 from tests.presets import TINY_MOE
 
 STEPS, SEQ, EOS, VOCAB, LR = 20, 16, 1, 64, 3e-3
@@ -243,11 +241,7 @@ def _rank(rank: int, world: int, store: str, out: str, names: list[str]) -> None
 
 def launch(root: Path, world: int, names: list[str]) -> Path:
     root.mkdir()
-    # Forked from a server that imported this module once for both groups (spawned, every rank imports
-    # torch and scalevec anew: seconds each on 2 cores); the server is a fresh single-threaded process.
-    multiprocessing.set_forkserver_preload([__name__])
-    mp.start_processes(_rank, args=(world, str(root / "store"), str(root), names), nprocs=world, join=True,
-                       start_method="forkserver")
+    spawn(_rank, (world, str(root / "store"), str(root), names), nprocs=world)
     return root
 
 
