@@ -60,8 +60,9 @@ def build_mesh(cfg: DistributedConfig, device: torch.device):
     mesh = init_device_mesh(device.type, sizes, mesh_dim_names=names)
     ep = cfg.expert_parallel
     # Unflattened from the dense mesh, not the dense mesh flattened from it: torch deprecates slicing a
-    # flattened dimension from its root mesh.
-    experts = mesh._unflatten("shard", (shard // ep, ep), ("expert_shard", "ep")) if ep > 1 else None
+    # flattened dimension from its root mesh. The dimension by index: torch 2.11 refuses a name it has.
+    experts = (mesh._unflatten(names.index("shard"), (shard // ep, ep), ("expert_shard", "ep")) if ep > 1
+               else None)
     return mesh, experts
 
 
