@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from multiprocessing import reduction
 from pathlib import Path
 
@@ -100,21 +101,41 @@ def _as_spawned(rank: int, fn: Callable, env: dict[str, str], stdio: _Stdio, arg
     fn(rank, *args)
 
 
-def train_spawned(nprocs: int, runs: list[list[str]], spec: Path) -> None:
+def train_spawned(nprocs: int, runs: list[list[str]], spec: Path, backend: str | None = None) -> None:
     """What `many_command(nprocs, runs, spec)` launches (tests/train_many.py), on nprocs gloo ranks that
     spawn() forks rather than torchrun's fresh interpreters. Each rank gets the variables torchrun sets
-    (the trainer reads RANK and LOCAL_WORLD_SIZE), and a group that meets in a file next to `spec`."""
+    (the trainer reads RANK and LOCAL_WORLD_SIZE), and a group that meets in a file next to `spec`.
+    `backend`: what distributed.compile compiles with in the ranks, in place of inductor (compile_backend)."""
     spec.write_text(json.dumps(runs))
-    spawn(_train_many, (nprocs, str(spec.with_suffix(".store")), str(spec)), nprocs)
+    spawn(_train_many, (nprocs, str(spec.with_suffix(".store")), str(spec), backend), nprocs)
 
 
-def _train_many(rank: int, world: int, store: str, spec: str) -> None:
+def _train_many(rank: int, world: int, store: str, spec: str, backend: str | None) -> None:
     from tests import train_many
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     # process_group.init() then joins nothing: the group exists
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    train_many.main(Path(spec))
+    with compile_backend(backend):
+        train_many.main(Path(spec))
+
+
+@contextmanager
+def compile_backend(backend: str | None) -> Iterator[None]:
+    """torch.compile with `backend` in place of inductor within the context (None: unchanged). "eager":
+    dynamo's capture alone (its graphs, breaks, guards and recompiles); "aot_eager": AOT autograd's
+    forward and backward graphs too (as inductor gets them: checkpoint policies, custom ops' fake
+    implementations), without code generation, which costs minutes of C++ compilation on a fresh
+    machine. Only inductor's own numbers need inductor (tests/parallel/test_compile.py)."""
+    if backend is None:
+        yield
+        return
+    compile_ = torch.compile
+    torch.compile = partial(compile_, backend=backend)
+    try:
+        yield
+    finally:
+        torch.compile = compile_
 
 
 def child_env(**extra: str) -> dict[str, str]:

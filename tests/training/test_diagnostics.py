@@ -232,13 +232,17 @@ def test_activations_within_documents(data_overrides):
 
 def test_two_ranks_with_compiled_blocks_measure_what_one_eager_process_does(tmp_path, data_overrides):
     """FSDP2 shards every matrix (row-wise) and the expert stacks (by expert) over 2 ranks; the blocks are
-    compiled. Baseline strategies: unified's cancelled magnitudes drift apart on different world sizes
-    (tests/parallel/test_world_sizes.py), and with them what they scale."""
+    compiled, so the diagnostic forward must step around the compiled forward (its hooks see nothing
+    inside a graph). Compiled with aot_eager: what dynamo captures, and the graphs' forward and backward,
+    are inductor's; that inductor's numbers are eager's is tests/parallel/test_compile.py's (its code
+    generation costs minutes of CPU on a fresh machine). Baseline strategies: unified's cancelled
+    magnitudes drift apart on different world sizes (tests/parallel/test_world_sizes.py), and with them
+    what they scale."""
     prepare_data(make_config(*data_overrides).data)
     runs = {name: [*data_overrides, *TINY_MODEL, *SHORT_RUN, *STEPS, ON, *CASES[name], "train.global_batch=4",
                    "train.micro_batch=2"] for name in ("baseline", "moe")}
     spec = [[*o, "distributed.compile=true", f"run_dir={tmp_path / name}-2"] for name, o in runs.items()]
-    train_spawned(2, spec, tmp_path / "runs.json")
+    train_spawned(2, spec, tmp_path / "runs.json", backend="aot_eager")
     for name, o in runs.items():
         one = run(make_config(*o, f"run_dir={tmp_path / name}-1"))
         got = [diag(r) for r in records(tmp_path / f"{name}-2") if diag(r)]
