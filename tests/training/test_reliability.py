@@ -8,8 +8,9 @@ a constant LR after warmup, so that the length of a run changes none of its step
 lands, the run is in the middle, and the test then works with the step it stopped at. Against the
 reference:
   - a 2-rank torchrun run with every process SIGKILLed after its first checkpoint, relaunched with
-    resume=auto, must end with the reference's per-step losses and final parameters (a resumed run
-    appends records: the last record of a step counts);
+    resume=auto, must log the reference's per-step losses (a resumed run appends records: the last
+    record of a step counts); that relaunch then gets SIGTERM at its torchrun launcher (below), so one
+    launch serves both;
   - under `torchrun --max-restarts=1 ... resume=auto`, SIGKILL of the rank-1 worker must restart the
     group from the newest checkpoint by itself, and SIGTERM to the new rank 1 alone must then stop
     both ranks at one step with a checkpoint and a clean exit;
@@ -106,26 +107,6 @@ def checkpointed_and_beyond(run_dir: Path) -> bool:
 
 # Crashes and restarts.
 
-def test_sigkill_of_every_process_then_resume_auto_gives_the_uninterrupted_run(moe, reference, processes,
-                                                                               tmp_path):
-    run_dir = tmp_path / "killed"
-    started = processes.start(train_command(2, *moe, ENDLESS, f"run_dir={run_dir}"), tmp_path)
-    started.wait_until(lambda: checkpointed_and_beyond(run_dir), "training past a checkpoint")
-    processes.kill()
-    assert started.wait() == -signal.SIGKILL
-    last, logged = complete_steps(run_dir)[-1], latest_step(run_dir)
-    # As if the kill had hit while a record was being appended (it may have: then that line goes too).
-    kept = len(records(run_dir))
-    with (run_dir / "metrics.jsonl").open("a") as f:
-        f.write('{"step": 99, "lo')
-
-    steps = logged + 2  # the resumed run logs again every step the killed one did, and trains on
-    processes.run(train_command(2, *moe, f"train.steps={steps}", f"run_dir={run_dir}", "resume=auto"), tmp_path)
-    resumed = [r["step"] for r in records(run_dir)[kept:] if "loss" in r]  # every line parses again
-    assert resumed == list(range(last + 1, steps + 1))
-    assert_reference_run(run_dir, steps, reference, tmp_path)
-
-
 def test_max_restarts_resumes_after_a_kill_then_sigterm_to_one_rank_stops_both(moe, reference, processes,
                                                                                 tmp_path):
     run_dir = tmp_path / "restarted"
@@ -168,6 +149,40 @@ def resume_in_process(moe, run_dir: Path, steps: int) -> None:
     run(make_config(*moe, f"train.steps={steps}", f"run_dir={run_dir}", "resume=auto"))
 
 
+def test_sigkill_of_every_process_then_resume_auto_then_sigterm_to_torchrun(moe, reference, processes, tmp_path):
+    """A 2-rank run SIGKILLed (every process) past a checkpoint, its metrics cut inside a line, resumes with
+    resume=auto; that launch, once it has logged again every step the killed one did and trained on, gets
+    SIGTERM at its torchrun launcher, which stops both ranks at one step with a checkpoint of it; one
+    process resumes that and ends with the uninterrupted run."""
+    run_dir = tmp_path / "killed"
+    started = processes.start(train_command(2, *moe, ENDLESS, f"run_dir={run_dir}"), tmp_path)
+    started.wait_until(lambda: checkpointed_and_beyond(run_dir), "training past a checkpoint")
+    processes.kill()
+    assert started.wait() == -signal.SIGKILL
+    last, logged = complete_steps(run_dir)[-1], latest_step(run_dir)
+    # As if the kill had hit while a record was being appended (it may have: then that line goes too).
+    kept = len(records(run_dir))
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 99, "lo')
+
+    def resumed() -> list[int]:
+        return [r["step"] for r in records(run_dir)[kept:] if "loss" in r]
+
+    # the resumed run logs again every step the killed one did, and trains on
+    started = processes.start(train_command(2, *moe, ENDLESS, f"run_dir={run_dir}", "resume=auto"), tmp_path)
+    started.wait_until(lambda: max(resumed(), default=-1) > logged, "the resumed run past the killed one's steps")
+    started.proc.send_signal(signal.SIGTERM)  # torchrun forwards it to its workers
+    # torchrun itself reports the signal it got (SignalException, exit code 1); its workers stop cleanly
+    assert started.wait() == 1, started.describe()
+    assert "SignalException" in started.output() and "Error executing job" not in started.output()
+    step = assert_stopped_by_sigterm(run_dir, started.output())
+    assert resumed() == list(range(last + 1, step + 1))  # every line parses again
+    ckpt = checkpoint_files.step_dir(run_dir, step)
+    assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    resume_in_process(moe, run_dir, step + 2)  # on one process
+    assert_reference_run(run_dir, step + 2, reference, tmp_path)
+
+
 def test_sigterm_checkpoints_the_current_step_and_exits_cleanly(moe, reference, processes, tmp_path):
     run_dir = tmp_path / "sigterm"
     started = processes.start(train_command(1, *moe, ENDLESS, f"run_dir={run_dir}"), tmp_path)
@@ -177,21 +192,6 @@ def test_sigterm_checkpoints_the_current_step_and_exits_cleanly(moe, reference, 
     step = assert_stopped_by_sigterm(run_dir, started.output())
     assert "Traceback" not in started.output()
     resume_in_process(moe, run_dir, step + 2)
-    assert_reference_run(run_dir, step + 2, reference, tmp_path)
-
-
-def test_sigterm_to_torchrun_stops_both_ranks_at_one_step_with_a_checkpoint(moe, reference, processes, tmp_path):
-    run_dir = tmp_path / "sigterm_torchrun"
-    started = processes.start(train_command(2, *moe, ENDLESS, f"run_dir={run_dir}"), tmp_path)
-    started.wait_until(lambda: latest_step(run_dir) >= 1, "a training step")
-    started.proc.send_signal(signal.SIGTERM)  # torchrun forwards it to its workers
-    # torchrun itself reports the signal it got (SignalException, exit code 1); its workers stop cleanly
-    assert started.wait() == 1, started.describe()
-    assert "SignalException" in started.output() and "Error executing job" not in started.output()
-    step = assert_stopped_by_sigterm(run_dir, started.output())
-    ckpt = checkpoint_files.step_dir(run_dir, step)
-    assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-    resume_in_process(moe, run_dir, step + 2)  # on one process
     assert_reference_run(run_dir, step + 2, reference, tmp_path)
 
 
