@@ -149,6 +149,34 @@ def child_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+def train_in_process(args: list[str], env: dict[str, str], cwd: Path, capfd, monkeypatch) -> tuple[int, str]:
+    """`python -m scalevec_train.train <args>` (what train_command(1, ...) starts) in this process: Hydra
+    parses sys.argv, main exits with its code, with the environment of a child (no launch variables)
+    and `env`; returns that code and what was written to stdout and stderr. For a one-process run whose
+    command line and exit are not what the test is about: a process costs seconds of imports."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from scalevec_train.train import main
+
+    capfd.readouterr()
+    with monkeypatch.context() as m:
+        m.setattr(sys, "argv", [str(REPO / "scalevec_train" / "train.py"), *args])
+        m.chdir(cwd)
+        for key in LAUNCH_ENV_KEYS:
+            m.delenv(key, raising=False)
+        for key, value in env.items():
+            m.setenv(key, value)
+        try:
+            main()
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        finally:
+            GlobalHydra.instance().clear()  # as a new process would find it
+    out, err = capfd.readouterr()
+    return code, out + err
+
+
 def torchrun(nproc: int, restarts: int = 0) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             f"--max-restarts={restarts}"]

@@ -46,6 +46,7 @@ from tests.launch import (
     latest_step,
     records,
     train_command,
+    train_in_process,
     trained_state,
 )
 from tests.presets import SMALL_MODEL
@@ -216,11 +217,14 @@ def test_a_non_finite_step_is_skipped_and_counted(common, tmp_path, monkeypatch)
     assert saved["guard"]["skipped_steps"] == 1
 
 
-def test_repeated_non_finite_steps_stop_the_run_with_the_last_good_state(common, processes, tmp_path):
+def test_repeated_non_finite_steps_stop_the_run_with_the_last_good_state(common, tmp_path, capfd, monkeypatch):
+    """The command's exit code and output, the command run in this process (a one-process launch of it:
+    test_sigterm_checkpoints_the_current_step_and_exits_cleanly)."""
     run_dir = tmp_path / "diverged"
-    output = processes.run(train_command(1, *common, "train.micro_batch=2", "train.steps=10", "checkpoint.every=3",
-                                         "train.max_bad_steps=3", f"run_dir={run_dir}"),
-                           tmp_path, env=child_env(**{FAULT_NAN_ENV: "4,5,6,7"}), code=3)
+    code, output = train_in_process([*common, "train.micro_batch=2", "train.steps=10", "checkpoint.every=3",
+                                     "train.max_bad_steps=3", f"run_dir={run_dir}"],
+                                    {FAULT_NAN_ENV: "4,5,6,7"}, tmp_path, capfd, monkeypatch)
+    assert code == 3, output
     assert "Traceback" not in output
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1
