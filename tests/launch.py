@@ -152,8 +152,9 @@ def child_env(**extra: str) -> dict[str, str]:
 def train_in_process(args: list[str], env: dict[str, str], cwd: Path, capfd, monkeypatch) -> tuple[int, str]:
     """`python -m scalevec_train.train <args>` (what train_command(1, ...) starts) in this process: Hydra
     parses sys.argv, main exits with its code, with the environment of a child (no launch variables)
-    and `env`; returns that code and what was written to stdout and stderr. For a one-process run whose
-    command line and exit are not what the test is about: a process costs seconds of imports."""
+    and `env`; returns that code and what was written to stdout and stderr. What the command prints and
+    how it exits is the same here; a process of its own adds seconds of imports, and is needed only
+    where a signal or the launch itself is tested."""
     from hydra.core.global_hydra import GlobalHydra
 
     from scalevec_train.train import main
