@@ -20,8 +20,8 @@ tests/kernels/test_swiglu_norm.py covers those, experts without rows included.
 """
 
 import math
-from contextlib import contextmanager, nullcontext
-from functools import cache, partial
+from contextlib import nullcontext
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -40,7 +40,7 @@ from scalevec_train.optim.groups import build_optimizer
 from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.training.trainer import Callback, Compute, Schedule, StepRecipe, Trainer, cross_entropy
 from tests.helpers import ListLoader, make_config
-from tests.launch import gloo_group, spawn
+from tests.launch import compile_backend, gloo_group, spawn
 from tests.presets import TINY_MOE
 
 STEPS, SEQ, EOS, VOCAB, LR = 20, 16, 1, 64, 3e-3
@@ -162,7 +162,9 @@ def train(name: str, ep: int, world: int, rank: int | None, forced: list[dict] |
     step's parameters before and after the step and gradients, the final biases and loads, and the
     reasons of dynamo's graph breaks with their counts."""
     counters.clear()
-    with compiled_cheaply():
+    # aot_eager: dynamo's graphs and breaks and AOT autograd's backward as inductor gets them, without
+    # its code generation (test_compile.py compares inductor's numbers with eager)
+    with compile_backend("aot_eager"):
         cfg, model = build(name, ep, world if rank is not None else 1)
     whole = Whole(model)
     batches = [global_batch(step, world) for step in range(STEPS)]
@@ -192,19 +194,6 @@ def train(name: str, ep: int, world: int, rank: int | None, forced: list[dict] |
     return {"loss": losses, "grad_norm": norms, "params": capture.params, "grads": capture.grads, "after": after,
             "biases": biases, "loads": loads, "graph_breaks": dict(counters["graph_break"]),
             "graphs": counters["stats"]["unique_graphs"]}
-
-
-@contextmanager
-def compiled_cheaply():
-    """torch.compile with the aot_eager backend: dynamo's graphs and breaks and AOT autograd's backward
-    as under inductor, without its code generation (minutes here; tests/parallel/test_compile.py
-    compares inductor's numerics with eager)."""
-    compile_ = torch.compile
-    torch.compile = partial(compile_, backend="aot_eager")
-    try:
-        yield
-    finally:
-        torch.compile = compile_
 
 
 class AllToAllBytes(TorchDispatchMode):

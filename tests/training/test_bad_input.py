@@ -6,22 +6,19 @@ import json
 import os
 import pickle
 import shutil
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from hydra.core.global_hydra import GlobalHydra
 
 from scalevec_train.checkpoint import files as checkpoint_files
 from scalevec_train.data import prepare_data
 from scalevec_train.data import tokenizer as sp_tokenizer
 from scalevec_train.errors import ScalevecError
-from scalevec_train.train import main as train_main
 from scalevec_train.train import run
 from scalevec_train.training.guards import FAULT_NAN_ENV
-from tests.helpers import REPO, make_config
-from tests.launch import LAUNCH_ENV_KEYS, child_env, train_command
+from tests.helpers import make_config
+from tests.launch import child_env, train_command, train_in_process
 from tests.presets import SMALL_MODEL
 
 RUN = [*SMALL_MODEL, "model.ffn_dim=128", "train.seq_len=32", "train.global_batch=4", "train.eval_batches=2",
@@ -259,29 +256,6 @@ CLI = [
 ]
 
 
-def command_line(args: list[str], env: dict[str, str], cwd: Path, capfd, monkeypatch) -> tuple[int, str]:
-    """`python -m scalevec_train.train <args>` in this process: Hydra parses sys.argv, main exits with
-    its code; returns that code and what was written to stdout and stderr (a process costs seconds of
-    imports, the case itself a fraction of one)."""
-    capfd.readouterr()
-    with monkeypatch.context() as m:
-        m.setattr(sys, "argv", [str(REPO / "scalevec_train" / "train.py"), *args])
-        m.chdir(cwd)
-        for key in LAUNCH_ENV_KEYS:
-            m.delenv(key, raising=False)
-        for key, value in env.items():
-            m.setenv(key, value)
-        try:
-            train_main()
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-        finally:
-            GlobalHydra.instance().clear()  # as a new process would find it
-    out, err = capfd.readouterr()
-    return code, out + err
-
-
 def test_bad_input_on_the_command_line_exits_nonzero_with_one_message(common, existing, prepared, processes,
                                                                        tmp_path, capfd, monkeypatch):
     """Every case through the command's argument parsing and exit codes in this process; one of them
@@ -297,7 +271,7 @@ def test_bad_input_on_the_command_line_exits_nonzero_with_one_message(common, ex
     started = processes.start(train_command(1, *args[real.name]), ctxs[real.name].tmp, child_env(**real.env))
     for case in CLI:
         ctx = ctxs[case.name]
-        code, out = command_line(args[case.name], case.env, ctx.tmp, capfd, monkeypatch)
+        code, out = train_in_process(args[case.name], case.env, ctx.tmp, capfd, monkeypatch)
         assert code == case.code, (case.name, out[-3000:])
         assert case.message in out, (case.name, out[-3000:])
         assert "Traceback" not in out, case.name
