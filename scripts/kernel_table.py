@@ -62,14 +62,20 @@ def _shape(model_cfg) -> tuple:
     return tuple((k, repr(v)) for k, v in sorted(vars(model_cfg).items()) if k not in skip)
 
 
-def _capture_model(model_cfg, scale_cfg) -> list[aot.Variant]:
+def _capture_model(model_cfg, scale_cfg, weight_grads: bool = False) -> list[aot.Variant]:
     """The variants one model makes, forward and backward in fp32 and under bf16 autocast; [] for a
     combination the framework refuses (e.g. dp on a preset with QK-norm). The weights stay uninitialized:
-    the kernels write nothing under capture, so no value matters."""
+    the kernels write nothing under capture, so no value matters. The maps' weights take no gradient
+    unless `weight_grads`: no kernel reads one, and writing them was half the capture's time; the scale
+    sites and the embedding keep theirs, so every activation's gradient flows as in training."""
     try:
         model = Transformer(model_cfg, scale_cfg)
     except ScalevecError:
         return []
+    if not weight_grads:
+        keep = set(model.plan.site_parameters()) | {"tok_emb.weight"}
+        for name, p in model.named_parameters():
+            p.requires_grad_(name in keep)
     tokens = torch.zeros(1, TOKENS, dtype=torch.long)
     with aot.capture() as launches:
         for autocast in (contextlib.nullcontext, lambda: torch.autocast("cpu", dtype=torch.bfloat16)):

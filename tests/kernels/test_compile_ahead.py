@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from scalevec_kernels import aot, backend, rms_norm, rms_norm_scales
+from scalevec_train.config import compose_config
 from tests.helpers import REPO, load_script
 
 pytest.importorskip("triton")
@@ -45,6 +46,17 @@ def test_every_preset_variant_compiles_without_spills(launches):
     crowded = [kernel_table.describe(v) for v in launches if "bwd" in v.kernel
                and usage[v, CC].blocks_per_sm(v.num_warps) * v.num_warps < backend.WARPS_PER_SM]
     assert not crowded, crowded
+
+
+@pytest.mark.parametrize("preset,strategy", [("dense-tiny-gemma", "baseline"), ("dense-tiny", "unified-full-heads"),
+                                             ("moe-tiny", "unified-per-expert"), ("moe-tiny", "none")])
+def test_the_capture_without_weight_gradients_launches_what_training_launches(preset, strategy):
+    """The capture leaves the maps' weights without gradients (kernel_table._capture_model): with them, as
+    training has them, the same variants launch, in the same order."""
+    model = compose_config([f"model={preset}", *kernel_table.CHEAP], 1).model
+    scale = compose_config(["model=moe-tiny", *kernel_table.STRATEGIES[strategy], *kernel_table.CHEAP], 1).scale
+    frozen = kernel_table._capture_model(model, scale)
+    assert frozen and frozen == kernel_table._capture_model(model, scale, weight_grads=True)
 
 
 def _rms_norm_variants(n: int, k: int) -> list[aot.Variant]:
