@@ -53,13 +53,6 @@ def check(cfg: DistributedConfig, num_experts: int | None, world: int, replicate
         raise ScalevecError(where, f"{ep} does not divide the {shard} ranks of a replica group "
                             f"({world} ranks, {replicate} replica groups).",
                             "use a divisor of the ranks per replica group (distributed.replicate sets the groups).")
-    # torch's selective checkpointing matches every op of the recomputation to the forward's by its call
-    # count, and the experts' FSDP post-forward hook, inside the block, calls the profiler's record_function
-    # once more in the recomputation (torch 2.13: "record_function_enter_new invocation index 2 ... not found")
-    if cfg.activation_checkpointing == "selective":
-        raise ScalevecError(where, f"{ep} with distributed.activation_checkpointing=selective: the experts' "
-                            "FSDP hooks run other ops in the recomputation than in the forward.",
-                            "use distributed.activation_checkpointing=full or none.")
     if num_experts % shard:
         raise ScalevecError(where, f"model.moe.num_experts={num_experts} do not split over expert_parallel x "
                             f"expert-FSDP = {ep} x {shard // ep} ranks (whole experts on every rank).",
