@@ -56,7 +56,6 @@ def wrap_block(block: nn.Module, ac: str, compile_block: bool, fullgraph: bool =
         # (bincount, tolist) that fullgraph traces without asking.
         inner = torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True)(
             torch.compile(inner))
-        compile_block = False
     if ac == "full":
         def forward(*args):
             return checkpoint(inner, *args, use_reentrant=False)
@@ -65,7 +64,7 @@ def wrap_block(block: nn.Module, ac: str, compile_block: bool, fullgraph: bool =
             return checkpoint(inner, *args, use_reentrant=False, context_fn=_selective_contexts)
     else:
         forward = inner
-    if compile_block:
+    if compile_block and fullgraph:  # the checkpointed forward compiled as one graph
         # fullgraph: a graph break is an error, not a silent slowdown (tests/parallel/test_compile.py).
         forward = torch.compile(forward, fullgraph=True)
         if ac != "none":
