@@ -2,7 +2,7 @@
 resumes at another and continues the uninterrupted one-process run (losses, gradient norms, val_loss,
 final parameters and optimizer state, the expert biases exactly, the data position).
 
-The run is the trainer's (tests/train_many.py in torchrun launches), a tiny MoE under unified with
+The run is the trainer's (tests/train_many.py on spawned gloo ranks), a tiny MoE under unified with
 per-expert sites and Muon, a global batch of 8 sequences in micro-batches of one, 4 steps with checkpoints
 at 2 and 4:
   reference      1 process (EP=1), uninterrupted;
@@ -26,8 +26,8 @@ from tests.launch import (
     assert_same_tensors,
     copy_run,
     final_model,
-    many_command,
     records,
+    train_spawned,
     trained_state,
 )
 from tests.presets import TINY_MOE
@@ -72,20 +72,20 @@ def assert_continues(run_dir: Path, reference: Path, scratch: Path, skip: int) -
 
 
 @pytest.fixture(scope="module")
-def runs(data_overrides, tmp_path_factory, module_processes) -> Path:
+def runs(data_overrides, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("ep_resume")
     prepare_data(make_config(*data_overrides).data)
     run(make_config(*data_overrides, *COMMON, f"run_dir={root / 'reference'}"))
     copy_run(root / "reference", root / "one_to_two", keep_step=EVERY)
-    module_processes.run(many_command(2, [
+    train_spawned(2, [
         [*data_overrides, *COMMON, ep(2), f"run_dir={root / 'two'}"],
         [*data_overrides, *COMMON, ep(2), f"run_dir={root / 'one_to_two'}", "resume=auto"],
-    ], root / "two.json"), cwd=root)
+    ], root / "two.json")
     copy_run(root / "two", root / "two_to_four", keep_step=EVERY)
     copy_run(root / "reference", root / "one_to_four", keep_step=EVERY)
-    module_processes.run(many_command(4, [
+    train_spawned(4, [
         [*data_overrides, *COMMON, ep(2), f"run_dir={root / name}", "resume=auto"]
-        for name in ("two_to_four", "one_to_four")], root / "four.json"), cwd=root)
+        for name in ("two_to_four", "one_to_four")], root / "four.json")
     copy_run(root / "two", root / "two_to_one", keep_step=EVERY)
     run(make_config(*data_overrides, *COMMON, f"run_dir={root / 'two_to_one'}", "resume=auto"))
     return root
