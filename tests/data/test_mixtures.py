@@ -1,6 +1,6 @@
 """Weighted data mixtures (data.mixture): the shares of the sources against the weights (binomial
 tolerance), each source's samples in its own permutation order, resume on another world size (in process
-and with real gloo ranks under torchrun), the per-source validation losses against a direct computation
+and on real gloo ranks), the per-source validation losses against a direct computation
 with plain PyTorch, the repeat warning, and bad configs. Two small text folders, written here."""
 
 import inspect
@@ -27,7 +27,7 @@ from scalevec_train.errors import ScalevecError
 from scalevec_train.training.callbacks import EpochMonitor
 from tests.data.corpora import VOCAB, split_tokens, text_cfg, write_corpus
 from tests.helpers import make_config
-from tests.launch import records, torchrun
+from tests.launch import records, train_spawned
 from tests.presets import TINY_MODEL
 
 SEQ = 16
@@ -242,11 +242,12 @@ def curve_of(run_dir: Path, key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in records(run_dir) if key in r}
 
 
-def test_resumed_on_1_and_2_ranks_and_per_source_val_losses(folders, tmp_path, processes):
-    """A mixture run of 6 steps, against the same run resumed from its step-3 checkpoint under torchrun on
-    1 and on 2 gloo ranks: the same losses (so the same samples) and validation losses per source. Each
-    source's val_loss/<name> equals its validation batches' mean cross-entropy under the final model,
-    computed here with plain PyTorch, and val_loss is their 0.75/0.25 weighted mean."""
+def test_resumed_on_1_and_2_ranks_and_per_source_val_losses(folders, tmp_path):
+    """A mixture run of 6 steps, against the same run resumed from its step-3 checkpoint by the trainer on
+    1 and on 2 gloo ranks (tests/train_many.py on spawned ranks): the same losses (so the same samples)
+    and validation losses per source. Each source's val_loss/<name> equals its validation batches' mean
+    cross-entropy under the final model, computed here with plain PyTorch, and val_loss is their
+    0.75/0.25 weighted mean."""
     from scalevec_train.build import validation_batches
     from scalevec_train.checkpoint import files as checkpoint_files
     from scalevec_train.evaluate import evaluate_metrics
@@ -263,13 +264,13 @@ def test_resumed_on_1_and_2_ranks_and_per_source_val_losses(folders, tmp_path, p
                 shutil.rmtree(ckpt)
         (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(reference)
                                                        if r["step"] <= 3))
-        processes.run([*torchrun(world), "-m", "scalevec_train.train", *overrides, f"run_dir={resumed}",
-                       "resume=auto"], tmp_path)
+        train_spawned(world, [[*overrides, f"run_dir={resumed}", "resume=auto"]], tmp_path / f"resumed{world}.json")
         for key in ("loss", "val_loss", "val_loss/a", "val_loss/b"):
             got, expected = curve_of(resumed, key), curve_of(reference, key)
             assert got.keys() == expected.keys() and len(got) >= 3, key
             for step in got:
                 assert got[step] == pytest.approx(expected[step], rel=1e-5), (world, key, step)
+        assert checkpoint_files.read_train_state(checkpoint_files.step_dir(resumed, 6))["world_size"] == world
 
     cfg = make_config(*overrides, f"run_dir={reference}")
     model, _ = load(checkpoint_files.step_dir(reference, 6))
