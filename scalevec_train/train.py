@@ -78,7 +78,9 @@ def main(raw: DictConfig) -> None:
         finished = True
     except ScalevecError as e:
         rank = f"[rank {os.environ.get('RANK', 0)}] " if process_group.world_size() > 1 else ""
-        print(f"{rank}error: {e}", file=sys.stderr)
+        # One write: the ranks share a log, and print writes a line and its end apart on an unbuffered
+        # stream (PYTHONUNBUFFERED), where another rank's line can land between them.
+        sys.stderr.write(f"{rank}error: {e}\n")
         exit_code = e.exit_code
     finally:
         # The run's frames in a traceback would keep its model, and through FSDP the process group,

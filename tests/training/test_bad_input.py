@@ -2,10 +2,12 @@
 own message before expensive work, and leaves every run directory byte-identical."""
 
 import hashlib
+import io
 import json
 import os
 import pickle
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -282,6 +284,26 @@ def test_bad_input_on_the_command_line_exits_nonzero_with_one_message(common, ex
     assert started.wait() == real.code, started.describe()
     assert started.output().strip() == MESSAGES[f"cli:{real.name}"]  # stdout and stderr, nothing but the error
     assert tree_digest(existing) == before
+
+
+def test_the_error_line_reaches_stderr_in_one_write(common, tmp_path, capfd, monkeypatch):
+    """The ranks of a launch share one log: each rank's error line must be one write, or another rank's
+    can land between a line and its end (seen under load in tests/training/test_faults.py, where stderr
+    is unbuffered)."""
+    writes = []
+
+    class Recorded(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return super().write(text)
+
+    monkeypatch.setattr(sys, "stderr", Recorded())
+    code, _ = train_in_process([*common, "optim.lr=-1", f"run_dir={tmp_path / 'run'}"], {}, tmp_path, capfd,
+                               monkeypatch)
+    assert code == 2
+    (line,) = [w for w in writes if "error:" in w]
+    assert line.startswith("error: optim.lr") and " Fix: " in line
+    assert line.endswith("\n") and line.count("\n") == 1
 
 
 def test_every_bad_input_has_its_own_message():
