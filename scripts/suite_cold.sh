@@ -17,7 +17,7 @@ for i in $(seq 1 "$n"); do
   log=$out/$commit-$i.log
   start=$(date +%s)
   (cd "$work/clone" && CI=true XDG_CACHE_HOME="$work/cache" PIP_CACHE_DIR="${PIP_CACHE_DIR:-$HOME/.cache/pip}" \
-    TORCHINDUCTOR_CACHE_DIR="$work/inductor" TRITON_CACHE_DIR="$work/triton" PYTEST_ADDOPTS="--durations=80" \
+    TORCHINDUCTOR_CACHE_DIR="$work/inductor" TRITON_CACHE_DIR="$work/triton" PYTEST_ADDOPTS="${PYTEST_ADDOPTS:---durations=80}" \
     bash .ci/run > "$log" 2>&1)
   rc=$?
   line="$commit run $i/$n: rc=$rc $(( $(date +%s) - start )) s, load $(cut -d' ' -f1-3 /proc/loadavg), $(grep -E '[0-9]+ (passed|failed)' "$log" | tail -1)"

@@ -305,7 +305,12 @@ class Attempts:
                 return found
 
             found = self.started.wait_until(stopped, f"a stop at {fault}")
-            for pid in found[:1] if kill == "one" else pids:
+            victims = found[:1] if kill == "one" else pids
+            # Every rank is stopped before any is killed: a rank still running sees its peer's death in its
+            # next collective, fails and is reaped, and would be gone before its own kill.
+            for pid in victims:
+                os.kill(pid, signal.SIGSTOP)
+            for pid in victims:
                 os.kill(pid, signal.SIGKILL)
         return self.wait()
 
