@@ -13,11 +13,12 @@ setup: $(STAMP)
 
 # pip byte-compiles what it installs on one core; compileall does it on all of them (the bytecode is written
 # here because PYTHONDONTWRITEBYTECODE may forbid it later). A file pip too leaves uncompiled (one written
-# for a newer Python) does not fail the setup.
+# for a newer Python) does not fail the setup. The package builds in the venv, whose first install brings
+# pyproject.toml's build requirements, not in an isolated build environment that pip would fill first.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile --disable-pip-version-check "$(TORCH_SPEC)"
-	$(PY) -m pip install -q --no-compile --disable-pip-version-check -e ".[dev]"
+	$(PY) -m pip install -q --no-compile --disable-pip-version-check "$(TORCH_SPEC)" "setuptools>=68" wheel
+	$(PY) -m pip install -q --no-compile --disable-pip-version-check --no-build-isolation -e ".[dev]"
 	$(PY) -c "import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()['purelib'], quiet=2, workers=0)"
 	rm -f $(VENV)/.setup-*
 	touch $@
