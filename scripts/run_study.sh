@@ -9,7 +9,8 @@
 #                                        runs to runs/ladder/, tables to docs/results/ladder/
 #   bash scripts/run_study.sh adamw_l3   why unified loses to the baseline under AdamW at dense-l3: per-site
 #                                        LR and decay, IWD's strength and reach, a leave-one-out, the
-#                                        mirror under Muon and dense-l1 at swapped LRs (3 seeds each, trunks
+#                                        mirror under Muon, the AdamW ladder again with optim.scale_lr=0.01
+#                                        and dense-l1 at swapped LRs (3 seeds each, trunks
 #                                        to 10 tokens per parameter); runs to runs/adamw_l3/, tables to
 #                                        docs/results/adamw_l3/
 #   bash scripts/run_study.sh ladder_grid_l3 ["adamw muon"]  the ladder's LR grid again on
@@ -53,13 +54,17 @@ rung_args() {
   esac
 }
 ladder_run() {  # rung scale optim lr seed [trunk]: the WSD trunk to 10 tokens per parameter, then (unless
-                # "trunk") its branches decaying to 2.5 and 5 from its checkpoints at 2 and 4
-  local args="+experiment=ladder model=$1 scale=$2 optim=$3 optim.lr=$4 seed=$5 $(rung_args "$1")"
-  local log=runs/ladder_logs/$1-$2-$3-lr$4-s$5.log
-  ($PY -m scalevec_train.train $args && { test "${6:-}" = trunk || for budget in 2.5 5; do
-      $PY -m scalevec_train.train $args train.tokens_per_param=$budget \
-        branch_from=runs/ladder/$1-$2-$3-lr$4-tpp10.0-s$5 || exit 1; done; }) > "$log" 2>&1 ||
-    { echo "error: ladder run $* failed; its log: $log" >&2; return 1; }
+                # "trunk") its branches decaying to 2.5 and 5 from its checkpoints at 2 and 4; in the folder
+                # LADDER (runs/ladder), each run with the overrides LADDER_ARGS (none) added
+  local root=${LADDER:-runs/ladder}
+  local args="+experiment=ladder model=$1 scale=$2 optim=$3 optim.lr=$4 seed=$5 $(rung_args "$1") ${LADDER_ARGS:-}"
+  local name=$1-$2-$3-lr$4 log=${root}_logs/$1-$2-$3-lr$4-s$5.log
+  mkdir -p ${root}_logs
+  ($PY -m scalevec_train.train $args run_dir=$root/$name-tpp10.0-s$5 && { test "${6:-}" = trunk ||
+    for budget in 2.5 5.0; do
+      $PY -m scalevec_train.train $args train.tokens_per_param=$budget run_dir=$root/$name-tpp$budget-s$5 \
+        branch_from=$root/$name-tpp10.0-s$5 || exit 1; done; }) > "$log" 2>&1 ||
+    { echo "error: ladder run $* ${LADDER_ARGS:-} failed; its log: $log" >&2; return 1; }
 }
 study800_run() {  # scale seed: the 5x-budget check, dense-study, AdamW, cosine, 800 steps
   local log=runs/ladder_logs/study800-$1-s$2.log
@@ -89,6 +94,46 @@ on_two_workers() {  # each input line: a function above and its arguments; longe
   xargs -L 1 -P 2 bash -c '"$@"' _
 }
 LADDER_LRS="0.001 0.003 0.01 0.03"
+ladder() {  # optimizers out [jobs]: the ladder of both strategies under each optimizer named, in the folder
+            # LADDER (runs/ladder) with the overrides LADDER_ARGS, its tables to out; `jobs seed` prints more
+            # jobs to run beside each seed's rungs
+  local optims=$1 out=$2 L=${LADDER:-runs/ladder} picks scale optim lr seed rung metric d
+  mkdir -p $out
+  # 1. The LR grid: every arm (scale x optimizer) on dense-l2, seed 0, the same four peak LRs (LADDER_LRS).
+  for scale in baseline unified; do for optim in $optims; do for lr in $LADDER_LRS; do
+    echo ladder_run dense-l2 $scale $optim $lr 0 trunk
+  done; done; done | on_two_workers
+  picks=$($PY scripts/ladder_report.py lr $out/lr_grid.md \
+    $(for optim in $optims; do ls -d $L/dense-l2-*-$optim-lr*-tpp10.0-s0; done))
+  # 2. Every arm at its own best LR: rungs x 3 seeds (the grid's dense-l2 seed-0 trunk is reused).
+  for rung in dense-l3 ${3:-} dense-l2 dense-l1; do
+    for seed in 0 1 2; do
+      case $rung in
+        dense-l*) echo "$picks" | while read -r scale optim lr; do echo ladder_run $rung $scale $optim $lr $seed; done ;;
+        *) $rung $seed ;;
+      esac
+    done
+  done | on_two_workers
+  # 3. The tables and fits. Each optimizer's arms at their picked LRs (optim.lr tells the arms apart
+  #    only through the strategy, so it is left out of the grouping).
+  arm_runs() {  # optim: that optimizer's ladder runs, trunks and branches, at the picked LRs
+    echo "$picks" | while read -r scale optim lr; do
+      if [ "$optim" = "$1" ]; then ls -d $L/dense-l[123]-$scale-$optim-lr$lr-tpp*-s[012]; fi
+    done
+  }
+  # the embedded downstream task (chance 0.25) on every trunk's final checkpoint
+  for d in $(for optim in $optims; do arm_runs $optim; done); do
+    case $d in *-tpp10.0-s*) echo task_run $d ;; esac
+  done | on_two_workers
+  $PY scripts/ladder_report.py table $out/terminal.md $(for optim in $optims; do arm_runs $optim; done)
+  for optim in $optims; do
+    for metric in val_loss val_bpb; do
+      $PY scripts/compare_runs.py $(arm_runs $optim) --efficiency --reference scale=baseline --ignore optim.lr \
+        --metric $metric --out $out/efficiency_${optim}_$metric
+    done
+  done
+}
+study800_jobs() { echo study800_run baseline $1; echo study800_run unified $1; }  # seed: the 5x-budget check
 
 case ${1:-main} in
   main)
@@ -126,46 +171,7 @@ case ${1:-main} in
       $R/dense-study-{baseline,dnp,unified}-adamw-cosine-lr*-s*
     ;;
   ladder)
-    L=runs/ladder
-    out=docs/results/ladder
-    mkdir -p runs/ladder_logs $out
-    # 1. The LR grid: every arm (scale x optimizer) on dense-l2, seed 0, the same four peak LRs (LADDER_LRS).
-    for scale in baseline unified; do for optim in adamw muon; do for lr in $LADDER_LRS; do
-      echo ladder_run dense-l2 $scale $optim $lr 0 trunk
-    done; done; done | on_two_workers
-    picks=$($PY scripts/ladder_report.py lr $out/lr_grid.md $L/dense-l2-*-tpp10.0-s0)
-    # 2. Every arm at its own best LR: rungs x 3 seeds (the grid's dense-l2 seed-0 trunk is reused), the
-    #    5x-budget check beside them.
-    {
-      for rung in dense-l3 study800 dense-l2 dense-l1; do
-        for seed in 0 1 2; do
-          if [ $rung = study800 ]; then
-            echo study800_run baseline $seed
-            echo study800_run unified $seed
-          else
-            echo "$picks" | while read -r scale optim lr; do echo ladder_run $rung $scale $optim $lr $seed; done
-          fi
-        done
-      done
-    } | on_two_workers
-    # 3. The tables and fits. Each optimizer's arms at their picked LRs (optim.lr tells the arms apart
-    #    only through the strategy, so it is left out of the grouping).
-    arm_runs() {  # optim: that optimizer's ladder runs, trunks and branches, at the picked LRs
-      echo "$picks" | while read -r scale optim lr; do
-        if [ "$optim" = "$1" ]; then ls -d $L/dense-l[123]-$scale-$optim-lr$lr-tpp*-s[012]; fi
-      done
-    }
-    # the embedded downstream task (chance 0.25) on every trunk's final checkpoint
-    for d in $(arm_runs adamw) $(arm_runs muon); do
-      case $d in *-tpp10.0-s*) echo task_run $d ;; esac
-    done | on_two_workers
-    $PY scripts/ladder_report.py table $out/terminal.md $(arm_runs adamw) $(arm_runs muon)
-    for optim in adamw muon; do
-      for metric in val_loss val_bpb; do
-        $PY scripts/compare_runs.py $(arm_runs $optim) --efficiency --reference scale=baseline --ignore optim.lr \
-          --metric $metric --out $out/efficiency_${optim}_$metric
-      done
-    done
+    ladder "adamw muon" docs/results/ladder study800_jobs
     compare ladder/study800 scale=baseline $L/study800/dense-study-*-s*
     ;;
   adamw_l3)
@@ -198,12 +204,22 @@ unified-adamw-lr0.01-decay_final_norm.false|scale=unified optim=adamw optim.lr=0
 ARMS
     }
     # The AdamW arms seed by seed first (the question; the study takes days on 2 cores, so whatever part
-    # has finished answers it for the seeds done), then the Muon mirror, then dense-l1 at the ladder's
-    # LRs and swapped
-    {
-      for optim in adamw muon; do for seed in 0 1 2; do
+    # has finished answers it for the seeds done); then the AdamW half of the ladder again with both arms'
+    # sites at optim.scale_lr=0.01, the setting under which unified was lower on 3 of 3 seeds (the issue
+    # asks for the ladder again with such a setting; runs/adamw_l3/ladder_scale_lr0.01/, tables to
+    # $out/ladder_scale_lr0.01/ beside docs/results/ladder/'s); then the Muon mirror, then dense-l1 at the
+    # ladder's LRs and swapped
+    arms_of() {  # optim seeds...
+      local optim=$1 seed
+      shift
+      for seed in "$@"; do
         arms | grep -- "-$optim-" | while IFS='|' read -r name args; do echo arm_run dense-l3 $name $seed $args; done
-      done; done
+      done
+    }
+    arms_of adamw 0 1 2 | on_two_workers
+    (export LADDER=$A/ladder_scale_lr0.01 LADDER_ARGS=optim.scale_lr=0.01; ladder adamw $out/ladder_scale_lr0.01)
+    {
+      arms_of muon 0 1 2
       for seed in 0 1 2; do for lr in 0.003 0.01; do for scale in baseline unified; do
         echo arm_run dense-l1 $scale-adamw-lr$lr $seed scale=$scale optim=adamw optim.lr=$lr
       done; done; done

@@ -2,7 +2,9 @@
 rung as the script composes it: the budgets in tokens per parameter, a checkpoint for each branch to start
 from before its decay, the same validation sequences on every rung, and a run directory per run."""
 
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -92,3 +94,41 @@ def test_the_adamw_l3_study_names_every_key_its_arms_vary_and_every_arm_composes
         assert name == name_of(overrides)
         cfg = ladder_config("dense-l3", *overrides, "train.diagnostics_every=180", "seed=0")
         assert cfg.train.steps // cfg.train.diagnostics_every >= 9  # the sites over time, not once
+
+
+def ladder_commands(tmp_path: Path, *args: str, **env: str) -> list[list[str]]:
+    """The overrides of each training command the script's ladder_run starts for `args` (its own bash
+    function, run with PY standing for a program that records its arguments)."""
+    text = SCRIPT.read_text()
+    functions = "".join(re.search(rf"^{name}\(\) {{.*?^}}\n", text, flags=re.S | re.M).group(0)
+                        for name in ("rung_args", "ladder_run"))
+    tmp_path.mkdir()
+    record = tmp_path / "record"
+    record.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "commands"}\n')
+    record.chmod(0o755)
+    subprocess.run(["bash", "-c", f"{functions}ladder_run {' '.join(args)}"], cwd=tmp_path, check=True,
+                   env={**os.environ, "PY": str(record), **env})
+    lines = (tmp_path / "commands").read_text().splitlines()
+    assert all(line.startswith("-m scalevec_train.train ") for line in lines)
+    return [line.split()[2:] for line in lines]
+
+
+def test_ladder_runs_go_where_the_experiment_puts_them_and_a_variant_to_a_folder_of_its_own(tmp_path):
+    """A trunk and its two branches: by default in runs/ladder/ as configs/experiment/ladder.yaml names
+    them; with LADDER and LADDER_ARGS (the adamw_l3 study's ladder at optim.scale_lr=0.01), in that
+    folder under the same names, every run with the override, each branch from its own trunk."""
+    default = ladder_commands(tmp_path / "default", "dense-l1", "unified", "adamw", "0.01", "1")
+    names = ["dense-l1-unified-adamw-lr0.01-tpp10.0-s1", "dense-l1-unified-adamw-lr0.01-tpp2.5-s1",
+             "dense-l1-unified-adamw-lr0.01-tpp5.0-s1"]
+    for command, name in zip(default, names, strict=True):
+        run_dir = [o for o in command if o.startswith("run_dir=")]
+        assert run_dir == [f"run_dir=runs/ladder/{name}"]
+        others = [o for o in command if not o.startswith("run_dir=")]
+        assert make_config_shared(*others).run_dir == f"runs/ladder/{name}"
+    variant = ladder_commands(tmp_path / "variant", "dense-l1", "unified", "adamw", "0.01", "1",
+                              LADDER="runs/adamw_l3/ladder_scale_lr0.01", LADDER_ARGS="optim.scale_lr=0.01")
+    assert len(variant) == 3
+    for command, name in zip(variant, names, strict=True):
+        cfg = make_config_shared(*command)
+        assert cfg.run_dir == f"runs/adamw_l3/ladder_scale_lr0.01/{name}" and cfg.optim.scale_lr == 0.01
+    assert all(f"branch_from=runs/adamw_l3/ladder_scale_lr0.01/{names[0]}" in c for c in variant[1:])
