@@ -231,7 +231,7 @@ ARMS
       $PY scripts/arm_report.py $out/$table.md --baseline $A/$base --unified $A/$uni "${others[@]}"
     }
     report l3_adamw dense-l3-baseline-adamw-lr0.003 dense-l3-unified-adamw-lr0.01 \
-      $(arms | cut -d'|' -f1 | grep adamw | sed 's/^/dense-l3-/')
+      $(arms | cut -d'|' -f1 | grep -- -adamw- | sed 's/^/dense-l3-/')
     for scale_lr in 0.01 0.03; do  # both arms with the same scale LR, matrices at the baseline's
       report l3_adamw_scale_lr$scale_lr dense-l3-baseline-adamw-lr0.003-scale_lr$scale_lr \
         dense-l3-unified-adamw-lr0.003-scale_lr$scale_lr
