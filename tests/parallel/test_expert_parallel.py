@@ -334,12 +334,20 @@ def reference(run: dict, name: str, world: int) -> dict:
     return want
 
 
-@pytest.mark.parametrize("name", TWO)
-def test_two_ranks_expert_parallel_give_the_run_of_one_process(name, two_ranks):
-    runs = [load(two_ranks / f"{name}-rank{rank}.pt") for rank in range(2)]
-    want = reference(runs[0], name, 2)
+def check(root: Path, name: str, world: int) -> tuple[list[dict], dict]:
+    """Every rank's run of case `name` (saved under `root`) against the one process forced through
+    them; returns the ranks' runs and the one process's."""
+    runs = [load(root / f"{name}-rank{rank}.pt") for rank in range(world)]
+    want = reference(runs[0], name, world)
     for run in runs:
         assert_same_run(run, want, name)
+    return runs, want
+
+
+@pytest.mark.parametrize("name", TWO)
+def test_two_ranks_expert_parallel_give_the_run_of_one_process(name, two_ranks):
+    runs, _ = check(two_ranks, name, 2)
+    for run in runs:
         # the graph breaks only where the dispatched experts run eagerly
         assert all("_outside_graph" in reason for reason in run["graph_breaks"]), run["graph_breaks"]
     if name == "compiled":
@@ -348,10 +356,7 @@ def test_two_ranks_expert_parallel_give_the_run_of_one_process(name, two_ranks):
 
 @pytest.mark.parametrize("name", FOUR)
 def test_four_ranks_expert_parallel_times_fsdp_give_the_run_of_one_process(name, four_ranks):
-    runs = [load(four_ranks / f"{name}-rank{rank}.pt") for rank in range(4)]
-    want = reference(runs[0], name, 4)
-    for run in runs:
-        assert_same_run(run, want, name)
+    check(four_ranks, name, 4)
 
 
 def test_all_to_all_volume_is_the_predicted(two_ranks):
