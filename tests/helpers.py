@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 
@@ -80,25 +81,33 @@ def run_script(name: str, *args) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=env, cwd=REPO)
 
 
-def run_main(main: Callable, *args) -> subprocess.CompletedProcess:
-    """A script's main called in this process as run_script would run the script: with args as its
-    argv (its parameter, or sys.argv where it takes none), its exit status (SystemExit's included) and
-    what it printed. For a script whose command line one run_script already covers: a child Python
-    importing torch again costs seconds."""
-    argv, out, err = list(map(str, args)), io.StringIO(), io.StringIO()
+def call_main(main: Callable[[], object], argv: list[str]) -> int:
+    """`main()` called with sys.argv `argv`, as the interpreter would run a script: its exit status,
+    SystemExit's included (a message printed to stderr, exit status 1)."""
     saved = sys.argv
-    sys.argv = [main.__module__, *argv]
+    sys.argv = argv
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = main(argv) if inspect.signature(main).parameters else main()
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) or e.code is None else 1
-                if not isinstance(e.code, int) and e.code is not None:
-                    print(e.code, file=sys.stderr)  # as the interpreter prints sys.exit("message")
+        code = main()
+    except SystemExit as e:
+        code = e.code
+        if not isinstance(code, int) and code is not None:
+            print(code, file=sys.stderr)
+            code = 1
     finally:
         sys.argv = saved
-    return subprocess.CompletedProcess(args, code or 0, out.getvalue(), err.getvalue())
+    return code or 0
+
+
+def run_main(main: Callable, *args) -> subprocess.CompletedProcess:
+    """A script's main called in this process as run_script would run the script: with args as its
+    argv (its parameter, or sys.argv where it takes none), its exit status and what it printed. For a
+    script whose command line one run_script already covers: a child Python importing torch again costs
+    seconds."""
+    argv, out, err = list(map(str, args)), io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = call_main(partial(main, argv) if inspect.signature(main).parameters else main,
+                         [main.__module__, *argv])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def write_run(root: Path, name: str, cfg: dict, rows: list[dict], params: float | None = None) -> Path:

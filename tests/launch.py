@@ -36,7 +36,7 @@ from scalevec_train.faults import FAULT_AT_ENV
 from scalevec_train.parallel.process_group import shutdown
 from scalevec_train.training.guards import FAULT_INF_GRAD_ENV, FAULT_NAN_ENV
 from scalevec_train.training.logger import read_records
-from tests.helpers import REPO
+from tests.helpers import REPO, call_main
 
 # Generous: a 4-rank launch on 2 busy cores takes minutes; only a hang gets near this.
 TIMEOUT = 600
@@ -161,17 +161,13 @@ def train_in_process(args: list[str], env: dict[str, str], cwd: Path, capfd, mon
 
     capfd.readouterr()
     with monkeypatch.context() as m:
-        m.setattr(sys, "argv", [str(REPO / "scalevec_train" / "train.py"), *args])
         m.chdir(cwd)
         for key in LAUNCH_ENV_KEYS:
             m.delenv(key, raising=False)
         for key, value in env.items():
             m.setenv(key, value)
         try:
-            main()
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            code = call_main(main, [str(REPO / "scalevec_train" / "train.py"), *args])
         finally:
             GlobalHydra.instance().clear()  # as a new process would find it
     out, err = capfd.readouterr()

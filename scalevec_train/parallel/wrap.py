@@ -27,19 +27,18 @@ _KEEP = {
 }
 
 
-# Selective checkpointing matches each op of the recomputation to the forward's by its count. The
-# profiler's annotations are not computation, and FSDP's hooks make others in a recomputation: a module
-# sharded on its own inside a block (the experts under expert parallelism) opens an extra
-# "FSDP::root_pre_forward" there. Ignored as torch ignores detach (pytorch/pytorch#196862 proposes the same).
-torch.utils.checkpoint.SAC_IGNORED_OPS |= {torch.ops.profiler._record_function_enter_new.default,
-                                          torch.ops.profiler._record_function_exit._RecordFunction}
-
-
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _KEEP else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_contexts():
+    # Selective checkpointing matches each op of the recomputation to the forward's by its count. The
+    # profiler's annotations are not computation, and FSDP's hooks make others in a recomputation: a module
+    # sharded on its own inside a block (the experts under expert parallelism) opens an extra
+    # "FSDP::root_pre_forward" there. Ignored as torch ignores detach (pytorch/pytorch#196862 proposes the
+    # same); torch's set is process-wide, so it changes only in a process that checkpoints selectively.
+    torch.utils.checkpoint.SAC_IGNORED_OPS |= {torch.ops.profiler._record_function_enter_new.default,
+                                              torch.ops.profiler._record_function_exit._RecordFunction}
     return create_selective_checkpoint_contexts(_keep_matmuls)
 
 
