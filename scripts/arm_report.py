@@ -1,7 +1,7 @@
 """Per-seed paired differences of run groups against a baseline group, and the share of a unified arm's gap
 each closes (scripts/run_study.sh adamw_l3; docs/results.md, "Why unified loses under AdamW at dense-l3").
 
-    python scripts/arm_report.py OUT.md --baseline PREFIX --unified PREFIX PREFIX...
+    python scripts/arm_report.py OUT.md --baseline PREFIX --unified PREFIX PREFIX... [--over-training GAP.md]
 
 A PREFIX is a run directory without its `-s<seed>` ending; its runs are the directories PREFIX-s<seed>.
 For every group (the baseline and unified groups included), one row: its terminal val_loss per seed
@@ -11,7 +11,8 @@ seed: (unified - group) / (unified - baseline), 1 meaning as low as the baseline
 unified (a group counts as closing the gap where the share is at least 0.5 on every seed). Beside
 them, from the last diagnostics record (train.diagnostics_every), the RMS of the final norm's scale
 (which sets the tied head's logits) averaged over seeds. A group lacking a seed the baseline has is an
-error: no seed is dropped silently.
+error: no seed is dropped silently. --over-training writes when the gap opens: at every evaluation of
+the runs, unified's val_loss minus the baseline's on each seed, and their mean.
 """
 
 import argparse
@@ -45,6 +46,29 @@ def final_scale(run_dir: Path) -> float | None:
     return values[-1] if values else None
 
 
+def over_training(base_runs: dict[int, Path], uni_runs: dict[int, Path]) -> str:
+    """The unified group's val_loss minus the baseline's at each evaluation step, per seed and mean."""
+    seeds = sorted(base_runs)
+    curves = {}
+    for s in seeds:
+        base, uni = ({r["step"]: r["val_loss"] for r in read_records(d / "metrics.jsonl") if "val_loss" in r}
+                     for d in (base_runs[s], uni_runs[s]))
+        if base.keys() != uni.keys():
+            raise SystemExit(f"error: seed {s}'s baseline and unified runs were evaluated at different steps "
+                             f"({sorted(base)} and {sorted(uni)}). Fix: compare runs of one eval_every and length.")
+        curves[s] = {step: uni[step] - base[step] for step in base}
+    steps = sorted(curves[seeds[0]])
+    if any(sorted(c) != steps for c in curves.values()):
+        raise SystemExit("error: the seeds' runs were evaluated at different steps. Fix: compare runs of one "
+                         "eval_every and length.")
+    lines = ["| step | " + " | ".join(f"s{s}" for s in seeds) + " | mean |",
+             "|---:|" + "---:|" * (len(seeds) + 1)]
+    for step in steps:
+        gaps = [curves[s][step] for s in seeds]
+        lines.append(f"| {step} | " + " | ".join(f"{g:+.4f}" for g in gaps) + f" | {statistics.fmean(gaps):+.4f} |")
+    return "\n".join(lines) + "\n"
+
+
 def row(name: str, runs: dict[int, Path], base: dict[int, float], uni: dict[int, float]) -> str:
     missing = sorted(set(base) - set(runs))
     if missing:
@@ -63,7 +87,7 @@ def row(name: str, runs: dict[int, Path], base: dict[int, float], uni: dict[int,
     return "| " + " | ".join(cells) + " |"
 
 
-def report(out: Path, baseline: str, unified: str, prefixes: list[str]) -> str:
+def report(out: Path, baseline: str, unified: str, prefixes: list[str], gap_out: Path | None = None) -> str:
     base_runs = seeds_of(baseline)
     if not base_runs:
         raise SystemExit(f"error: no runs {baseline}-s<seed>. Fix: run the baseline first.")
@@ -79,6 +103,9 @@ def report(out: Path, baseline: str, unified: str, prefixes: list[str]) -> str:
         lines.append(row(Path(prefix).name, seeds_of(prefix), base, uni))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
+    if gap_out is not None:
+        gap_out.parent.mkdir(parents=True, exist_ok=True)
+        gap_out.write_text(over_training(base_runs, uni_runs))
     return out.read_text()
 
 
@@ -88,8 +115,10 @@ def main() -> None:
     p.add_argument("--baseline", required=True, help="the baseline group's prefix")
     p.add_argument("--unified", required=True, help="the unified group whose gap the others are measured against")
     p.add_argument("prefixes", nargs="*", help="the other groups, in the order of the table")
+    p.add_argument("--over-training", type=Path, metavar="GAP.md",
+                   help="also write unified's gap to the baseline at every evaluation, per seed")
     args = p.parse_intermixed_args()
-    print(report(args.out, args.baseline, args.unified, args.prefixes), end="")
+    print(report(args.out, args.baseline, args.unified, args.prefixes, args.over_training), end="")
 
 
 if __name__ == "__main__":

@@ -224,11 +224,12 @@ ARMS
         echo arm_run dense-l1 $scale-adamw-lr$lr $seed scale=$scale optim=adamw optim.lr=$lr
       done; done; done
     } | on_two_workers
-    report() {  # table baseline unified others...: prefixes under runs/adamw_l3
+    report() {  # table baseline unified others...: prefixes under runs/adamw_l3; and the gap over training
       local table=$1 base=$2 uni=$3 prefix others=()
       shift 3
       for prefix in "$@"; do others+=("$A/$prefix"); done
-      $PY scripts/arm_report.py $out/$table.md --baseline $A/$base --unified $A/$uni "${others[@]}"
+      $PY scripts/arm_report.py $out/$table.md --baseline $A/$base --unified $A/$uni "${others[@]}" \
+        --over-training $out/${table}_over_training.md
     }
     report l3_adamw dense-l3-baseline-adamw-lr0.003 dense-l3-unified-adamw-lr0.01 \
       $(arms | cut -d'|' -f1 | grep -- -adamw- | sed 's/^/dense-l3-/')

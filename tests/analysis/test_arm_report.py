@@ -28,7 +28,8 @@ def test_differences_gap_shares_and_the_final_scale(tmp_path):
     # lower than the baseline on seed 0 only (share 1.5), worse than unified on seed 2 (share -0.5)
     mixed = runs(tmp_path, "mixed", {0: 2.9, 1: 3.25, 2: 3.2})
     out = tmp_path / "tables" / "l3.md"
-    done = run_script("arm_report.py", out, "--baseline", base, "--unified", uni, half, mixed)
+    gap = tmp_path / "tables" / "l3_gap.md"
+    done = run_script("arm_report.py", out, "--baseline", base, "--unified", uni, half, mixed, "--over-training", gap)
     assert done.returncode == 0, done.stderr
     lines = out.read_text().splitlines()
     assert done.stdout == out.read_text() and len(lines) == 6
@@ -40,6 +41,10 @@ def test_differences_gap_shares_and_the_final_scale(tmp_path):
                         "| 0/3 | s0 0.75, s1 0.50, s2 1.00 | yes | - |")
     assert lines[5] == ("| mixed | s0 2.9000, s1 3.2500, s2 3.2000 | s0 -0.1000, s1 +0.0500, s2 +0.3000 | +0.0833 "
                         "| 1/3 | s0 1.50, s1 0.50, s2 -0.50 | no | - |")
+    # unified minus baseline at each evaluation (runs() puts each val_loss 1.0 higher at step 10)
+    assert gap.read_text().splitlines() == ["| step | s0 | s1 | s2 | mean |", "|---:|---:|---:|---:|---:|",
+                                            "| 10 | +0.2000 | +0.1000 | +0.2000 | +0.1667 |",
+                                            "| 20 | +0.2000 | +0.1000 | +0.2000 | +0.1667 |"]
 
 
 def test_a_group_missing_a_seed_is_refused(tmp_path):
@@ -50,3 +55,11 @@ def test_a_group_missing_a_seed_is_refused(tmp_path):
     done = run_main(load_script(REPO / "scripts" / "arm_report.py").main, tmp_path / "t.md", "--baseline", base,
                     "--unified", uni, short)
     assert done.returncode == 1 and "short lacks seed(s) [1] that the baseline has" in done.stderr
+
+
+def test_runs_evaluated_at_other_steps_are_refused_over_training(tmp_path):
+    base = runs(tmp_path, "base", {0: 3.0})
+    write_run(tmp_path, "uni-s0", {"seed": 0}, [{"step": 15, "tokens": 150, "val_loss": 3.1}])
+    done = run_main(load_script(REPO / "scripts" / "arm_report.py").main, tmp_path / "t.md", "--baseline", base,
+                    "--unified", str(tmp_path / "uni"), "--over-training", tmp_path / "gap.md")
+    assert done.returncode == 1 and "evaluated at different steps ([10, 20] and [15])" in done.stderr
