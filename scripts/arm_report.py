@@ -12,7 +12,9 @@ unified (a group counts as closing the gap where the share is at least 0.5 on ev
 them, from the last diagnostics record (train.diagnostics_every), the RMS of the final norm's scale
 (which sets the tied head's logits) averaged over seeds. A group lacking a seed the baseline has is an
 error: no seed is dropped silently. --over-training writes when the gap opens: at every evaluation of
-the runs, unified's val_loss minus the baseline's on each seed, and their mean.
+the runs, unified's val_loss minus the baseline's on each seed, and their mean; then at every
+diagnostics record, the final norm's scale and its update ratio (the step's change over the scale, RMS)
+of both groups, averaged over seeds.
 """
 
 import argparse
@@ -24,6 +26,7 @@ from scalevec_analysis import load_run_dir, metric_curve
 from scalevec_train.training.logger import read_records
 
 FINAL_SCALE = "diag/final_norm.sites.final/scale_rms"
+FINAL_UPDATE = "diag/final_norm.sites.final/scale_update_ratio"
 
 
 def seeds_of(prefix: str) -> dict[int, Path]:
@@ -66,7 +69,23 @@ def over_training(base_runs: dict[int, Path], uni_runs: dict[int, Path]) -> str:
     for step in steps:
         gaps = [curves[s][step] for s in seeds]
         lines.append(f"| {step} | " + " | ".join(f"{g:+.4f}" for g in gaps) + f" | {statistics.fmean(gaps):+.4f} |")
+    diags = [final_norm_over_training(runs[s]) for runs in (base_runs, uni_runs) for s in seeds]
+    common = sorted(set.intersection(*(set(d) for d in diags)))
+    if common:
+        lines += ["", "| step | final norm scale, baseline | unified | update ratio, baseline | unified |",
+                  "|---:|---:|---:|---:|---:|"]
+        for step in common:
+            means = [statistics.fmean(d[step][i] for d in group) for i in (0, 1)
+                     for group in (diags[:len(seeds)], diags[len(seeds):])]
+            lines.append(f"| {step} | {means[0]:.3f} | {means[1]:.3f} | {means[2]:.1e} | {means[3]:.1e} |")
     return "\n".join(lines) + "\n"
+
+
+def final_norm_over_training(run_dir: Path) -> dict[int, tuple[float, float]]:
+    """{step: (final norm's scale RMS, its update ratio)} at each diagnostics record (a resumed run's
+    repeated steps: the last record)."""
+    return {r["step"]: (r[FINAL_SCALE], r[FINAL_UPDATE]) for r in read_records(run_dir / "metrics.jsonl")
+            if FINAL_SCALE in r and FINAL_UPDATE in r}
 
 
 def row(name: str, runs: dict[int, Path], base: dict[int, float], uni: dict[int, float]) -> str:

@@ -238,6 +238,8 @@ ARMS
         dense-l3-unified-adamw-lr0.003-scale_lr$scale_lr
     done
     report l3_adamw_lr0.003 dense-l3-baseline-adamw-lr0.003 dense-l3-unified-adamw-lr0.003
+    # unified without IWD at its pick: its final norm's scale over training beside the baseline's
+    report l3_adamw_no_iwd dense-l3-baseline-adamw-lr0.003 dense-l3-unified-adamw-lr0.01-weight_decay.none
     report l3_muon dense-l3-baseline-muon-lr0.01 dense-l3-unified-muon-lr0.01 \
       dense-l3-baseline-muon-lr0.01-adamw_lr0.003 dense-l3-unified-muon-lr0.01-adamw_lr0.003
     report l3_muon_adamw_lr0.003 dense-l3-baseline-muon-lr0.01-adamw_lr0.003 dense-l3-unified-muon-lr0.01-adamw_lr0.003

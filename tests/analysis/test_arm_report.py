@@ -6,6 +6,7 @@ group missing a seed is refused."""
 from tests.helpers import REPO, load_script, run_main, run_script, write_run
 
 FINAL = "diag/final_norm.sites.final/scale_rms"
+UPDATE = "diag/final_norm.sites.final/scale_update_ratio"
 
 
 def runs(root, name, terminal: dict[int, float], final_scale: dict[int, float] | None = None) -> str:
@@ -15,7 +16,8 @@ def runs(root, name, terminal: dict[int, float], final_scale: dict[int, float] |
                 {"step": 20, "tokens": 200, "val_loss": value, "loss": value + 0.1}]
         if final_scale is not None:
             rows[1][FINAL] = final_scale[seed]
-            rows[0][FINAL] = 9.0  # not the last record: ignored
+            rows[0][FINAL] = 9.0  # not the last record: ignored by the table
+            rows[0][UPDATE], rows[1][UPDATE] = 1e-3 * (seed + 1), 2e-4
         write_run(root, f"{name}-s{seed}", {"seed": seed, "scale": {"name": name}}, rows)
     return str(root / name)
 
@@ -44,7 +46,12 @@ def test_differences_gap_shares_and_the_final_scale(tmp_path):
     # unified minus baseline at each evaluation (runs() puts each val_loss 1.0 higher at step 10)
     assert gap.read_text().splitlines() == ["| step | s0 | s1 | s2 | mean |", "|---:|---:|---:|---:|---:|",
                                             "| 10 | +0.2000 | +0.1000 | +0.2000 | +0.1667 |",
-                                            "| 20 | +0.2000 | +0.1000 | +0.2000 | +0.1667 |"]
+                                            "| 20 | +0.2000 | +0.1000 | +0.2000 | +0.1667 |", "",
+                                            "| step | final norm scale, baseline | unified | update ratio, baseline "
+                                            "| unified |", "|---:|---:|---:|---:|---:|",
+                                            # the seeds' mean: (1 + 2 + 3)e-3 / 3
+                                            "| 10 | 9.000 | 9.000 | 2.0e-03 | 2.0e-03 |",
+                                            "| 20 | 2.167 | 0.900 | 2.0e-04 | 2.0e-04 |"]
 
 
 def test_a_group_missing_a_seed_is_refused(tmp_path):
