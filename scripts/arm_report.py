@@ -95,7 +95,8 @@ def row(name: str, runs: dict[int, Path], base: dict[int, float], uni: dict[int,
     seeds = sorted(base)
     loss = {s: terminal(runs[s]) for s in seeds}
     delta = {s: loss[s] - base[s] for s in seeds}
-    closed = {s: (uni[s] - loss[s]) / (uni[s] - base[s]) if uni[s] != base[s] else float("nan") for s in seeds}
+    # + 0.0: a share of nothing over a negative gap is -0.0, printed "-0.00"
+    closed = {s: (uni[s] - loss[s]) / (uni[s] - base[s]) + 0.0 if uni[s] != base[s] else float("nan") for s in seeds}
     scales = [v for v in (final_scale(runs[s]) for s in seeds) if v is not None]
     cells = [name, ", ".join(f"s{s} {loss[s]:.4f}" for s in seeds),
              ", ".join(f"s{s} {delta[s]:+.4f}" for s in seeds), f"{statistics.fmean(delta.values()):+.4f}",

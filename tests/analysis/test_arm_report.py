@@ -70,3 +70,13 @@ def test_runs_evaluated_at_other_steps_are_refused_over_training(tmp_path):
     done = run_main(load_script(REPO / "scripts" / "arm_report.py").main, tmp_path / "t.md", "--baseline", base,
                     "--unified", str(tmp_path / "uni"), "--over-training", tmp_path / "gap.md")
     assert done.returncode == 1 and "evaluated at different steps ([10, 20] and [15])" in done.stderr
+
+
+def test_unified_below_the_baseline_closes_none_of_its_own_gap(tmp_path):
+    """A seed where unified is lower: its own share is 0 (the division gives -0.0, written "-0.00")."""
+    base = runs(tmp_path, "base", {0: 3.0})
+    uni = runs(tmp_path, "uni", {0: 2.9})
+    done = run_main(load_script(REPO / "scripts" / "arm_report.py").main, tmp_path / "t.md", "--baseline", base,
+                    "--unified", uni)
+    assert done.returncode == 0, done.stderr
+    assert "| uni | s0 2.9000 | s0 -0.1000 | -0.1000 | 1/1 | s0 0.00 | no | - |" in done.stdout
