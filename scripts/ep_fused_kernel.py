@@ -24,7 +24,6 @@ import tests.parallel.test_expert_parallel as ep  # noqa: E402
 FUSED = {"fused-unified": ["scale=unified", "scale.per_expert=true", "optim=adamw", "model.kernels=triton"],
          "fused-baseline": ["scale=baseline", "optim=adamw", "model.kernels=triton"]}
 ep.CASES.update(FUSED)
-ep.STEPS = int(os.environ.get("EP_FUSED_STEPS", ep.STEPS))
 
 
 def main() -> int:
@@ -33,9 +32,7 @@ def main() -> int:
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("set TRITON_INTERPRET=1: on a CPU the kernels run in Triton's interpreter")
-    ep.STEPS = args.steps
-    os.environ["EP_FUSED_STEPS"] = str(args.steps)  # for the ranks' import
-    root = ep.launch(Path(tempfile.mkdtemp()) / "two", 2, list(FUSED))
+    root = ep.launch(Path(tempfile.mkdtemp()) / "two", 2, list(FUSED), steps=args.steps)
     for name in FUSED:
         _, want = ep.check(root, name, 2)
         print(f"{name}: {args.steps} steps as one process does; losses {[round(x, 4) for x in want['loss']]}")

@@ -161,8 +161,8 @@ def build(name: str, ep: int, world: int) -> tuple[Config, Transformer]:
 
 
 def train(name: str, ep: int, world: int, rank: int | None, forced: list[dict] | None = None,
-          dtype: torch.dtype = torch.float32) -> dict:
-    """STEPS steps of case `name`: on this rank of a group (its part of every batch), or (rank None) on
+          dtype: torch.dtype = torch.float32, steps: int = STEPS) -> dict:
+    """`steps` steps of case `name`: on this rank of a group (its part of every batch), or (rank None) on
     one process accumulating all `world` parts, from the parameters `forced` gives for each step if given
     (another run's: fp32 rounding, amplified by the optimizers, makes two runs drift apart by a few 1e-6
     in 20 steps, so each step is compared from the same point). The losses, gradient norms, every
@@ -176,17 +176,17 @@ def train(name: str, ep: int, world: int, rank: int | None, forced: list[dict] |
         cfg, model = build(name, ep, world if rank is not None else 1)
     model = model.to(dtype)
     whole = Whole(model)
-    batches = [global_batch(step, world) for step in range(STEPS)]
+    batches = [global_batch(step, world) for step in range(steps)]
     micro = ([part(b, rank)] if rank is not None else [part(b, r) for r in range(world)] for b in batches)
     capture = Capture(whole)
     accum = 1 if rank is not None else world
     trainer = Trainer(model, build_optimizer(model, cfg.optim), ListLoader([m for ms in micro for m in ms]),
-                      Schedule(steps=STEPS, lr_at=lambda step: 1.0, log_every=1),
+                      Schedule(steps=steps, lr_at=lambda step: 1.0, log_every=1),
                       StepRecipe(accum=accum, tokens_per_step=world * MICRO * SEQ, grad_clip=CLIP,
                                  z_loss_coef=Z_LOSS, documents=True),
                       Compute(torch.device("cpu"), nullcontext), [capture])
     losses, norms, after = [], [], []
-    for step in range(STEPS):
+    for step in range(steps):
         if forced is not None:
             with torch.no_grad():
                 for n, p in model.named_parameters():
@@ -230,16 +230,16 @@ def measure_all_to_all(name: str, world: int, rank: int) -> float:
     return counted.sent
 
 
-def _rank(rank: int, world: int, store: str, out: str, names: list[str]) -> None:
+def _rank(rank: int, world: int, store: str, out: str, names: list[str], steps: int) -> None:
     with gloo_group(store, rank, world):
         for name in names:
-            torch.save(train(name, 2, world, rank), f"{out}/{name}-rank{rank}.pt")
+            torch.save(train(name, 2, world, rank, steps=steps), f"{out}/{name}-rank{rank}.pt")
         torch.save(measure_all_to_all(TRAFFIC, world, rank), f"{out}/traffic-rank{rank}.pt")
 
 
-def launch(root: Path, world: int, names: list[str]) -> Path:
+def launch(root: Path, world: int, names: list[str], steps: int = STEPS) -> Path:
     root.mkdir()
-    spawn(_rank, (world, str(root / "store"), str(root), names), nprocs=world)
+    spawn(_rank, (world, str(root / "store"), str(root), names, steps), nprocs=world)
     return root
 
 
@@ -314,7 +314,7 @@ def assert_same_run(got: dict, want: dict, name: str) -> None:
     assert got["loss"] == pytest.approx(want["loss"], rel=REL, abs=0)
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=REL, abs=0)
     magnitude, noise = magnitudes(name)
-    for step in range(STEPS):
+    for step in range(len(want["loss"])):
         assert_grads(got["grads"][step], want["grads"][step], magnitude, want["grad_norm"][step],
                      f"gradients of step {step}")
         # the optimizer's step from the same point and nearly the same gradients: Adam divides them by
@@ -334,7 +334,7 @@ def assert_same_run(got: dict, want: dict, name: str) -> None:
 def reference(run: dict, name: str, world: int) -> dict:
     """The one-process run of `name` forced through `run`'s parameters; its first step starts from its
     own initialization, which must be the run's."""
-    want = train(name, 1, world, None, forced=run["params"])
+    want = train(name, 1, world, None, forced=run["params"], steps=len(run["params"]))
     for n, value in want["params"][0].items():
         assert torch.equal(run["params"][0][n], value), n
     return want
@@ -376,7 +376,7 @@ def test_each_gradient_is_as_close_to_the_exact_one_as_one_process_gets(two_rank
     runs, want = check(two_ranks, TRAFFIC, 2)
     exact = train(TRAFFIC, 1, 2, None, forced=runs[0]["params"], dtype=torch.float64)
     magnitude, _ = magnitudes(TRAFFIC)
-    for step in range(STEPS):
+    for step in range(len(exact["loss"])):
         for n, value in exact["grads"][step].items():
             if n not in magnitude:
                 ours, one = (relative(run["grads"][step][n].double(), value) for run in (runs[0], want))
