@@ -32,13 +32,6 @@ def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def _selective_contexts():
-    # Selective checkpointing matches each op of the recomputation to the forward's by its count. The
-    # profiler's annotations are not computation, and FSDP's hooks make others in a recomputation: a module
-    # sharded on its own inside a block (the experts under expert parallelism) opens an extra
-    # "FSDP::root_pre_forward" there. Ignored as torch ignores detach (pytorch/pytorch#196862 proposes the
-    # same); torch's set is process-wide, so it changes only in a process that checkpoints selectively.
-    torch.utils.checkpoint.SAC_IGNORED_OPS |= {torch.ops.profiler._record_function_enter_new.default,
-                                              torch.ops.profiler._record_function_exit._RecordFunction}
     return create_selective_checkpoint_contexts(_keep_matmuls)
 
 
@@ -59,6 +52,15 @@ def wrap_block(block: nn.Module, ac: str, compile_block: bool, fullgraph: bool =
         def forward(*args):
             return checkpoint(inner, *args, use_reentrant=False)
     elif ac == "selective":
+        # Selective checkpointing matches each op of the recomputation to the forward's by its count. The
+        # profiler's annotations are not computation, and FSDP's hooks make others in a recomputation: a
+        # module sharded on its own inside a block (the experts under expert parallelism) opens an extra
+        # "FSDP::root_pre_forward" there. Ignored as torch ignores detach (pytorch/pytorch#196862 proposes
+        # the same); torch's set is process-wide, so it changes only in a process that checkpoints
+        # selectively, once per block wrapped, not per step.
+        torch.utils.checkpoint.SAC_IGNORED_OPS |= {torch.ops.profiler._record_function_enter_new.default,
+                                                  torch.ops.profiler._record_function_exit._RecordFunction}
+
         def forward(*args):
             return checkpoint(inner, *args, use_reentrant=False, context_fn=_selective_contexts)
     else:
