@@ -20,6 +20,7 @@ of both groups, averaged over seeds.
 import argparse
 import re
 import statistics
+from functools import cache
 from pathlib import Path
 
 from scalevec_analysis import load_run_dir, metric_curve
@@ -44,8 +45,13 @@ def terminal(run_dir: Path) -> float:
     return float(metric_curve(load_run_dir(str(run_dir)), "val_loss")[1][-1])
 
 
+@cache  # a run's records serve its row, its gap over training and its diagnostics: read once
+def records(run_dir: Path) -> list[dict]:
+    return read_records(run_dir / "metrics.jsonl")
+
+
 def final_scale(run_dir: Path) -> float | None:
-    values = [r[FINAL_SCALE] for r in read_records(run_dir / "metrics.jsonl") if FINAL_SCALE in r]
+    values = [r[FINAL_SCALE] for r in records(run_dir) if FINAL_SCALE in r]
     return values[-1] if values else None
 
 
@@ -54,7 +60,7 @@ def over_training(base_runs: dict[int, Path], uni_runs: dict[int, Path]) -> str:
     seeds = sorted(base_runs)
     curves = {}
     for s in seeds:
-        base, uni = ({r["step"]: r["val_loss"] for r in read_records(d / "metrics.jsonl") if "val_loss" in r}
+        base, uni = ({r["step"]: r["val_loss"] for r in records(d) if "val_loss" in r}
                      for d in (base_runs[s], uni_runs[s]))
         if base.keys() != uni.keys():
             raise SystemExit(f"error: seed {s}'s baseline and unified runs were evaluated at different steps "
@@ -84,7 +90,7 @@ def over_training(base_runs: dict[int, Path], uni_runs: dict[int, Path]) -> str:
 def final_norm_over_training(run_dir: Path) -> dict[int, tuple[float, float]]:
     """{step: (final norm's scale RMS, its update ratio)} at each diagnostics record (a resumed run's
     repeated steps: the last record)."""
-    return {r["step"]: (r[FINAL_SCALE], r[FINAL_UPDATE]) for r in read_records(run_dir / "metrics.jsonl")
+    return {r["step"]: (r[FINAL_SCALE], r[FINAL_UPDATE]) for r in records(run_dir)
             if FINAL_SCALE in r and FINAL_UPDATE in r}
 
 
