@@ -13,6 +13,12 @@
 #                                        and dense-l1 at swapped LRs (3 seeds each, trunks
 #                                        to 10 tokens per parameter); runs to runs/adamw_l3/, tables to
 #                                        docs/results/adamw_l3/
+#   bash scripts/run_study.sh lr_ladder  the ladder at each arm's own best LR per rung (issue 47): AdamW's
+#                                        grid on dense-l1..l3 (sites at optim.scale_lr=0.01; 2 seeds, a
+#                                        third where needed; the sites' LR either side of the pick), then
+#                                        3 seeds with WSD branches at each pick; Muon's grid on one seed
+#                                        (scripts/lr_grid.py); runs to runs/lr_ladder/, tables to
+#                                        docs/results/lr_ladder/
 #   bash scripts/run_study.sh ladder_grid_l3 ["adamw muon"]  the ladder's LR grid again on
 #                                        dense-l3 (both strategies of the optimizers named, seed 0), then
 #                                        each arm at its dense-l3 pick with 3 seeds (trunks), to
@@ -134,6 +140,26 @@ ladder() {  # optimizers out [jobs]: the ladder of both strategies under each op
   done
 }
 study800_jobs() { echo study800_run baseline $1; echo study800_run unified $1; }  # seed: the 5x-budget check
+grid_worker() {  # root parts...: trains scripts/lr_grid.py's queue of runs until none is left
+  local root=$1 rc job rung dir args
+  shift
+  while :; do
+    rc=0
+    job=$($PY scripts/lr_grid.py next "$root" $BASHPID "$@") || rc=$?
+    case $rc in 0) ;; 3) sleep 20; continue ;; 4) return 0 ;; *) return 1 ;; esac
+    read -r rung dir args <<<"$job"
+    rc=0
+    $PY -m scalevec_train.train +experiment=ladder model=$rung $(rung_args $rung) $args \
+      > "${root}_logs/$(basename "$dir").log" 2>&1 || rc=$?
+    $PY scripts/lr_grid.py done "$root" "$dir" $rc || return 1
+  done
+}
+grid_pool() {  # root parts...: two workers on one queue
+  local a b
+  grid_worker "$@" & a=$!
+  grid_worker "$@" & b=$!
+  wait $a && wait $b
+}
 
 case ${1:-main} in
   main)
@@ -268,8 +294,25 @@ ARMS
     $PY scripts/ladder_report.py table docs/results/ladder/terminal_l3_picks.md \
       $(echo "$picks" | while read -r scale optim lr; do ls -d $L/dense-l3-$scale-$optim-lr$lr-tpp10.0-s[012]; done)
     ;;
+  lr_ladder)
+    # Issue 47: every arm's LR grid on every rung (AdamW with the sites at optim.scale_lr=0.01, 2 seeds, a
+    # third where the two best are within the seeds' spread, then the sites' LR either side; Muon on one
+    # seed), then AdamW's ladder at each arm's per-rung pick (3 seeds, WSD branches)
+    L=runs/lr_ladder
+    out=docs/results/lr_ladder
+    grid_pool $L adamw muon
+    $PY scripts/lr_grid.py report $L $out adamw muon
+    for d in $(cat $out/adamw_final.txt); do
+      case $d in *-tpp10-s*) echo task_run $d ;; esac
+    done | on_two_workers
+    $PY scripts/ladder_report.py table $out/terminal.md $(cat $out/adamw_final.txt)
+    for metric in val_loss val_bpb; do
+      $PY scripts/compare_runs.py $(cat $out/adamw_final.txt) --efficiency --reference scale=baseline \
+        --ignore optim.lr --ignore optim.scale_lr --metric $metric --out $out/efficiency_adamw_$metric
+    done
+    ;;
   *)
-    echo "error: unknown part '$1'. Fix: use main (the default), lr_sweep, ladder, adamw_l3 or ladder_grid_l3." >&2
+    echo "error: unknown part '$1'. Fix: use main (the default), lr_sweep, ladder, adamw_l3, ladder_grid_l3 or lr_ladder." >&2
     exit 2
     ;;
 esac
