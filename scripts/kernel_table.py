@@ -62,8 +62,8 @@ def _shape(model_cfg) -> tuple:
     return tuple((k, repr(v)) for k, v in sorted(vars(model_cfg).items()) if k not in skip)
 
 
-def _capture_model(model_cfg, scale_cfg, weight_grads: bool = False) -> list[aot.Variant]:
-    """The variants one model makes, forward and backward in fp32 and under bf16 autocast; [] for a
+def _capture_model(model_cfg, scale_cfg, weight_grads: bool = False) -> aot.Launches:
+    """The launches one model makes, forward and backward in fp32 and under bf16 autocast; none for a
     combination the framework refuses (e.g. dp on a preset with QK-norm). The weights stay uninitialized:
     the kernels write nothing under capture, so no value matters. The maps' weights take no gradient
     unless `weight_grads`: no kernel reads one, and writing them was half the capture's time; the scale
@@ -71,7 +71,7 @@ def _capture_model(model_cfg, scale_cfg, weight_grads: bool = False) -> list[aot
     try:
         model = Transformer(model_cfg, scale_cfg)
     except ScalevecError:
-        return []
+        return aot.Launches()
     if not weight_grads:
         keep = set(model.plan.site_parameters()) | {"tok_emb.weight"}
         for name, p in model.named_parameters():
@@ -83,17 +83,19 @@ def _capture_model(model_cfg, scale_cfg, weight_grads: bool = False) -> list[aot
                 logits = model(tokens)
                 aux = model.auxiliary_loss()
             (logits.float().sum() + (0 if aux is None else aux)).backward()
-    return launches.variants
+    return launches
 
 
-def preset_launches(presets=PRESETS) -> dict[aot.Variant, list[str]]:
-    """Every distinct variant the presets launch, with the presets that launch it."""
+def preset_launches(presets=PRESETS) -> tuple[dict[aot.Variant, list[str]], dict[aot.Variant, set[int]]]:
+    """Every distinct variant the presets launch, with the presets that launch it, and the row widths
+    (the kernels' N) it is launched with."""
     # Composed once each: a preset's model and a strategy's scales are independent parts of the config.
     models = {p: compose_config([f"model={p}", *CHEAP], 1).model for p in presets}
     scales = {name: compose_config(["model=moe-tiny", *overrides, *CHEAP], 1).scale
               for name, overrides in STRATEGIES.items()}
     users: dict[aot.Variant, list[str]] = {}
-    done: dict[tuple, list[aot.Variant]] = {}
+    widths: dict[aot.Variant, set[int]] = {}
+    done: dict[tuple, aot.Launches] = {}
     for preset, model_cfg in models.items():
         for name, scale_cfg in scales.items():
             if scale_cfg.per_expert and model_cfg.moe is None:
@@ -101,11 +103,12 @@ def preset_launches(presets=PRESETS) -> dict[aot.Variant, list[str]]:
             key = (_shape(model_cfg), name)
             if key not in done:
                 done[key] = _capture_model(model_cfg, scale_cfg)
-            for variant in done[key]:
+            for variant in done[key].variants:
                 users.setdefault(variant, [])
+                widths.setdefault(variant, set()).update(done[key].widths[variant])
                 if preset not in users[variant]:
                     users[variant].append(preset)
-    return users
+    return users, widths
 
 
 def _sources_hash() -> str:
@@ -121,15 +124,15 @@ def _sources_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def cached_preset_launches(cache: Path = CACHE) -> dict[aot.Variant, list[str]]:
+def cached_preset_launches(cache: Path = CACHE) -> tuple[dict[aot.Variant, list[str]], dict[aot.Variant, set[int]]]:
     """preset_launches() of all presets, read from `cache` when nothing it depends on changed."""
     path = cache / f"launches-{_sources_hash()}.pkl"
     if path.exists():
         return pickle.loads(path.read_bytes())
-    users = preset_launches()
+    found = preset_launches()
     cache.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(pickle.dumps(users))
-    return users
+    path.write_bytes(pickle.dumps(found))
+    return found
 
 
 def limit_launches() -> list[aot.Variant]:
@@ -165,7 +168,7 @@ def describe(variant: aot.Variant) -> tuple[str, str, str, str]:
 def compile_all(variants, ccs, cache: Path = CACHE) -> dict[tuple[aot.Variant, int], aot.Usage]:
     """Each variant's usage per architecture; compiled results are kept in `cache` by the variant's
     cache key (which changes with the kernel's source), on top of Triton's own compile cache."""
-    path = cache / "usage.json"
+    path = cache / "usage-sass.json"
     known = json.loads(path.read_text()) if path.exists() else {}
     out = {}
     for v in variants:
@@ -175,7 +178,7 @@ def compile_all(variants, ccs, cache: Path = CACHE) -> dict[tuple[aot.Variant, i
                 known[key] = dataclasses.asdict(aot.compile_variant(v, cc))
                 cache.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(known))  # each result kept at once: compiling all takes minutes
-            out[v, cc] = aot.Usage(**known[key])
+            out[v, cc] = aot.Usage.from_json(known[key])
     return out
 
 
@@ -217,7 +220,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import triton
 
-    users = cached_preset_launches() if args.presets == PRESETS else preset_launches(args.presets)
+    users, _ = cached_preset_launches() if args.presets == PRESETS else preset_launches(args.presets)
     limits = {v: [] for v in limit_launches() if v not in users}
     usage = compile_all(list(users) + list(limits), args.cc)
     print(f"Triton {triton.__version__}, compiled for {', '.join(f'sm_{cc}' for cc in args.cc)}, "

@@ -12,7 +12,8 @@ constexprs and num_warps. The kernels' outputs under capture are left unwritten 
 workload's numbers are meaningless but its shapes, dtypes, and so its launches, are the real ones.
 
 Registers and the per-thread local frame (bytes a thread spills to local memory) come from the cubin
-(cuobjdump -res-usage, bundled with triton), shared memory from the compiled kernel's metadata.
+(cuobjdump -res-usage, bundled with triton), shared memory from the compiled kernel's metadata, and the
+global loads and stores with the batches of loads a warp keeps in flight from its SASS (sass.py).
 """
 
 import contextlib
@@ -26,7 +27,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 
-from . import backend
+from . import backend, sass
 from .errors import KernelError
 
 # Per architecture (compute capability): shared memory one block may use, and per SM.
@@ -55,6 +56,15 @@ class Variant:
     packed: tuple = dataclasses.field(compare=False, repr=False)
 
     @property
+    def params(self) -> list[str | None]:
+        """The compiled kernel's parameters in order (the arguments that are not compile-time constants),
+        by name for pointers, None for scalars: what sass.analyze takes."""
+        return [name if kind.startswith("*") else None for name, kind in self.signature if kind != "constexpr"]
+
+    def constexpr(self, name: str):
+        return dict(self.constexprs)[name]
+
+    @property
     def fn(self):
         """The kernel's JITFunction (looked up by name, so that a variant pickles)."""
         module, name = self.kernel.split(".")
@@ -76,6 +86,17 @@ class Usage:
     registers: int
     spill_bytes: int
     shared_bytes: int
+    # From the SASS: each global access as (kind, argument, bytes per lane), in program order, and the
+    # batches of loads in flight together as indices into `accesses` (see sass.py)
+    accesses: tuple[tuple[str, str | None, int], ...] = ()
+    batches: tuple[tuple[int, ...], ...] = ()
+
+    @classmethod
+    def from_json(cls, fields: dict) -> "Usage":
+        fields = dict(fields)
+        fields["accesses"] = tuple(tuple(a) for a in fields.get("accesses", ()))
+        fields["batches"] = tuple(tuple(b) for b in fields.get("batches", ()))
+        return cls(**fields)
 
     def blocks_per_sm(self, num_warps: int) -> int:
         per_warp = -(-self.registers * 32 // _REGISTER_UNIT) * _REGISTER_UNIT
@@ -103,6 +124,8 @@ class Launches:
 
     def __init__(self):
         self._seen: dict[Variant, None] = {}
+        # The row widths (the kernel's N argument) each variant was launched with
+        self.widths: dict[Variant, set[int]] = {}
 
     @property
     def variants(self) -> list[Variant]:
@@ -121,6 +144,7 @@ class Launches:
             maxnreg=options.maxnreg,
             packed=(signature, constexprs, attrs))
         self._seen.setdefault(variant)
+        self.widths.setdefault(variant, set()).add(bound["N"])
 
 
 class _Recorder:
@@ -205,5 +229,9 @@ def compile_variant(variant: Variant, cc: int) -> Usage:
         report = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True,
                                 check=True).stdout
     fields = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", report))
+    code = sass.analyze(kernel.asm["cubin"], variant.params, cc, _cuobjdump())
+    index = {id(a): i for i, a in enumerate(code.accesses)}
     return Usage(cc=cc, registers=int(fields["REG"]), spill_bytes=int(fields["STACK"]) + int(fields["LOCAL"]),
-                 shared_bytes=kernel.metadata.shared)
+                 shared_bytes=kernel.metadata.shared,
+                 accesses=tuple((a.kind, a.arg, a.width) for a in code.accesses),
+                 batches=tuple(tuple(index[id(a)] for a in batch) for batch in code.batches))

@@ -22,6 +22,9 @@ from .errors import KernelError
 MAX_SCALES = 4
 MAX_FEATURES = 16384
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The kernels' [rows, N] arguments: the large tensors the memory model counts (traffic.py)
+ROW_ARGS = {"_fwd_kernel": ("X", "R", "H", "Y0", "Y1", "Y2", "Y3"),
+            "_bwd_kernel": ("X", "DH", "DX", "DY0", "DY1", "DY2", "DY3")}
 
 
 def rms_norm_scales_reference(x: Tensor, scales: list[Tensor | None], eps: float,

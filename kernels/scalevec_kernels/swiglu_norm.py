@@ -27,6 +27,8 @@ from .errors import KernelError
 # The forward holds whole rows of G and U in registers.
 MAX_FEATURES = 16384
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The kernels' [rows, F] arguments: the large tensors the memory model counts (traffic.py)
+ROW_ARGS = {"_fwd_kernel": ("G", "U", "OUT"), "_bwd_kernel": ("DOUT", "G", "U", "DG", "DU")}
 
 
 def swiglu_norm_reference(gate: Tensor, up: Tensor, gate_scale: Tensor | None, up_scale: Tensor | None,
