@@ -15,7 +15,8 @@ in head_rms_norm.py indexes a full-width [H, D] scale.
 import torch
 from torch import Tensor
 
-from .backend import INTERPRETED, MAX_REGISTERS, backward_tile, resident_programs, tile, tl, triton, use_triton
+from .backend import (INTERPRETED, MAX_REGISTERS, MAX_WARPS, backward_per_thread, chunked_tile, resident_programs, tile,
+                      tl, triton, use_triton)
 from .errors import KernelError
 
 # One pointer argument per output/scale slot in the kernels; the forward holds whole rows in registers.
@@ -125,13 +126,16 @@ if triton is not None:
                 proj = proj / N
                 for n0 in range(0, N, BLOCK_N):
                     chunk = n0 + cols
-                    normed, dn, dy0, dy1, dy2, dy3 = _bwd_chunk(X, DY0, DY1, DY2, DY3, S0, S1, S2, S3, rows,
-                                                                row_ok, rstd, chunk, N, g, K, SCALED)
                     mask = row_ok[:, None] & (chunk < N)[None, :]
                     offs = rows[:, None] * N + chunk[None, :]
+                    # Issued with the chunk's other loads (before any arithmetic waits for them).
+                    if HAS_DH:
+                        dh = tl.load(DH + offs, mask=mask, other=0.0)
+                    normed, dn, dy0, dy1, dy2, dy3 = _bwd_chunk(X, DY0, DY1, DY2, DY3, S0, S1, S2, S3, rows,
+                                                                row_ok, rstd, chunk, N, g, K, SCALED)
                     dx = (dn - normed * proj[:, None]) * rstd[:, None]
                     if HAS_DH:
-                        dx += tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
+                        dx += dh.to(tl.float32)
                     tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
                     dys = (dy0, dy1, dy2, dy3)
                     for k in tl.static_range(K):
@@ -167,27 +171,39 @@ if triton is not None:
                 rows = tokens * G + g
                 mask = row_ok[:, None] & col_ok[None, :]
                 offs = rows[:, None] * N + cols[None, :]
+                # Every large load of the tile first, then the arithmetic: the warp has them all in flight
+                # before it first waits (traffic.py counts what it has).
                 rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-                normed = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
-                dy = tl.load(DY0 + offs, mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(X + offs, mask=mask, other=0.0)
+                dy0 = tl.load(DY0 + offs, mask=mask, other=0.0)
+                if K > 1:
+                    dy1 = tl.load(DY1 + offs, mask=mask, other=0.0)
+                if K > 2:
+                    dy2 = tl.load(DY2 + offs, mask=mask, other=0.0)
+                if K > 3:
+                    dy3 = tl.load(DY3 + offs, mask=mask, other=0.0)
+                if HAS_DH:
+                    dh = tl.load(DH + offs, mask=mask, other=0.0)
+                normed = x.to(tl.float32) * rstd[:, None]
+                dy = dy0.to(tl.float32)
                 dn = dy * s0[None, :]
                 acc0 += dy * normed
                 if K > 1:
-                    dy = tl.load(DY1 + offs, mask=mask, other=0.0).to(tl.float32)
+                    dy = dy1.to(tl.float32)
                     dn += dy * s1[None, :]
                     acc1 += dy * normed
                 if K > 2:
-                    dy = tl.load(DY2 + offs, mask=mask, other=0.0).to(tl.float32)
+                    dy = dy2.to(tl.float32)
                     dn += dy * s2[None, :]
                     acc2 += dy * normed
                 if K > 3:
-                    dy = tl.load(DY3 + offs, mask=mask, other=0.0).to(tl.float32)
+                    dy = dy3.to(tl.float32)
                     dn += dy * s3[None, :]
                     acc3 += dy * normed
                 proj = tl.sum(dn * normed, axis=1) / N
                 dx = (dn - normed * proj[:, None]) * rstd[:, None]
                 if HAS_DH:
-                    dx += tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
+                    dx += dh.to(tl.float32)
                 tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
             accs = (acc0, acc1, acc2, acc3)
             for k in tl.static_range(K):
@@ -201,40 +217,45 @@ if triton is not None:
         col_ok = chunk < N
         mask = row_ok[:, None] & col_ok[None, :]
         offs = rows[:, None] * N + chunk[None, :]
-        normed = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
-        dn = tl.zeros_like(normed)
-        dys = (DY0, DY1, DY2, DY3)
+        # The chunk's large loads first, then the arithmetic (as in the whole-row path).
+        x = tl.load(X + offs, mask=mask, other=0.0)
+        dy0 = tl.load(DY0 + offs, mask=mask, other=0.0).to(tl.float32)
+        normed = tl.zeros_like(dy0)
+        dy1 = normed
+        dy2 = normed
+        dy3 = normed
+        if K > 1:
+            dy1 = tl.load(DY1 + offs, mask=mask, other=0.0).to(tl.float32)
+        if K > 2:
+            dy2 = tl.load(DY2 + offs, mask=mask, other=0.0).to(tl.float32)
+        if K > 3:
+            dy3 = tl.load(DY3 + offs, mask=mask, other=0.0).to(tl.float32)
+        normed = x.to(tl.float32) * rstd[:, None]
+        dys = (dy0, dy1, dy2, dy3)
         ss = (S0, S1, S2, S3)
-        dy0 = dn
-        dy1 = dn
-        dy2 = dn
-        dy3 = dn
+        dn = tl.zeros_like(normed)
         for k in tl.static_range(K):
-            dy = tl.load(dys[k] + offs, mask=mask, other=0.0).to(tl.float32)
-            if k == 0:
-                dy0 = dy
-            if k == 1:
-                dy1 = dy
-            if k == 2:
-                dy2 = dy
-            if k == 3:
-                dy3 = dy
+            dy = dys[k]
             if (SCALED >> k) & 1:
                 dy = dy * tl.load(ss[k] + g * N + chunk, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             dn += dy
         return normed, dn, dy0, dy1, dy2, dy3
 
 
-# Elements per tile, forward (whole rows) and backward, and the widest backward tile: longer rows are
-# walked in chunks. The interpreter pays per operation, not per element: larger tiles keep the CPU tests
-# fast (and tests force small chunks to run the chunked path).
-_FWD_TILE, _BWD_TILE, _BWD_CHUNK = (65536, 65536, MAX_FEATURES) if INTERPRETED else (4096, 2048, 4096)
+# Elements per forward tile (whole rows); a backward's tile and widest chunk (None: by the in-flight rule,
+# backend.backward_per_thread; longer rows are walked in chunks). The interpreter pays per operation, not
+# per element: larger tiles keep the CPU tests fast (and tests force small chunks to run the chunked path).
+_FWD_TILE, _BWD_TILE = (65536, 65536) if INTERPRETED else (4096, None)
+_BWD_CHUNK = None
 
 
-def backward_grid(n: int, tokens: int, groups: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, programs per scale row) of the backward; each program writes one
-    fp32 partial per scale gradient."""
-    block_m, block_n, warps = backward_tile(n, _BWD_TILE, _BWD_CHUNK)
+def backward_grid(n: int, tokens: int, groups: int, row_bytes: int,
+                  device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, programs per scale row) of the backward, whose large loads take
+    `row_bytes` per element (x, the K output gradients and the residual's); each program writes one fp32
+    partial per scale gradient."""
+    per_thread = backward_per_thread(row_bytes)
+    block_m, block_n, warps = chunked_tile(n, _BWD_TILE or MAX_WARPS * 32 * per_thread, per_thread, _BWD_CHUNK)
     programs = triton.cdiv(resident_programs(device, warps), groups)
     return block_m, block_n, warps, max(1, min(triton.cdiv(tokens, block_m), programs))
 
@@ -309,7 +330,8 @@ def _bwd_op(grad_ys, grad_h, x, rstd, scales, scaled, groups):
     tokens = x.numel() // n // groups
     if tokens == 0:
         return dx, [d.zero_() for d in ds]
-    block_m, block_n, warps, programs = backward_grid(n, tokens, groups, x.device)
+    row_bytes = x.element_size() + sum(g.element_size() for g in grad_ys) + (grad_h is not None) * x.element_size()
+    block_m, block_n, warps, programs = backward_grid(n, tokens, groups, row_bytes, x.device)
     chunked = block_n < n
     partials = (torch.zeros if chunked else torch.empty)((programs, len(grad_ys), groups, n),
                                                          dtype=torch.float32, device=x.device)

@@ -13,28 +13,23 @@ width the variant is launched with) fits in half the L2. Bytes per call over the
 tensor once) follow from those counts.
 
 In flight: a warp issues its loads and waits at the first instruction that needs one of them (sass.py);
-the large tensors' bytes of the smallest such batch, times the warps resident on an SM (the programs
-an SM holds at once by registers and shared memory, at most what the grid gives it), is what an SM keeps
-in flight. Little's law asks for bandwidth x latency / SMs: 4.8 TB/s (H200's HBM3e, NVIDIA's datasheet;
-3.35 TB/s on an H100 SXM) x 800 ns (the upper end of the 600-800 ns a loaded HBM access takes on
-Hopper; Chips and Cheese measured about 480-500 ns unloaded on an H100 PCIe) / 132 SMs = 29,091 bytes.
-One resident program per SM cannot overlap its own reduction and stores with loads, so at least two are
-asked for as well.
+the large tensors' bytes of the smallest such batch, times the warps resident on an SM (the programs an
+SM holds at once by registers and shared memory, at most what the grid gives it: a forward's grid of one
+program per tile of rows has many per SM at the presets' micro-batches of 16384 tokens and more), is
+what an SM keeps in flight; a row narrower than its tile leaves lanes idle, so it counts its share.
+Little's law asks for backend.IN_FLIGHT_NEEDED (bandwidth x latency / SMs, the figures and their source
+are there: 29,091 bytes for an H200). One resident program per SM cannot overlap its own reduction and
+stores with loads, so at least two are asked for as well.
 """
 
 import dataclasses
 import importlib
-import math
 
 from . import backend
+from .backend import IN_FLIGHT_NEEDED, SMS
 
-SMS = 132
 L2_BYTES = 50 * 2**20  # H100 SXM and H200
-BANDWIDTH, LATENCY = 4.8e12, 800e-9
-IN_FLIGHT_NEEDED = math.ceil(BANDWIDTH * LATENCY / SMS)
 MIN_PROGRAMS_PER_SM = 2
-# Rows a forward launch covers at least: a micro-batch of 16384 tokens (dense-1b at seq 4096, micro-batch 4)
-ROWS = 16384
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -78,7 +73,7 @@ def programs_per_sm(variant, usage) -> int:
     fits = usage.blocks_per_sm(variant.num_warps)
     if variant.kernel.endswith("_bwd_kernel"):
         return min(fits, max(1, backend.WARPS_PER_SM // variant.num_warps))
-    return min(fits, math.ceil(ROWS / variant.constexpr("BLOCK_M") / SMS))
+    return fits
 
 
 def traffic(variant, usage, width: int) -> Traffic:
@@ -101,7 +96,9 @@ def traffic(variant, usage, width: int) -> Traffic:
     moved = sum(off_chip[a] * size[a] for a in reads) + sum(n * size[a] for a, n in writes.items())
     floor = sum(size[a] for a in reads) + sum(size[a] for a in writes)
     batches = [sum(usage.accesses[i][2] for i in batch if usage.accesses[i][1] in size) for batch in usage.batches]
-    batches = [b for b in batches if b]
+    # A row narrower than its (power-of-two) tile: the masked lanes fetch nothing.
+    active = 1.0 if variant.constexpr("BLOCK_N") <= width else width / variant.constexpr("BLOCK_N")
+    batches = [int(b * active) for b in batches if b]
     widths = [w for _, arg, w in usage.accesses if arg in size]
     return Traffic(reads=reads, writes=writes, off_chip_reads=off_chip, bytes_over_floor=moved / floor if floor else 1.0,
                    vector_bytes=min(widths, default=0), warp_bytes=32 * min(batches, default=0),

@@ -80,7 +80,8 @@ def test_widest_rows_do_not_spill_in_the_backward():
 def test_a_spilling_tile_is_caught(monkeypatch):
     """The tiling before issue 27: whole rows of 8192 in one tile of 16 warps (16 elements a thread)
     holding K = 4 accumulators spills, and the check says so."""
-    monkeypatch.setattr(rms_norm, "_BWD_CHUNK", 16384)
+    monkeypatch.setattr(rms_norm, "_BWD_TILE", 8192)
+    monkeypatch.setattr(backend, "MAX_WARPS", 16)
     monkeypatch.setattr(backend, "BACKWARD_PER_THREAD", 16)
     (bwd,) = [v for v in _rms_norm_variants(8192, 4) if v.kernel == "rms_norm._bwd_kernel"]
     assert dict(bwd.constexprs)["BLOCK_N"] == 8192 and bwd.num_warps == 16

@@ -127,10 +127,10 @@ if INTERPRETED:
     def test_interp_chunked_backward_matches_reference(monkeypatch, f, counts, kind):
         """Rows walked in chunks of 32 features (several per row, the last one partial) by tiles of two
         rows over several programs: the path that rows wider than the GPU's chunk take."""
-        monkeypatch.setattr(swiglu_kernels, "_BWD_CHUNK", 32)
+        monkeypatch.setattr(swiglu_kernels, "_CHUNK", 32)
         monkeypatch.setattr(swiglu_kernels, "_BWD_TILE", 64)
         rows = sum(counts)
-        assert swiglu_kernels.backward_grid(f, rows, len(counts), torch.device("cpu"))[1] < f
+        assert swiglu_kernels.backward_grid(f, rows, len(counts), 12, torch.device("cpu"))[1] < f
         gen = torch.Generator().manual_seed(f + rows)
         g, u = (torch.randn(rows, f, generator=gen).requires_grad_() for _ in range(2))
         gate_scale, up_scale, offsets = _case(kind, f, counts, gen)
