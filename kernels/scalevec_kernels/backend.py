@@ -1,5 +1,5 @@
-"""Which implementation runs a call (the Triton kernels or the PyTorch reference), and what the kernel
-files share: the optional triton import, whether triton interprets the kernels, and tile sizes."""
+"""Which implementation runs a call (the Triton kernels or the PyTorch reference: choice.py for `auto` under
+torch.compile), and what the kernel files share: the optional triton import, whether triton interprets the kernels, and tile sizes."""
 
 import functools
 import math
@@ -7,6 +7,7 @@ import math
 import torch
 from torch import Tensor
 
+from . import choice
 from .errors import KernelError
 
 try:
@@ -49,16 +50,21 @@ def check_backend(backend: str, device_type: str) -> None:
                           "triton's interpreter.")
 
 
-def use_triton(backend: str, x: Tensor, misfit: str | None, device_type: str | None = None) -> bool:
-    """Whether a call on x runs the kernels: `auto` takes them when they can, `triton` insists on them.
-    `misfit` says why the call does not fit the kernels, None when it does. `device_type` decides as if x
-    were on that device (aot.capture answers for CUDA on CPU tensors)."""
+def use_triton(backend: str, x: Tensor, misfit: str | None, device_type: str | None = None,
+               shape: tuple | None = None) -> bool:
+    """Whether a call on x runs the kernels: `auto` takes them when they can, except inside torch.compile
+    where the latest GPU visit measured torch.compile's code of the reference faster for the op and
+    `shape` (choice.pick's arguments); `triton` insists on them. `misfit` says why the call does not fit
+    the kernels, None when it does. `device_type` decides as if x were on that device (aot.capture
+    answers for CUDA on CPU tensors)."""
     device_type = (device_type or x.device.type).split(":")[0]
     check_backend(backend, device_type)
     if backend == "torch":
         return False
     if backend == "auto":
-        return misfit is None and device_type == "cuda" and triton is not None
+        if misfit is not None or device_type != "cuda" or triton is None:
+            return False
+        return shape is None or not torch.compiler.is_compiling() or choice.pick(*shape)[0] == "fused"
     if misfit is not None:
         raise KernelError(misfit, f"{_USE_OTHER}.")
     return True

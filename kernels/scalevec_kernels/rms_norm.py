@@ -52,7 +52,7 @@ def rms_norm_scales(x: Tensor, scales: list[Tensor | None] | None, eps: float,
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise KernelError(f"rms_norm_scales: residual {tuple(residual.shape)} {residual.dtype} must match "
                           f"x {tuple(x.shape)} {x.dtype}.", "Pass a residual shaped and typed like x.")
-    if not use_triton(backend, x, misfit(x, len(scales))):
+    if not use_triton(backend, x, misfit(x, len(scales)), shape=("rms_norm", n, len(scales))):
         return rms_norm_scales_reference(x, scales, eps, residual)
     ys, h = fused_forward(x, residual, scales, 1, eps)
     return tuple(ys) if residual is None else (*ys, h)

@@ -62,9 +62,10 @@ def swiglu_norm(gate: Tensor, up: Tensor, gate_scale: Tensor | None, up_scale: T
                 expert_offsets: Tensor | None = None, backend: str = "auto") -> Tensor:
     """silu(u_g * N(gate)) * (u_u * N(up)) over the last dim, in gate's dtype (see the module docstring)."""
     _check(gate, up, gate_scale, up_scale, expert_offsets)
-    if not use_triton(backend, gate, _misfit(gate, gate_scale, up_scale)):
-        return swiglu_norm_reference(gate, up, gate_scale, up_scale, eps, expert_offsets)
     per_expert = any(s is not None and s.dim() == 2 for s in (gate_scale, up_scale))
+    shape = ("swiglu_norm", gate.shape[-1], 1, expert_offsets.numel() if per_expert else 0)
+    if not use_triton(backend, gate, _misfit(gate, gate_scale, up_scale), shape=shape):
+        return swiglu_norm_reference(gate, up, gate_scale, up_scale, eps, expert_offsets)
     out, _ = torch.ops.scalevec.swiglu_norm_fwd(gate, up, gate_scale, up_scale,
                                                 expert_offsets if per_expert else None, eps)
     return out

@@ -124,19 +124,23 @@ if INTERPRETED:
 
     @pytest.mark.parametrize("f,counts,kind", [(200, [40], "shared"), (96, [7, 0, 13, 4], "experts_and_shared"),
                                                (130, [11], "none")])
-    def test_interp_chunked_backward_matches_reference(monkeypatch, f, counts, kind):
+    def test_interp_chunked_rows_match_reference(monkeypatch, f, counts, kind):
         """Rows walked in chunks of 32 features (several per row, the last one partial) by tiles of two
-        rows over several programs: the path that rows wider than the GPU's chunk take."""
+        rows, forward and backward over several programs: the path that rows wider than the GPU's tile
+        take (8192 features: dense-1b's FFN)."""
         monkeypatch.setattr(swiglu_kernels, "_CHUNK", 32)
+        monkeypatch.setattr(swiglu_kernels, "_FWD_TILE", 64)
         monkeypatch.setattr(swiglu_kernels, "_BWD_TILE", 64)
         rows = sum(counts)
         assert swiglu_kernels.backward_grid(f, rows, len(counts), 12, torch.device("cpu"))[1] < f
+        assert swiglu_kernels.forward_tile(f)[:2] == (2, 32)
         gen = torch.Generator().manual_seed(f + rows)
         g, u = (torch.randn(rows, f, generator=gen).requires_grad_() for _ in range(2))
         gate_scale, up_scale, offsets = _case(kind, f, counts, gen)
         leaves = [t for t in (g, u, gate_scale, up_scale) if t is not None]
         got = swiglu_norm(g, u, gate_scale, up_scale, EPS, offsets, backend="triton")
         want = swiglu_norm(g, u, gate_scale, up_scale, EPS, offsets, backend="torch")
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         upstream = torch.randn(got.shape, generator=gen)
         for a, b in zip(grads(got, leaves, upstream), grads(want, leaves, upstream), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
