@@ -148,7 +148,7 @@ def time_impl(make, m: int, n: int, k: int, profiled: list | None = None) -> tup
 def byte_model(m: int, n: int, k: int) -> tuple[int, int]:
     """(forward bytes, backward bytes) of the fused kernels."""
     b = torch.finfo(DTYPE).bits // 8
-    partials = 2 * backward_grid(n, m, 1, (k + 1) * b, torch.device("cuda"))[3] * k * n * 4
+    partials = 2 * backward_grid(n, m, 1, (k + 1) * b, False, torch.device("cuda"))[3] * k * n * 4
     return m * ((1 + k) * n * b + 4), m * ((k + 2) * n * b + 4) + partials
 
 

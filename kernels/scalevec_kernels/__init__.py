@@ -33,8 +33,9 @@ back in its input's dtype):
 backend: "auto" runs the Triton kernels when x is on CUDA and triton imports (and the call fits them:
 rms_norm_scales K <= 4, rows of up to 16384 features, tensors in fp32/bf16/fp16), else the PyTorch
 reference; inside torch.compile it runs the reference (which torch.compile turns into its own code) for
-the ops and shapes where the latest GPU visit measured that faster (choice.py, measured/); "triton" insists on the kernels (on CPU only under TRITON_INTERPRET=1, set before this
-package is imported) and raises KernelError where they cannot run; "torch" is the plain reference.
+the ops and shapes where the latest GPU visit measured that faster (choice.py, measured/); "triton"
+insists on the kernels (on CPU only under TRITON_INTERPRET=1, set before this package is imported)
+and raises KernelError where they cannot run; "torch" is the plain reference.
 Every error of the package is a KernelError (a ValueError): bad backend names, misshapen scales,
 residuals or offsets. Scale reparameterizations (`or`: s = beta * alpha / rms(alpha), `er`) are
 computed by the caller with ordinary torch ops, once per step; autograd carries the kernels' ds on to

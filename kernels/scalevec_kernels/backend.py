@@ -1,5 +1,6 @@
 """Which implementation runs a call (the Triton kernels or the PyTorch reference: choice.py for `auto` under
-torch.compile), and what the kernel files share: the optional triton import, whether triton interprets the kernels, and tile sizes."""
+torch.compile), and what the kernel files share: the optional triton import, whether triton interprets
+the kernels, tile sizes, and the device figures they are sized for."""
 
 import functools
 import math

@@ -15,8 +15,19 @@ in head_rms_norm.py indexes a full-width [H, D] scale.
 import torch
 from torch import Tensor
 
-from .backend import (INTERPRETED, MAX_REGISTERS, MAX_WARPS, backward_per_thread, chunked_tile, resident_programs, tile,
-                      tl, triton, use_triton)
+from .backend import (
+    BACKWARD_PER_THREAD,
+    INTERPRETED,
+    MAX_REGISTERS,
+    MAX_WARPS,
+    backward_per_thread,
+    chunked_tile,
+    resident_programs,
+    tile,
+    tl,
+    triton,
+    use_triton,
+)
 from .errors import KernelError
 
 # One pointer argument per output/scale slot in the kernels; the forward holds whole rows in registers.
@@ -249,15 +260,19 @@ _FWD_TILE, _BWD_TILE = (65536, 65536) if INTERPRETED else (4096, None)
 _BWD_CHUNK = None
 
 
-def backward_grid(n: int, tokens: int, groups: int, row_bytes: int,
-                  device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, programs per scale row) of the backward, whose large loads take
-    `row_bytes` per element (x, the K output gradients and the residual's); each program writes one fp32
-    partial per scale gradient."""
+def backward_grid(n: int, tokens: int, groups: int, row_bytes: int, residual: bool,
+                  device: torch.device) -> tuple[int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, num_warps, programs per scale row, chunked) of the backward, whose large loads
+    take `row_bytes` per element (x, the K output gradients and the residual's); each program writes one
+    fp32 partial per scale gradient. Tiles of 16 elements a thread, and every backward with a residual's
+    gradient, take the chunked path even when one chunk holds the row: without the K [BLOCK_M, BLOCK_N]
+    accumulators ptxas issues all of a tile's loads before it waits (with them, it left the residual's
+    load behind the arithmetic: a warp then had one tensor in flight)."""
     per_thread = backward_per_thread(row_bytes)
     block_m, block_n, warps = chunked_tile(n, _BWD_TILE or MAX_WARPS * 32 * per_thread, per_thread, _BWD_CHUNK)
     programs = triton.cdiv(resident_programs(device, warps), groups)
-    return block_m, block_n, warps, max(1, min(triton.cdiv(tokens, block_m), programs))
+    chunked = block_n < n or per_thread > BACKWARD_PER_THREAD or residual
+    return block_m, block_n, warps, max(1, min(triton.cdiv(tokens, block_m), programs)), chunked
 
 
 def _slots(tensors: list[Tensor | None], fill: Tensor) -> list[Tensor]:
@@ -331,8 +346,8 @@ def _bwd_op(grad_ys, grad_h, x, rstd, scales, scaled, groups):
     if tokens == 0:
         return dx, [d.zero_() for d in ds]
     row_bytes = x.element_size() + sum(g.element_size() for g in grad_ys) + (grad_h is not None) * x.element_size()
-    block_m, block_n, warps, programs = backward_grid(n, tokens, groups, row_bytes, x.device)
-    chunked = block_n < n
+    block_m, block_n, warps, programs, chunked = backward_grid(n, tokens, groups, row_bytes, grad_h is not None,
+                                                               x.device)
     partials = (torch.zeros if chunked else torch.empty)((programs, len(grad_ys), groups, n),
                                                          dtype=torch.float32, device=x.device)
     dh = x if grad_h is None else grad_h.contiguous()

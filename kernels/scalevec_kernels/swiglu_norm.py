@@ -21,8 +21,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .backend import (BACKWARD_PER_THREAD, INTERPRETED, MAX_REGISTERS, MAX_WARPS, backward_per_thread, chunked_tile,
-                      resident_programs, tl, triton, use_triton)
+from .backend import (
+    BACKWARD_PER_THREAD,
+    INTERPRETED,
+    MAX_REGISTERS,
+    MAX_WARPS,
+    backward_per_thread,
+    chunked_tile,
+    resident_programs,
+    tl,
+    triton,
+    use_triton,
+)
 from .errors import KernelError
 
 # The widest rows the kernels take; the forward holds FORWARD_PER_THREAD elements of G and of U a thread
@@ -324,21 +334,19 @@ def forward_tile(n: int) -> tuple[int, int, int]:
 
 
 def backward_grid(n: int, rows: int, experts: int, row_bytes: int,
-                  device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, programs per expert) of the backward, whose large loads take
+                  device: torch.device) -> tuple[int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, num_warps, programs per expert, chunked) of the backward, whose large loads take
     `row_bytes` per element (G, U and the output's gradient); each program writes one fp32 partial per
-    scale gradient.
+    scale gradient. Tiles of 16 elements a thread take the chunked path even when one chunk holds the row:
+    it keeps no [BLOCK_M, BLOCK_N] scale-gradient accumulators, which spilled at 16 a thread.
 
     An expert's rows are spread over this many programs whatever its share of the rows, so a very uneven
     routing leaves part of the device idle in the backward."""
     per_thread = backward_per_thread(row_bytes)
-    if triton.next_power_of_2(n) <= MAX_WARPS * 32 * BACKWARD_PER_THREAD:
-        # Whole rows keep two [BLOCK_M, BLOCK_N] fp32 scale-gradient accumulators: at 16 elements a thread
-        # ptxas spilled (64 B at 4096 features, 16 B at 8 x 512); chunked rows add each chunk's sums at once.
-        per_thread = BACKWARD_PER_THREAD
     block_m, block_n, warps = chunked_tile(n, _BWD_TILE or MAX_WARPS * 32 * per_thread, per_thread, _CHUNK)
     programs = triton.cdiv(resident_programs(device, warps), experts)
-    return block_m, block_n, warps, max(1, min(triton.cdiv(rows, block_m), programs))
+    chunked = block_n < n or per_thread > BACKWARD_PER_THREAD
+    return block_m, block_n, warps, max(1, min(triton.cdiv(rows, block_m), programs)), chunked
 
 
 def _flags(gate_scale: Tensor | None, up_scale: Tensor | None) -> tuple[int, int]:
@@ -402,8 +410,7 @@ def _bwd_op(grad, gate, up, rstd, gate_scale, up_scale, expert_offsets):
     scaled, per_expert = _flags(gate_scale, up_scale)
     experts = _experts(expert_offsets, per_expert)
     row_bytes = gate.element_size() + up.element_size() + grad.element_size()
-    block_m, block_n, warps, programs = backward_grid(n, m, experts, row_bytes, gate.device)
-    chunked = block_n < n
+    block_m, block_n, warps, programs, chunked = backward_grid(n, m, experts, row_bytes, gate.device)
     partials = (torch.zeros if chunked else torch.empty)((programs, 2, experts, n), dtype=torch.float32,
                                                          device=gate.device)
     gate = gate.contiguous()

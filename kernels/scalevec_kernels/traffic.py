@@ -100,6 +100,7 @@ def traffic(variant, usage, width: int) -> Traffic:
     active = 1.0 if variant.constexpr("BLOCK_N") <= width else width / variant.constexpr("BLOCK_N")
     batches = [int(b * active) for b in batches if b]
     widths = [w for _, arg, w in usage.accesses if arg in size]
-    return Traffic(reads=reads, writes=writes, off_chip_reads=off_chip, bytes_over_floor=moved / floor if floor else 1.0,
+    return Traffic(reads=reads, writes=writes, off_chip_reads=off_chip,
+                   bytes_over_floor=moved / floor if floor else 1.0,
                    vector_bytes=min(widths, default=0), warp_bytes=32 * min(batches, default=0),
                    programs_per_sm=resident, warps=variant.num_warps, working_set=working_set)

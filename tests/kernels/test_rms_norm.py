@@ -135,7 +135,8 @@ if INTERPRETED:
         per-head norm with a full-width scale (one partial per head)."""
         monkeypatch.setattr(rms_norm, "_BWD_CHUNK", 32 if groups > 1 else 64)
         monkeypatch.setattr(rms_norm, "_BWD_TILE", 128)
-        assert rms_norm.backward_grid(n, m, groups, 4 * (k + 2), torch.device("cpu"))[1] < n  # the chunked path runs
+        grid = rms_norm.backward_grid(n, m, groups, 4 * (k + 2), True, torch.device("cpu"))
+        assert grid[1] < n  # several chunks a row
         gen = torch.Generator().manual_seed(n + k)
         x = torch.randn(m, n, generator=gen).requires_grad_()
         r = torch.randn(m, n, generator=gen).requires_grad_()
