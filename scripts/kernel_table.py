@@ -9,7 +9,7 @@ same widths launch the same variants and run once. Each distinct variant is then
 local venv's Triton for sm_80 and sm_90 (scalevec_kernels.aot.compile_variant). Beside the presets,
 LIMITS lists the widest calls the kernel library takes (not launched by any preset).
 
-    python scripts/kernel_table.py [--cc 80 90] [--presets dense-1b moe-2b]
+    python scripts/kernel_table.py [--cc 80 90] [--presets dense-1b moe-2b] [--traffic]
 
 Prints a markdown table for docs/benchmarks.md ("Kernels compiled, not yet timed") and exits 1 when a
 preset's variant spills or needs more shared memory than a block may have.
@@ -23,12 +23,13 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import sys
 from pathlib import Path
 
 import torch
 
-from scalevec_kernels import aot, rms_norm_scales, swiglu_norm
+from scalevec_kernels import aot, rms_norm_scales, swiglu_norm, traffic
 from scalevec_train.config import compose_config
 from scalevec_train.errors import ScalevecError
 from scalevec_train.model.transformer import Transformer
@@ -52,6 +53,8 @@ STRATEGIES = {
 }
 CHEAP = ["model.n_layers=1", "model.vocab_size=128", "model.kernels=triton"]
 TOKENS = 16
+# The presets sized for a GPU (dense-0.12b ... moe-2b): the traffic bounds are about an H200
+GPU_PRESET = re.compile(r"\d(\.\d+)?b$")
 # The widest calls the library takes, in bf16 and fp32: K = 4 outputs with a residual, and SwiGLU.
 LIMIT_WIDTHS = (8192, 16384)
 
@@ -206,6 +209,27 @@ def table(users: dict[aot.Variant, list[str]], usage, ccs) -> list[str]:
     return lines
 
 
+def traffic_table(users, widths, usage) -> list[str]:
+    """One row per bf16 variant of the GPU-sized presets: its memory traffic on an H200 (scalevec_kernels.
+    traffic, from the sm_90 SASS) at the widest width it is launched with."""
+    head = ["kernel", "tile", "warps", "flags", "width", "regs", "programs / SM", "reads off chip", "bytes / floor",
+            "access B / lane", "B a warp in flight", "B an SM in flight", "bounds"]
+    lines = ["| " + " | ".join(head + ["launched by"]) + " |", "|" + "---|" * (len(head) + 1)]
+    rows = []
+    for v, presets in users.items():
+        gpu = [p for p in presets if GPU_PRESET.search(p)]
+        large = traffic.row_args(v)[0 if v.kernel.startswith("rms") else 1]
+        if not gpu or v.dtype(large) != "bf16":
+            continue
+        kernel, tile, flags, _ = describe(v)
+        t = traffic.traffic(v, usage[v, 90], max(widths[v]))
+        reads = ", ".join(f"{a} {n:g}" for a, n in sorted(t.off_chip_reads.items()))
+        rows.append([kernel, tile, str(v.num_warps), flags, str(max(widths[v])), str(usage[v, 90].registers),
+                     str(t.programs_per_sm), reads, f"{t.bytes_over_floor:.2f}", str(t.vector_bytes), str(t.warp_bytes),
+                     str(t.in_flight), "; ".join(t.problems()) or "met", _summary(sorted(gpu))])
+    return lines + ["| " + " | ".join(r) + " |" for r in sorted(rows)]
+
+
 def _summary(presets: list[str]) -> str:
     if len(presets) <= 3:
         return ", ".join(presets) or "library limit"
@@ -217,16 +241,23 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cc", type=int, nargs="+", default=[80, 90], choices=sorted(aot.SHARED_PER_BLOCK))
     parser.add_argument("--presets", nargs="+", default=PRESETS, choices=PRESETS)
+    parser.add_argument("--traffic", action="store_true",
+                        help="then the memory traffic of the GPU presets' bf16 variants on an H200 (sm_90)")
     args = parser.parse_args(argv)
     import triton
 
-    users, _ = cached_preset_launches() if args.presets == PRESETS else preset_launches(args.presets)
+    users, widths = cached_preset_launches() if args.presets == PRESETS else preset_launches(args.presets)
     limits = {v: [] for v in limit_launches() if v not in users}
     usage = compile_all(list(users) + list(limits), args.cc)
     print(f"Triton {triton.__version__}, compiled for {', '.join(f'sm_{cc}' for cc in args.cc)}, "
           f"{datetime.date.today()}: {len(users)} variants launched by {len(args.presets)} presets, "
           f"{len(limits)} more at the library's limits (launched by none).\n")
     print("\n".join(table(users | limits, usage, args.cc)))
+    if args.traffic:
+        if 90 not in args.cc:
+            usage |= compile_all(list(users), [90])
+        print(f"\nMemory traffic on an H200 (sm_90 SASS; {traffic.IN_FLIGHT_NEEDED} B in flight an SM needed):\n")
+        print("\n".join(traffic_table(users, widths, usage)))
     bad = [(describe(v), p) for v in users for cc in args.cc for p in usage[v, cc].problems()]
     for what, problem in bad:
         print(f"FAIL {' '.join(what)}: {problem}", file=sys.stderr)

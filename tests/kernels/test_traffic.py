@@ -12,7 +12,6 @@ under bf16 autocast), proven from its compiled code (SASS for sm_90) and its lau
 The captured launches and the compiled usage are cached as in test_compile_ahead.py.
 """
 
-import re
 
 import pytest
 import torch
@@ -27,8 +26,7 @@ if INTERPRETED:
 kernel_table = load_script(REPO / "scripts" / "kernel_table.py")
 swiglu_kernels = __import__("scalevec_kernels.swiglu_norm", fromlist=["_"])
 CC = 90
-# The presets sized for a GPU (dense-0.12b ... moe-2b): the bounds are about an H200
-GPU_PRESET = re.compile(r"\d(\.\d+)?b$")
+GPU_PRESET = kernel_table.GPU_PRESET
 # Variants below the in-flight bound today, by (kernel, tile, flags, dtypes) with the bytes an SM keeps in
 # flight (63-88% of the bound): rows of 2560 in tiles of 4096 (dense-2b: 5/8 of the lanes fetch), of 384
 # in 512 (moe-0.5b), and the chunked RMSNorm backward's first pass, which reads x and the K output
