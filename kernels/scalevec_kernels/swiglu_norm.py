@@ -342,7 +342,9 @@ def backward_grid(n: int, rows: int, experts: int, row_bytes: int,
 
     An expert's rows are spread over this many programs whatever its share of the rows, so a very uneven
     routing leaves part of the device idle in the backward."""
-    per_thread = backward_per_thread(row_bytes)
+    # A width that is no multiple of 16 (Triton then cannot assume aligned rows) takes more registers for
+    # its addresses: at 16 elements a thread, 344 features spilled 48 B.
+    per_thread = backward_per_thread(row_bytes) if n % 16 == 0 else BACKWARD_PER_THREAD
     block_m, block_n, warps = chunked_tile(n, _BWD_TILE or MAX_WARPS * 32 * per_thread, per_thread, _CHUNK)
     programs = triton.cdiv(resident_programs(device, warps), experts)
     chunked = block_n < n or per_thread > BACKWARD_PER_THREAD
