@@ -156,6 +156,9 @@ def describe(variant: aot.Variant) -> tuple[str, str, str, str]:
     """(kernel, tile, flags, dtypes) of a variant, for the table."""
     module, name = variant.kernel.split(".")
     c = dict(variant.constexprs)
+    if module == "partials":
+        flags = f"K={c['K']} slots={c['SLOTS']:b} sum_e={c['SUM_E']:b}"
+        return "partials reduce", f"{c['BLOCK_C']}x{c['BLOCK_L']}", flags, variant.dtype("O0")
     tile = f"{c['BLOCK_M']}x{c['BLOCK_N']}" + (" chunked" if c.get("CHUNKED") else "")
     if module == "rms_norm":
         flags = [f"K={c['K']}", f"scaled={c['SCALED']:b}"] + ["residual"] * bool(c.get("HAS_RES") or c.get("HAS_DH"))
@@ -209,6 +212,18 @@ def table(users: dict[aot.Variant, list[str]], usage, ccs) -> list[str]:
     return lines
 
 
+def gpu_row_variants(users: dict[aot.Variant, list[str]]) -> list[aot.Variant]:
+    """The row kernels' variants that the GPU-sized presets launch in bf16 (their recipes train under bf16
+    autocast): what the traffic bounds are about. The partial sums' reduction moves no rows."""
+    out = []
+    for v, presets in users.items():
+        if v.kernel.startswith("partials") or not any(GPU_PRESET.search(p) for p in presets):
+            continue
+        if v.dtype(traffic.row_args(v)[0 if v.kernel.startswith("rms") else 1]) == "bf16":
+            out.append(v)
+    return out
+
+
 def traffic_table(users, widths, usage) -> list[str]:
     """One row per bf16 variant of the GPU-sized presets: its memory traffic on an H200 (scalevec_kernels.
     traffic, from the sm_90 SASS) at the widest width it is launched with."""
@@ -216,11 +231,8 @@ def traffic_table(users, widths, usage) -> list[str]:
             "access B / lane", "B a warp in flight", "B an SM in flight", "bounds"]
     lines = ["| " + " | ".join(head + ["launched by"]) + " |", "|" + "---|" * (len(head) + 1)]
     rows = []
-    for v, presets in users.items():
-        gpu = [p for p in presets if GPU_PRESET.search(p)]
-        large = traffic.row_args(v)[0 if v.kernel.startswith("rms") else 1]
-        if not gpu or v.dtype(large) != "bf16":
-            continue
+    for v in gpu_row_variants(users):
+        gpu = [p for p in users[v] if GPU_PRESET.search(p)]
         kernel, tile, flags, _ = describe(v)
         t = traffic.traffic(v, usage[v, 90], max(widths[v]))
         reads = ", ".join(f"{a} {n:g}" for a, n in sorted(t.off_chip_reads.items()))

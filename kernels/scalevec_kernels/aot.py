@@ -36,9 +36,12 @@ SHARED_PER_SM = {80: 164 * 1024, 90: 228 * 1024}
 REGISTERS_PER_SM, MAX_WARPS_PER_SM, MAX_BLOCKS_PER_SM = 65536, 64, 32
 # Registers are handed to warps in units of 256 (8 per thread).
 _REGISTER_UNIT = 256
-# By module, not attribute: the package's names rms_norm etc. are the functions (see __init__.py).
-_KERNEL_MODULES = tuple(importlib.import_module(f"{__package__}.{m}") for m in ("rms_norm", "swiglu_norm"))
-_ROUTING_MODULES = _KERNEL_MODULES + (importlib.import_module(f"{__package__}.head_rms_norm"),)
+# The kernels by module (imported by name: the package's names rms_norm etc. are the functions, see
+# __init__.py), and the modules that route a call to them or to the reference.
+_KERNELS = {"rms_norm": ("_fwd_kernel", "_bwd_kernel"), "swiglu_norm": ("_fwd_kernel", "_bwd_kernel"),
+            "partials": ("_reduce_kernel",)}
+_ROUTING_MODULES = tuple(importlib.import_module(f"{__package__}.{m}")
+                         for m in ("rms_norm", "swiglu_norm", "head_rms_norm"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +129,8 @@ class Launches:
         self._seen: dict[Variant, None] = {}
         # The row widths (the kernel's N argument) each variant was launched with
         self.widths: dict[Variant, set[int]] = {}
+        # Every launch's kernel (module.function), in order
+        self.calls: list[str] = []
 
     @property
     def variants(self) -> list[Variant]:
@@ -144,6 +149,7 @@ class Launches:
             maxnreg=options.maxnreg,
             packed=(signature, constexprs, attrs))
         self._seen.setdefault(variant)
+        self.calls.append(variant.kernel)
         self.widths.setdefault(variant, set()).add(bound["N"])
 
 
@@ -187,8 +193,9 @@ def capture(sm_count: int = 132) -> Iterator[Launches]:
         setattr(module, name, value)
 
     try:
-        for module in _KERNEL_MODULES:
-            for name in ("_fwd_kernel", "_bwd_kernel"):
+        for module, names in _KERNELS.items():
+            module = importlib.import_module(f"{__package__}.{module}")
+            for name in names:
                 patch(module, name, _Recorder(getattr(module, name), launches))
         patch(backend, "sm_count", lambda device: sm_count)
         for module in _ROUTING_MODULES:

@@ -29,6 +29,7 @@ from .backend import (
     use_triton,
 )
 from .errors import KernelError
+from .partials import reduce_partials
 
 # One pointer argument per output/scale slot in the kernels; the forward holds whole rows in registers.
 MAX_SCALES = 4
@@ -123,7 +124,8 @@ if triton is not None:
         if CHUNKED:
             # Rows longer than a tile: per tile of rows, one pass over the column chunks for the row
             # reduction, a second (re-reading the chunks, mostly from cache) for dx, adding each chunk's
-            # scale-gradient sums into the program's own partials (zeroed by the caller).
+            # scale-gradient sums into the program's own partials (written by its first tile: every
+            # program has one, the caller launches at most a program per tile).
             for t0 in range(c * BLOCK_M, T, C * BLOCK_M):
                 tokens = (t0 + tl.arange(0, BLOCK_M)).to(tl.int64)
                 row_ok = tokens < T
@@ -149,10 +151,13 @@ if triton is not None:
                         dx += dh.to(tl.float32)
                     tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
                     dys = (dy0, dy1, dy2, dy3)
+                    # The partials an earlier tile wrote (a mask of the chunk's shape: triton's interpreter
+                    # takes no scalar in one)
+                    earlier = (chunk < N) & (t0 + 0 * chunk > c * BLOCK_M)
                     for k in tl.static_range(K):
                         if (SCALED >> k) & 1:
                             p = part + k * G * N + chunk
-                            total = tl.load(p, mask=chunk < N, other=0.0) + tl.sum(dys[k] * normed, axis=0)
+                            total = tl.load(p, mask=earlier, other=0.0) + tl.sum(dys[k] * normed, axis=0)
                             tl.store(p, total, mask=chunk < N)
                 # The next tile's threads may read partials other threads of this program wrote.
                 tl.debug_barrier()
@@ -262,12 +267,14 @@ _BWD_CHUNK = None
 
 def backward_grid(n: int, tokens: int, groups: int, row_bytes: int, residual: bool,
                   device: torch.device) -> tuple[int, int, int, int, bool]:
-    """(BLOCK_M, BLOCK_N, num_warps, programs per scale row, chunked) of the backward, whose large loads
-    take `row_bytes` per element (x, the K output gradients and the residual's); each program writes one
-    fp32 partial per scale gradient. Tiles of 16 elements a thread, and every backward with a residual's
-    gradient, take the chunked path even when one chunk holds the row: without the K [BLOCK_M, BLOCK_N]
-    accumulators ptxas issues all of a tile's loads before it waits (with them, it left the residual's
-    load behind the arithmetic: a warp then had one tensor in flight)."""
+    """(BLOCK_M, BLOCK_N, num_warps, programs per scale row, chunked) of the backward, whose loads of x and
+    the K output gradients take `row_bytes` per element (the residual's gradient is left out: the
+    chunked path every backward with one takes reads it in its second pass only, so the first pass's
+    loads are the fewer); each program writes one fp32 partial per scale gradient. Tiles of 16 elements
+    a thread, and every backward with a residual's gradient, take the chunked path even when one chunk
+    holds the row: without the K [BLOCK_M, BLOCK_N] accumulators ptxas issues all of a tile's loads
+    before it waits (with them, it left the residual's load behind the arithmetic: a warp then had one
+    tensor in flight)."""
     per_thread = backward_per_thread(row_bytes)
     block_m, block_n, warps = chunked_tile(n, _BWD_TILE or MAX_WARPS * 32 * per_thread, per_thread, _BWD_CHUNK)
     programs = triton.cdiv(resident_programs(device, warps), groups)
@@ -331,7 +338,7 @@ def _fwd_fake(x, residual, scales, scaled, groups, eps):
     def like_x():
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
-    h = like_x() if residual is not None else x.new_empty(0)
+    h = like_x() if residual is not None else torch.empty(0, dtype=x.dtype, device=x.device)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     return [like_x() for _ in scaled], h, rstd
 
@@ -345,20 +352,17 @@ def _bwd_op(grad_ys, grad_h, x, rstd, scales, scaled, groups):
     tokens = x.numel() // n // groups
     if tokens == 0:
         return dx, [d.zero_() for d in ds]
-    row_bytes = x.element_size() + sum(g.element_size() for g in grad_ys) + (grad_h is not None) * x.element_size()
+    row_bytes = x.element_size() + sum(g.element_size() for g in grad_ys)
     block_m, block_n, warps, programs, chunked = backward_grid(n, tokens, groups, row_bytes, grad_h is not None,
                                                                x.device)
-    partials = (torch.zeros if chunked else torch.empty)((programs, len(grad_ys), groups, n),
-                                                         dtype=torch.float32, device=x.device)
+    partials = torch.empty((programs, len(grad_ys), groups, n), dtype=torch.float32, device=x.device)
     dh = x if grad_h is None else grad_h.contiguous()
     _bwd_kernel[(programs * groups,)](
         x.contiguous(), rstd.contiguous(), dh, dx, *_slots([g.contiguous() for g in grad_ys], x),
         *_slots(_by_slot(scales, scaled), x), partials, tokens, n, groups, programs, K=len(scaled),
         SCALED=_mask(scaled), HAS_DH=grad_h is not None, BLOCK_M=block_m, BLOCK_N=block_n, CHUNKED=chunked,
         num_warps=warps, maxnreg=MAX_REGISTERS)
-    # Summing the per-program partials in a fixed order keeps the scale gradients deterministic.
-    slots = [k for k, on in enumerate(scaled) if on]
-    ds = [partials[:, k].sum(0).reshape(s.shape).to(s.dtype) for k, s in zip(slots, scales, strict=True)]
+    reduce_partials(partials, _by_slot(ds, scaled), [False] * len(scaled))
     return dx, ds
 
 
@@ -372,6 +376,8 @@ def _setup_context(ctx, inputs, output):
     x, residual, scales, scaled, groups, _ = inputs
     _, h, rstd = output
     ctx.has_residual, ctx.scaled, ctx.groups = residual is not None, scaled, groups
+    # rstd's gradient (and an unused output's) stays None: no zeros are made for it
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(x if residual is None else h, rstd, *scales)
 
 

@@ -63,7 +63,10 @@ def _regs(text: str) -> set[str]:
 
 
 def _span(first: str, width: int) -> set[str]:
-    """The registers a load of `width` bytes per lane writes from register `first` on."""
+    """The registers a load of `width` bytes per lane writes (or a store reads) from register `first` on;
+    none for the zero register (a store of zeros)."""
+    if first in ("RZ", "URZ"):
+        return set()
     kind, num = re.fullmatch(r"(U?R)(\d+)", first).groups()
     return {f"{kind}{int(num) + i}" for i in range(max(1, width // 4))}
 

@@ -34,6 +34,7 @@ from .backend import (
     use_triton,
 )
 from .errors import KernelError
+from .partials import reduce_partials
 
 # The widest rows the kernels take; the forward holds FORWARD_PER_THREAD elements of G and of U a thread
 MAX_FEATURES, FORWARD_PER_THREAD = 16384, 16
@@ -213,8 +214,17 @@ if triton is not None:
         if CHUNKED:
             # Rows longer than a tile: per tile of rows, one pass over the column chunks for the two row
             # reductions, a second (re-reading the chunks, mostly from cache) for dG and dU, adding each
-            # chunk's scale-gradient sums into the program's own partials (zeroed by the caller).
-            for t0 in range(start + c * BLOCK_M, end, C * BLOCK_M):
+            # chunk's scale-gradient sums into the program's own partials, which its first tile writes (a
+            # program of an expert with fewer tiles than programs has none: it writes zeros).
+            first = start + c * BLOCK_M
+            if first >= end:
+                for n0 in range(0, N, BLOCK_N):
+                    chunk = n0 + cols
+                    if SCALED & 1:
+                        tl.store(part + chunk, tl.zeros([BLOCK_N], tl.float32), mask=chunk < N)
+                    if SCALED & 2:
+                        tl.store(part + E * N + chunk, tl.zeros([BLOCK_N], tl.float32), mask=chunk < N)
+            for t0 in range(first, end, C * BLOCK_M):
                 rows = t0 + tl.arange(0, BLOCK_M)
                 row_ok = rows < end
                 rstd_g = tl.load(RSTD + rows, mask=row_ok, other=0.0)
@@ -238,12 +248,14 @@ if triton is not None:
                     du = (db * s_u[None, :] - n_u * proj_u[:, None]) * rstd_u[:, None]
                     tl.store(DG + offs, dg.to(DG.dtype.element_ty), mask=mask)
                     tl.store(DU + offs, du.to(DU.dtype.element_ty), mask=mask)
+                    # The partials an earlier tile wrote (as in rms_norm.py)
+                    earlier = (chunk < N) & (t0 + 0 * chunk > first)
                     if SCALED & 1:
                         p = part + chunk
-                        tl.store(p, tl.load(p, mask=chunk < N, other=0.0) + tl.sum(da * n_g, axis=0), mask=chunk < N)
+                        tl.store(p, tl.load(p, mask=earlier, other=0.0) + tl.sum(da * n_g, axis=0), mask=chunk < N)
                     if SCALED & 2:
                         p = part + E * N + chunk
-                        tl.store(p, tl.load(p, mask=chunk < N, other=0.0) + tl.sum(db * n_u, axis=0), mask=chunk < N)
+                        tl.store(p, tl.load(p, mask=earlier, other=0.0) + tl.sum(db * n_u, axis=0), mask=chunk < N)
                 # The next tile's threads may read partials other threads of this program wrote.
                 tl.debug_barrier()
         else:
@@ -413,20 +425,16 @@ def _bwd_op(grad, gate, up, rstd, gate_scale, up_scale, expert_offsets):
     experts = _experts(expert_offsets, per_expert)
     row_bytes = gate.element_size() + up.element_size() + grad.element_size()
     block_m, block_n, warps, programs, chunked = backward_grid(n, m, experts, row_bytes, gate.device)
-    partials = (torch.zeros if chunked else torch.empty)((programs, 2, experts, n), dtype=torch.float32,
-                                                         device=gate.device)
+    partials = torch.empty((programs, 2, experts, n), dtype=torch.float32, device=gate.device)
     gate = gate.contiguous()
     _bwd_kernel[(programs * experts,)](
         grad.contiguous(), gate, up.contiguous(), rstd, *_pointers(gate_scale, up_scale, expert_offsets, gate),
         dg, du, partials, m, n, experts, programs, SCALED=scaled, PER_EXPERT=per_expert, BLOCK_M=block_m,
         BLOCK_N=block_n, CHUNKED=chunked, num_warps=warps, maxnreg=MAX_REGISTERS)
-    # Summing the per-program partials in a fixed order keeps the scale gradients deterministic; a shared
-    # scale also sums over the experts.
-    ds = []
-    for k, s in enumerate((gate_scale, up_scale)):
-        if s is not None:
-            d = partials[:, k].sum(0)
-            ds.append((d if s.dim() == 2 else d.sum(0)).to(s.dtype))
+    # A shared scale's gradient also sums over the experts.
+    present = iter(ds)
+    slots = [None if s is None else next(present) for s in (gate_scale, up_scale)]
+    reduce_partials(partials, slots, [s is not None and s.dim() == 1 for s in (gate_scale, up_scale)])
     return dg, du, ds
 
 
@@ -441,6 +449,7 @@ def _bwd_fake(grad, gate, up, rstd, gate_scale, up_scale, expert_offsets):
 def _setup_context(ctx, inputs, output):
     gate, up, gate_scale, up_scale, expert_offsets, _ = inputs
     ctx.save_for_backward(gate, up, output[1], gate_scale, up_scale, expert_offsets)
+    ctx.set_materialize_grads(False)  # rstd's gradient stays None: no zeros are made for it
 
 
 def _backward(ctx, grad, _grad_rstd):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from scalevec_kernels import KernelError, rms_norm_scales_reference, swiglu_norm, swiglu_norm_reference
 from scalevec_kernels.backend import INTERPRETED
-from tests.kernels.helpers import EPS, grads, run_interpreted
+from tests.kernels.helpers import EPS, grads, host_ops, run_interpreted
 
 # The module (the package's name swiglu_norm is the function).
 swiglu_kernels = importlib.import_module("scalevec_kernels.swiglu_norm")
@@ -79,6 +79,21 @@ def test_triton_backend_on_cpu_raises():
     g = torch.randn(8, 16)
     with pytest.raises(KernelError, match="needs CUDA tensors"):
         swiglu_norm(g, g, torch.ones(16), None, EPS, backend="triton")
+
+
+@pytest.mark.skipif(INTERPRETED, reason="aot.capture records the compiled kernels' launches")
+def test_a_call_issues_its_launches_and_allocations_alone():
+    """Forward and backward with a per-expert gate scale and a shared up scale (summed over the experts by
+    the reduction kernel): the host issues the kernel launches and allocates what they write, no more."""
+    pytest.importorskip("triton")
+    gen = torch.Generator().manual_seed(3)
+    g, u = (torch.randn(8, 64, generator=gen).requires_grad_() for _ in range(2))
+    gate_scale, up_scale, offsets = _scale((4, 64), gen), _scale(64, gen), _offsets(COUNTS)
+    upstream = torch.ones(8, 64)
+    ops, calls = host_ops(lambda: grads(swiglu_norm(g, u, gate_scale, up_scale, EPS, offsets, backend="triton"),
+                                        [g, u, gate_scale, up_scale], upstream))
+    assert calls == ["swiglu_norm._fwd_kernel", "swiglu_norm._bwd_kernel", "partials._reduce_kernel"]
+    assert ops == {"aten::empty": 2 + 5}  # out, rstd; dgate, dup, two scale gradients, the partials
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this process runs the test_interp_ tests itself")
