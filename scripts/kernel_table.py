@@ -171,17 +171,20 @@ def describe(variant: aot.Variant) -> tuple[str, str, str, str]:
     return f"{module} {'bwd' if 'bwd' in name else 'fwd'}", tile, " ".join(flags), dtypes
 
 
-def compile_all(variants, ccs, cache: Path = CACHE) -> dict[tuple[aot.Variant, int], aot.Usage]:
-    """Each variant's usage per architecture; compiled results are kept in `cache` by the variant's
-    cache key (which changes with the kernel's source), on top of Triton's own compile cache."""
+def compile_all(variants, ccs, code=(), cache: Path = CACHE) -> dict[tuple[aot.Variant, int], aot.Usage]:
+    """Each variant's usage per architecture, with the global accesses of its SASS for the variants in
+    `code` (what the traffic model reads; disassembling costs more than compiling); compiled results
+    are kept in `cache` by the variant's cache key (which changes with the kernel's source), on top of
+    Triton's own compile cache."""
     path = cache / "usage-sass.json"
     known = json.loads(path.read_text()) if path.exists() else {}
+    code = set(code)
     out = {}
     for v in variants:
         for cc in ccs:
             key = v.cache_key(cc)
-            if key not in known:
-                known[key] = dataclasses.asdict(aot.compile_variant(v, cc))
+            if key not in known or (v in code and not known[key].get("accesses")):
+                known[key] = dataclasses.asdict(aot.compile_variant(v, cc, code=v in code))
                 cache.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(known))  # each result kept at once: compiling all takes minutes
             out[v, cc] = aot.Usage.from_json(known[key])
@@ -260,14 +263,15 @@ def main(argv=None) -> int:
 
     users, widths = cached_preset_launches() if args.presets == PRESETS else preset_launches(args.presets)
     limits = {v: [] for v in limit_launches() if v not in users}
-    usage = compile_all(list(users) + list(limits), args.cc)
+    audited = gpu_row_variants(users) if args.traffic else []
+    usage = compile_all(list(users) + list(limits), args.cc, code=audited)
     print(f"Triton {triton.__version__}, compiled for {', '.join(f'sm_{cc}' for cc in args.cc)}, "
           f"{datetime.date.today()}: {len(users)} variants launched by {len(args.presets)} presets, "
           f"{len(limits)} more at the library's limits (launched by none).\n")
     print("\n".join(table(users | limits, usage, args.cc)))
     if args.traffic:
         if 90 not in args.cc:
-            usage |= compile_all(list(users), [90])
+            usage |= compile_all(audited, [90], code=audited)
         print(f"\nMemory traffic on an H200 (sm_90 SASS; {traffic.IN_FLIGHT_NEEDED} B in flight an SM needed):\n")
         print("\n".join(traffic_table(users, widths, usage)))
     bad = [(describe(v), p) for v in users for cc in args.cc for p in usage[v, cc].problems()]

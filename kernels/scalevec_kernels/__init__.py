@@ -45,7 +45,7 @@ scalevec_kernels.aot (imported on its own) captures the launches a workload make
 ahead of time for a GPU architecture without a GPU, reporting registers, spills, shared memory and
 occupancy (scripts/kernel_table.py; tests/kernels/test_compile_ahead.py); scalevec_kernels.traffic
 models each compiled variant's memory traffic from its SASS (sass.py): reads and writes of the large
-tensors, off-chip passes, vector widths and bytes in flight per SM (tests/kernels/test_traffic.py).
+tensors, off-chip passes, vector widths and bytes in flight per SM (the same test file).
 
 The Triton paths go through the ops `torch.ops.scalevec.rms_norm_fwd` / `rms_norm_bwd` and
 `swiglu_norm_fwd` / `swiglu_norm_bwd` (registered with torch.library, with fake implementations and

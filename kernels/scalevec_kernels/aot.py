@@ -89,8 +89,8 @@ class Usage:
     registers: int
     spill_bytes: int
     shared_bytes: int
-    # From the SASS: each global access as (kind, argument, bytes per lane), in program order, and the
-    # batches of loads in flight together as indices into `accesses` (see sass.py)
+    # From the SASS (empty unless compile_variant read it): each global access as (kind, argument, bytes
+    # per lane), in program order, and the batches of loads in flight together as indices into `accesses`
     accesses: tuple[tuple[str, str | None, int], ...] = ()
     batches: tuple[tuple[int, ...], ...] = ()
 
@@ -215,9 +215,11 @@ def _cuobjdump() -> str:
     return path
 
 
-def compile_variant(variant: Variant, cc: int) -> Usage:
-    """Compile with Triton's compiler for sm_<cc> (80, 90) and read the binary's resource usage.
-    Triton's compile cache (TRITON_CACHE_DIR) makes a repeated compile a cache read."""
+def compile_variant(variant: Variant, cc: int, code: bool = True) -> Usage:
+    """Compile with Triton's compiler for sm_<cc> (80, 90) and read the binary's resource usage, and with
+    `code` its global accesses from the SASS (sass.py: disassembling takes about 0.4 s of CPU a variant,
+    more than the compile). Triton's compile cache (TRITON_CACHE_DIR) makes a repeated compile a cache
+    read."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -236,9 +238,11 @@ def compile_variant(variant: Variant, cc: int) -> Usage:
         report = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True,
                                 check=True).stdout
     fields = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", report))
-    code = sass.analyze(kernel.asm["cubin"], variant.params, cc, _cuobjdump())
-    index = {id(a): i for i, a in enumerate(code.accesses)}
-    return Usage(cc=cc, registers=int(fields["REG"]), spill_bytes=int(fields["STACK"]) + int(fields["LOCAL"]),
-                 shared_bytes=kernel.metadata.shared,
-                 accesses=tuple((a.kind, a.arg, a.width) for a in code.accesses),
-                 batches=tuple(tuple(index[id(a)] for a in batch) for batch in code.batches))
+    usage = Usage(cc=cc, registers=int(fields["REG"]), spill_bytes=int(fields["STACK"]) + int(fields["LOCAL"]),
+                  shared_bytes=kernel.metadata.shared)
+    if not code:
+        return usage
+    found = sass.analyze(kernel.asm["cubin"], variant.params, cc, _cuobjdump())
+    index = {id(a): i for i, a in enumerate(found.accesses)}
+    return dataclasses.replace(usage, accesses=tuple((a.kind, a.arg, a.width) for a in found.accesses),
+                               batches=tuple(tuple(index[id(a)] for a in batch) for batch in found.batches))

@@ -248,14 +248,20 @@ if triton is not None:
                     du = (db * s_u[None, :] - n_u * proj_u[:, None]) * rstd_u[:, None]
                     tl.store(DG + offs, dg.to(DG.dtype.element_ty), mask=mask)
                     tl.store(DU + offs, du.to(DU.dtype.element_ty), mask=mask)
-                    # The partials an earlier tile wrote (as in rms_norm.py)
-                    earlier = (chunk < N) & (t0 + 0 * chunk > first)
+                    # Onto the partials an earlier tile wrote: a branch, not a mask of the chunk's shape,
+                    # whose predicates made ptxas spill at 4096 features
                     if SCALED & 1:
                         p = part + chunk
-                        tl.store(p, tl.load(p, mask=earlier, other=0.0) + tl.sum(da * n_g, axis=0), mask=chunk < N)
+                        s = tl.sum(da * n_g, axis=0)
+                        if t0 > first:
+                            s += tl.load(p, mask=chunk < N, other=0.0)
+                        tl.store(p, s, mask=chunk < N)
                     if SCALED & 2:
                         p = part + E * N + chunk
-                        tl.store(p, tl.load(p, mask=earlier, other=0.0) + tl.sum(db * n_u, axis=0), mask=chunk < N)
+                        s = tl.sum(db * n_u, axis=0)
+                        if t0 > first:
+                            s += tl.load(p, mask=chunk < N, other=0.0)
+                        tl.store(p, s, mask=chunk < N)
                 # The next tile's threads may read partials other threads of this program wrote.
                 tl.debug_barrier()
         else:

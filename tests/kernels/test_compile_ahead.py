@@ -1,18 +1,29 @@
-"""The Triton kernels compiled ahead of time, on CPU (issue 27): every launch variant the model presets
-make, captured from the real launch code (scripts/kernel_table.py drives each preset under each
+"""The Triton kernels compiled ahead of time, on CPU (issues 27 and 49): every launch variant the model
+presets make, captured from the real launch code (scripts/kernel_table.py drives each preset under each
 strategy inside scalevec_kernels.aot.capture), compiles with the local Triton for sm_90 without a
 register spill, within a block's shared memory, and with a backward whose persistent grid (sized to
 one wave of the SMs) fits. sm_90 only here (the GPU host's architecture; the tiles are sized by a
 register model that holds on sm_80 too): `python scripts/kernel_table.py` compiles sm_80 as well.
 
-The captured launches and the compiled usage are cached (kernel_table.CACHE) by what they depend on, on
-top of Triton's compile cache: a fresh clone captures and compiles everything once.
+The same compile's SASS bounds the memory traffic of every row kernel variant the GPU-sized presets
+launch in bf16 (their recipes train under bf16 autocast; scalevec_kernels.traffic):
+
+- every large tensor leaves the chip once: bytes per call at their floor (a chunked row's second read
+  is served by L2);
+- an SM keeps at least backend.IN_FLIGHT_NEEDED bytes in flight (an H200's bandwidth x latency / SMs)
+  with at least two programs resident, except the variants KNOWN_SHORT lists with what they keep: the
+  list must stay true both ways (a listed variant that meets the bound fails the test too, so that it
+  leaves the list).
+
+One capture and one compile of each variant serve every test (the module fixture `compiled`, one file so
+that one test worker does it), cached (kernel_table.CACHE) by what they depend on on top of Triton's
+compile cache: a fresh clone captures and compiles everything once.
 """
 
 import pytest
 import torch
 
-from scalevec_kernels import aot, backend, rms_norm, rms_norm_scales
+from scalevec_kernels import aot, backend, rms_norm, rms_norm_scales, swiglu_norm, traffic
 from scalevec_train.config import compose_config
 from tests.helpers import REPO, load_script
 
@@ -23,22 +34,49 @@ kernel_table = load_script(REPO / "scripts" / "kernel_table.py")
 CC = 90
 
 
+# Variants below the in-flight bound today, by (kernel, tile, flags, dtypes) with the bytes an SM keeps in
+# flight (70-88% of the bound): rows of 2560 in tiles of 4096 (dense-2b: 5/8 of the lanes fetch) and of
+# 384 in 512 (moe-0.5b: 3/4) (docs/benchmarks.md, "Kernels proven on the CPU").
+KNOWN_SHORT: dict[tuple[str, str, str, str], int] = {
+    ('rms_norm bwd', '1x4096 chunked', 'K=1 scaled=0', 'bf16'): 20480,  # dense-2b
+    ('rms_norm bwd', '1x4096 chunked', 'K=1 scaled=0 residual', 'bf16'): 20480,  # dense-2b
+    ('rms_norm bwd', '1x4096 chunked', 'K=1 scaled=1', 'bf16/fp32'): 20480,  # dense-2b
+    ('rms_norm bwd', '1x4096 chunked', 'K=1 scaled=1 residual', 'bf16/fp32'): 20480,  # dense-2b
+    ('rms_norm fwd', '1x4096', 'K=3 scaled=111', 'bf16/fp32'): 25600,  # dense-2b
+    ('swiglu_norm fwd', '8x512', 'scaled=11 per_expert=11', 'bf16/fp32'): 24576,  # moe-0.5b
+}
+
+
 @pytest.fixture(scope="module")
-def launches():
-    return kernel_table.cached_preset_launches()[0]
+def compiled():
+    """(the variants with the presets launching each, their row widths, their sm_90 usage)."""
+    users, widths = kernel_table.cached_preset_launches()
+    return users, widths, kernel_table.compile_all(users, [CC], code=kernel_table.gpu_row_variants(users))
+
+
+@pytest.fixture(scope="module")
+def launches(compiled):
+    return compiled[0]
+
+
+@pytest.fixture(scope="module")
+def audited(compiled):
+    users, widths, usage = compiled
+    return {v: (max(widths[v]), traffic.traffic(v, usage[v, CC], max(widths[v])))
+            for v in kernel_table.gpu_row_variants(users)}
 
 
 def test_presets_launch_every_kernel_and_the_chunked_backward(launches):
     kinds = {kernel_table.describe(v)[0] for v in launches}
-    assert kinds == {"rms_norm fwd", "rms_norm bwd", "swiglu_norm fwd", "swiglu_norm bwd"}
+    assert kinds == {"rms_norm fwd", "rms_norm bwd", "swiglu_norm fwd", "swiglu_norm bwd", "partials reduce"}
     # dense-1b's FFN is 8192 wide: under unified its fused SwiGLU forward and backward walk rows in chunks.
     chunked = {v.kernel for v, presets in launches.items() if "dense-1b" in presets
                and dict(v.constexprs).get("CHUNKED")}
     assert {"swiglu_norm._fwd_kernel", "swiglu_norm._bwd_kernel"} <= chunked
 
 
-def test_every_preset_variant_compiles_without_spills(launches):
-    usage = kernel_table.compile_all(launches, [CC])
+def test_every_preset_variant_compiles_without_spills(compiled):
+    launches, _, usage = compiled
     problems = [f"{' '.join(kernel_table.describe(v))} ({', '.join(launches[v][:3])}): {p}"
                 for v in launches for p in usage[v, CC].problems()]
     assert not problems, "\n".join(problems)
@@ -74,7 +112,7 @@ def test_widest_rows_do_not_spill_in_the_backward():
     """16384 features (the library's limit, wider than any preset) with K = 4: the chunked backward."""
     (bwd,) = [v for v in _rms_norm_variants(16384, 4) if v.kernel == "rms_norm._bwd_kernel"]
     assert dict(bwd.constexprs)["CHUNKED"]
-    assert aot.compile_variant(bwd, CC).problems() == []
+    assert aot.compile_variant(bwd, CC, code=False).problems() == []
 
 
 def test_a_spilling_tile_is_caught(monkeypatch):
@@ -85,7 +123,7 @@ def test_a_spilling_tile_is_caught(monkeypatch):
     monkeypatch.setattr(backend, "BACKWARD_PER_THREAD", 16)
     (bwd,) = [v for v in _rms_norm_variants(8192, 4) if v.kernel == "rms_norm._bwd_kernel"]
     assert dict(bwd.constexprs)["BLOCK_N"] == 8192 and bwd.num_warps == 16
-    usage = aot.compile_variant(bwd, CC)
+    usage = aot.compile_variant(bwd, CC, code=False)
     assert usage.spill_bytes > 0
     assert usage.problems() == [f"spills {usage.spill_bytes} B per thread to local memory (sm_90)"]
 
@@ -101,3 +139,50 @@ def test_occupancy_and_shared_memory_limits():
     assert aot.Usage(90, 32, 0, 200 * 1024).problems() == []
     assert aot.Usage(80, 32, 0, 200 * 1024).problems() == [
         f"needs {200 * 1024} B of shared memory, over sm_80's {163 * 1024} B per block"]
+
+
+def test_every_large_tensor_leaves_the_chip_once(audited):
+    over = {kernel_table.describe(v): (t.off_chip_reads, t.writes) for v, (_, t) in audited.items()
+            if t.bytes_over_floor != 1.0}
+    assert not over, over
+    # dense-1b's FFN (8192 wide): both SwiGLU kernels read their rows twice, the second time from L2
+    wide = [t for v, (width, t) in audited.items() if "swiglu" in v.kernel and width == 8192]
+    assert len(wide) == 2 and all(max(t.reads.values()) == 2 and 0 < t.working_set <= traffic.L2_BYTES // 2
+                                  for t in wide)
+
+
+def test_each_sm_keeps_enough_in_flight(audited):
+    short = {kernel_table.describe(v): t.in_flight for v, (_, t) in audited.items() if t.problems()}
+    assert short == KNOWN_SHORT
+    assert all(t.vector_bytes == 16 for _, t in audited.values())  # 128-bit loads and stores of every row
+
+
+def _swiglu_variants(f: int, dtype: torch.dtype) -> list[aot.Variant]:
+    with aot.capture() as captured:
+        g, u = (torch.randn(16, f, dtype=dtype, requires_grad=True) for _ in range(2))
+        scales = [torch.ones(f, requires_grad=True) for _ in range(2)]
+        out = swiglu_norm(g, u, *scales, 1e-6, backend="triton")
+        torch.autograd.grad(out, [g, u, *scales], torch.ones_like(out))
+    return captured.variants
+
+
+def test_a_second_pass_the_l2_cannot_hold_is_caught(compiled):
+    """fp32 rows of 16384 features (the library's widest) walked twice by the forward, which launches the
+    binary dense-1b's fp32 rows of 8192 do: what the device reads between a chunk's two reads is over half
+    the L2, so the second read leaves the chip and the call moves more than its floor."""
+    users = compiled[0]
+    (fwd,) = [v for v in _swiglu_variants(16384, torch.float32) if v.kernel == "swiglu_norm._fwd_kernel"]
+    assert fwd.constexpr("CHUNKED") and "dense-1b" in users[fwd]
+    t = traffic.traffic(fwd, aot.compile_variant(fwd, CC), 16384)  # its SASS: the fixture reads bf16's
+    assert t.working_set > traffic.L2_BYTES // 2 and t.bytes_over_floor > 1.5
+    assert "reads G 2 times off the chip" in t.problems()
+
+
+def test_a_launch_with_too_little_in_flight_is_caught(monkeypatch):
+    """The SwiGLU backward of dense-1b at 4 elements a thread: a quarter of what its loads keep in flight."""
+    monkeypatch.setattr(backend, "BACKWARD_PER_THREAD", 2)
+    (bwd,) = [v for v in _swiglu_variants(8192, torch.bfloat16) if v.kernel == "swiglu_norm._bwd_kernel"]
+    t = traffic.traffic(bwd, aot.compile_variant(bwd, CC), 8192)
+    assert t.in_flight < backend.IN_FLIGHT_NEEDED
+    want = f"keeps {t.in_flight} B in flight per SM, under the {backend.IN_FLIGHT_NEEDED} B an H200 needs"
+    assert want in t.problems()
