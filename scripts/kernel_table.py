@@ -12,7 +12,9 @@ LIMITS lists the widest calls the kernel library takes (not launched by any pres
     python scripts/kernel_table.py [--cc 80 90] [--presets dense-1b moe-2b] [--traffic]
 
 Prints a markdown table for docs/benchmarks.md ("Kernels compiled, not yet timed") and exits 1 when a
-preset's variant spills or needs more shared memory than a block may have.
+preset's variant spills or needs more shared memory than a block may have; with --traffic, also when a
+GPU preset's bf16 variant breaks a traffic bound other than as KNOWN_SHORT lists (each one disassembled:
+tests/kernels/test_compile_ahead.py reads one SASS per code path, see code_paths).
 """
 
 import argparse
@@ -55,6 +57,17 @@ CHEAP = ["model.n_layers=1", "model.vocab_size=128", "model.kernels=triton"]
 TOKENS = 16
 # The presets sized for a GPU (dense-0.12b ... moe-2b): the traffic bounds are about an H200
 GPU_PRESET = re.compile(r"\d(\.\d+)?b$")
+# The variants below the in-flight bound today, by describe() with the bytes an SM keeps in flight (70-88%
+# of the bound): rows of 2560 features in tiles of 4096 (dense-2b: 5/8 of the lanes fetch) and of 384 in
+# 512 (moe-0.5b: 3/4). The list stays true both ways: a listed variant that meets the bound fails too.
+KNOWN_SHORT: dict[tuple[str, str, str, str], int] = {
+    ('rms_norm bwd', '1x4096 chunked', 'K=1 scaled=0', 'bf16'): 20480,  # dense-2b
+    ('rms_norm bwd', '1x4096 chunked', 'K=1 scaled=0 residual', 'bf16'): 20480,  # dense-2b
+    ('rms_norm bwd', '1x4096 chunked', 'K=1 scaled=1', 'bf16/fp32'): 20480,  # dense-2b
+    ('rms_norm bwd', '1x4096 chunked', 'K=1 scaled=1 residual', 'bf16/fp32'): 20480,  # dense-2b
+    ('rms_norm fwd', '1x4096', 'K=3 scaled=111', 'bf16/fp32'): 25600,  # dense-2b
+    ('swiglu_norm fwd', '8x512', 'scaled=11 per_expert=11', 'bf16/fp32'): 24576,  # moe-0.5b
+}
 # The widest calls the library takes, in bf16 and fp32: K = 4 outputs with a residual, and SwiGLU.
 LIMIT_WIDTHS = (8192, 16384)
 
@@ -227,6 +240,52 @@ def gpu_row_variants(users: dict[aot.Variant, list[str]]) -> list[aot.Variant]:
     return out
 
 
+def code_paths(variants, widths) -> dict[aot.Variant, aot.Variant]:
+    """Each variant with the one that stands for its code path (kernel, flags, whole rows or chunked): the
+    variant of that path launched with the widest rows. A path's variants hold the same elements a thread
+    and differ in the tile's shape, which leaves what the traffic model reads from their SASS the same (the
+    large tensors' reads and writes per tile, access widths, the bytes a warp has in flight before it
+    waits; `--traffic` disassembles every one and fails where it differs); registers and width stay each
+    one's."""
+    paths: dict[tuple, list[aot.Variant]] = {}
+    for v in variants:
+        kernel, _, flags, _ = describe(v)
+        paths.setdefault((kernel, flags, bool(dict(v.constexprs).get("CHUNKED"))), []).append(v)
+    return {v: max(vs, key=lambda u: (max(widths[u]), repr(u))) for vs in paths.values() for v in vs}
+
+
+def audit(variants, widths, usage, cc: int = 90) -> dict[aot.Variant, traffic.Traffic]:
+    """The memory traffic of each variant at the widest width it is launched with, from its own usage and
+    its code path's SASS (code_paths: only those need disassembling)."""
+    rep = code_paths(variants, widths)
+    return {v: traffic.traffic(v, dataclasses.replace(usage[v, cc], accesses=usage[rep[v], cc].accesses,
+                                                      batches=usage[rep[v], cc].batches), max(widths[v]))
+            for v in variants}
+
+
+def traffic_problems(users, widths, usage) -> list[str]:
+    """The bounds broken other than as KNOWN_SHORT lists, a listed variant that meets them, and a variant
+    whose own SASS gives other traffic than its code path's (which the CI test's reading of one a path assumes)."""
+    audited = gpu_row_variants(users)
+    rep, found = code_paths(audited, widths), audit(audited, widths, usage)
+    out = [f"{' '.join(describe(v))}: its own SASS gives other traffic than {' '.join(describe(rep[v]))}'s"
+           for v in audited if traffic.traffic(v, usage[v, 90], max(widths[v])) != found[v]]
+    short = {}
+    for v, t in found.items():
+        problems = t.problems()
+        if problems and (describe(v) not in KNOWN_SHORT or problems != [_short(t.in_flight)]):
+            out += [f"{' '.join(describe(v))}: {p}" for p in problems]
+        if problems:
+            short[describe(v)] = t.in_flight
+    out += [f"{' '.join(what)}: listed in KNOWN_SHORT with {n} B, keeps {short.get(what, 'enough')}"
+            for what, n in KNOWN_SHORT.items() if short.get(what) != n]
+    return out
+
+
+def _short(in_flight: int) -> str:
+    return f"keeps {in_flight} B in flight per SM, under the {traffic.IN_FLIGHT_NEEDED} B an H200 needs"
+
+
 def traffic_table(users, widths, usage) -> list[str]:
     """One row per bf16 variant of the GPU-sized presets: its memory traffic on an H200 (scalevec_kernels.
     traffic, from the sm_90 SASS) at the widest width it is launched with."""
@@ -234,10 +293,9 @@ def traffic_table(users, widths, usage) -> list[str]:
             "access B / lane", "B a warp in flight", "B an SM in flight", "bounds"]
     lines = ["| " + " | ".join(head + ["launched by"]) + " |", "|" + "---|" * (len(head) + 1)]
     rows = []
-    for v in gpu_row_variants(users):
+    for v, t in audit(gpu_row_variants(users), widths, usage).items():
         gpu = [p for p in users[v] if GPU_PRESET.search(p)]
         kernel, tile, flags, _ = describe(v)
-        t = traffic.traffic(v, usage[v, 90], max(widths[v]))
         reads = ", ".join(f"{a} {n:g}" for a, n in sorted(t.off_chip_reads.items()))
         rows.append([kernel, tile, str(v.num_warps), flags, str(max(widths[v])), str(usage[v, 90].registers),
                      str(t.programs_per_sm), reads, f"{t.bytes_over_floor:.2f}", str(t.vector_bytes), str(t.warp_bytes),
@@ -274,9 +332,11 @@ def main(argv=None) -> int:
             usage |= compile_all(audited, [90], code=audited)
         print(f"\nMemory traffic on an H200 (sm_90 SASS; {traffic.IN_FLIGHT_NEEDED} B in flight an SM needed):\n")
         print("\n".join(traffic_table(users, widths, usage)))
-    bad = [(describe(v), p) for v in users for cc in args.cc for p in usage[v, cc].problems()]
-    for what, problem in bad:
-        print(f"FAIL {' '.join(what)}: {problem}", file=sys.stderr)
+    bad = [f"{' '.join(describe(v))}: {p}" for v in users for cc in args.cc for p in usage[v, cc].problems()]
+    if args.traffic:
+        bad += traffic_problems(users, widths, usage)
+    for problem in bad:
+        print(f"FAIL {problem}", file=sys.stderr)
     return 1 if bad else 0
 
 

@@ -11,9 +11,18 @@ launch in bf16 (their recipes train under bf16 autocast; scalevec_kernels.traffi
 - every large tensor leaves the chip once: bytes per call at their floor (a chunked row's second read
   is served by L2);
 - an SM keeps at least backend.IN_FLIGHT_NEEDED bytes in flight (an H200's bandwidth x latency / SMs)
-  with at least two programs resident, except the variants KNOWN_SHORT lists with what they keep: the
-  list must stay true both ways (a listed variant that meets the bound fails the test too, so that it
-  leaves the list).
+  with at least two programs resident, 128-bit accesses, except the variants kernel_table.KNOWN_SHORT
+  lists with what they keep: the list must stay true both ways (a listed variant that meets the bound
+  fails the test too, so that it leaves the list).
+
+Every such variant is checked, but only one SASS per code path is read (kernel_table.code_paths: kernel,
+flags, whole rows or chunked; 24 paths for 59 variants, 2026-11-28): disassembling costs 0.4 s of CPU a
+variant, more than CI can spare. That suffices because what the bounds take from the SASS (which large
+tensors each access touches, its width, the loads a warp has in flight before it waits) is the same for
+every variant of a path: they hold the same elements a thread and differ in the tile's shape only; each
+variant's own registers (programs per SM) and row width (idle lanes, the L2 working set) are its own.
+`python scripts/kernel_table.py --traffic` disassembles every variant and exits 1 where one's SASS
+gives other traffic than its path's or a bound breaks other than as KNOWN_SHORT lists.
 
 One capture and one compile of each variant serve every test (the module fixture `compiled`, one file so
 that one test worker does it), cached (kernel_table.CACHE) by what they depend on on top of Triton's
@@ -34,24 +43,12 @@ kernel_table = load_script(REPO / "scripts" / "kernel_table.py")
 CC = 90
 
 
-# Variants below the in-flight bound today, by (kernel, tile, flags, dtypes) with the bytes an SM keeps in
-# flight (70-88% of the bound): rows of 2560 in tiles of 4096 (dense-2b: 5/8 of the lanes fetch) and of
-# 384 in 512 (moe-0.5b: 3/4) (docs/benchmarks.md, "Kernels proven on the CPU").
-KNOWN_SHORT: dict[tuple[str, str, str, str], int] = {
-    ('rms_norm bwd', '1x4096 chunked', 'K=1 scaled=0', 'bf16'): 20480,  # dense-2b
-    ('rms_norm bwd', '1x4096 chunked', 'K=1 scaled=0 residual', 'bf16'): 20480,  # dense-2b
-    ('rms_norm bwd', '1x4096 chunked', 'K=1 scaled=1', 'bf16/fp32'): 20480,  # dense-2b
-    ('rms_norm bwd', '1x4096 chunked', 'K=1 scaled=1 residual', 'bf16/fp32'): 20480,  # dense-2b
-    ('rms_norm fwd', '1x4096', 'K=3 scaled=111', 'bf16/fp32'): 25600,  # dense-2b
-    ('swiglu_norm fwd', '8x512', 'scaled=11 per_expert=11', 'bf16/fp32'): 24576,  # moe-0.5b
-}
-
-
 @pytest.fixture(scope="module")
 def compiled():
     """(the variants with the presets launching each, their row widths, their sm_90 usage)."""
     users, widths = kernel_table.cached_preset_launches()
-    return users, widths, kernel_table.compile_all(users, [CC], code=kernel_table.gpu_row_variants(users))
+    paths = set(kernel_table.code_paths(kernel_table.gpu_row_variants(users), widths).values())
+    return users, widths, kernel_table.compile_all(users, [CC], code=paths)
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +59,8 @@ def launches(compiled):
 @pytest.fixture(scope="module")
 def audited(compiled):
     users, widths, usage = compiled
-    return {v: (max(widths[v]), traffic.traffic(v, usage[v, CC], max(widths[v])))
-            for v in kernel_table.gpu_row_variants(users)}
+    found = kernel_table.audit(kernel_table.gpu_row_variants(users), widths, usage, CC)
+    return {v: (max(widths[v]), t) for v, t in found.items()}
 
 
 def test_presets_launch_every_kernel_and_the_chunked_backward(launches):
@@ -153,7 +150,7 @@ def test_every_large_tensor_leaves_the_chip_once(audited):
 
 def test_each_sm_keeps_enough_in_flight(audited):
     short = {kernel_table.describe(v): t.in_flight for v, (_, t) in audited.items() if t.problems()}
-    assert short == KNOWN_SHORT
+    assert short == kernel_table.KNOWN_SHORT
     assert all(t.vector_bytes == 16 for _, t in audited.values())  # 128-bit loads and stores of every row
 
 
