@@ -312,7 +312,7 @@ def report(root: Path, out: Path, parts: list[str]) -> int:
             rows.append(f"| {arm.rung} | {arm.scale} {part.optim} | " + " | ".join(cells) + f" | {chosen} |")
         if part.scale_lr is not None:
             sites = [step(part.scale_lr, -1), part.scale_lr, step(part.scale_lr, 1)]
-            rows.append(f"\nThe scale sites' LR at each arm's best matrix LR (same seeds):\n")
+            rows.append("\nThe scale sites' LR at each arm's best matrix LR (same seeds):\n")
             rows.append("| rung | arm | lr | " + " | ".join(f"scale_lr {fmt(s)}" for s in sites) + " |")
             rows.append("|---|---|---:|" + "---:|" * len(sites))
             for arm, _, pick in grids:

@@ -1,6 +1,7 @@
 """Mixture-of-experts feed-forward layer: a drop-in for the dense SwiGLU block (`model.moe`).
 
-    logits = W_r x_r                         fp32, even under autocast; x_r: the router's input
+    logits = W_r x_r                         fp32, even under autocast; x_r: the router's input (under
+                                             model.parameterization=mup times 1 / m_N: parameterization.py)
     p      = softmax(logits) | sigmoid(logits)
     chosen = top_k(p + bias)                 the expert bias only chooses, it never weights
     g      = p[chosen], renormalized to sum 1 over the k chosen if `renormalize`
@@ -48,6 +49,7 @@ from torch import nn
 
 from scalevec_kernels import rms_norm_scales
 from scalevec_train.model.config import ModelConfig
+from scalevec_train.model.parameterization import Parameterization
 from scalevec_train.model.plan import Branch, MoEPlan, SwiGLUPlan
 from scalevec_train.model.strategies import ScaleSite
 from scalevec_train.model.swiglu import ExpertSwiGLU
@@ -194,6 +196,8 @@ class MoEFeedForward(nn.Module):
         self.down_out = None if plan.down_site is None else ScaleSite.of(plan.down_site)
         self.out_norm = plan.down_norm
         self.eps, self.kernels = cfg.norm_eps, cfg.kernels
+        # the router's logits' multiplier (1 but under mup: a readout of the width)
+        self.router_scale = Parameterization.of(cfg).readout
         # the pre-norm branches the router, the experts' gate and their up read
         self.reads: tuple[Branch, Branch, Branch] = (plan.router.reads, plan.experts.gate.reads,
                                                      plan.experts.up.reads)
@@ -223,6 +227,8 @@ class MoEFeedForward(nn.Module):
         fp32 routing weights [tokens, k])."""
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.float(), self.router.weight.float())
+            if self.router_scale != 1:
+                logits = logits * self.router_scale
         scores = logits.softmax(-1) if self.cfg.score_func == "softmax" else logits.sigmoid()
         chosen = (scores.detach() + self.expert_bias.float()).topk(self.cfg.top_k, dim=-1).indices
         weights = scores.gather(-1, chosen)
