@@ -28,6 +28,7 @@ from scalevec_train.data.mixture_loader import MixtureLoader
 from scalevec_train.data.tokenizer import token_bytes
 from scalevec_train.errors import ScalevecError
 from scalevec_train.interop.hf_import import check_init_from, init_from_hf
+from scalevec_train.model.config import architecture_diff
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.optim.groups import build_optimizer
 from scalevec_train.optim.schedules import lr_multiplier
@@ -235,9 +236,8 @@ def check_continuation_of(cfg: Config, path: Path, train_state: dict, branch: bo
 def check_resumable(cfg: Config, path: Path, train_state: dict, model: torch.nn.Module) -> None:
     """Raises unless checkpoint `path` was written for this model and optimizer (`model` may be on the
     meta device): before any data is prepared or weight initialized."""
-    saved, current = train_state["model_config"], cfg.model.architecture()
-    if saved != current:
-        diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+    diff = architecture_diff(train_state["model_config"], cfg.model.architecture())
+    if diff:
         raise ScalevecError(str(path), f"was written by another model (differs in {diff}).",
                             "resume with the model config of that run, or use another run_dir.")
     saved_optim = train_state.get("optimizer", cfg.optim.name)  # absent in older checkpoints

@@ -67,9 +67,9 @@ class Options:
     @classmethod
     def parse(cls, given: dict[str, str]) -> "Options":
         try:
-            o = cls(tuple(int(w) for w in given["widths"].split(",")), tuple(int(d) for d in given["depths"].split(",")),
-                    int(given["steps"]), given["grow"], float(given["bound"]), Path(given["out"]), int(given["seed"]),
-                    int(given["batch"]), int(given["seq"]))
+            widths, depths = (tuple(int(x) for x in given[k].split(",")) for k in ("widths", "depths"))
+            o = cls(widths, depths, int(given["steps"]), given["grow"], float(given["bound"]), Path(given["out"]),
+                    int(given["seed"]), int(given["batch"]), int(given["seq"]))
         except ValueError as e:
             raise ScalevecError("coord_check", f"an option is not a number ({e}).",
                                 "give widths=1,2,4,8 depths=1,2,4,8 steps=4 bound=0.25 as numbers.") from None
@@ -241,7 +241,7 @@ def table(sweeps: tuple[Sweep, ...], bound: float, title: str) -> tuple[str, lis
                      f"Change since initialization after the last step; the check: {FLOOR:g} <= slope <= {bound:g}.",
                      ""], []
     for s in sweeps:
-        lines += [f"## Against {s.axis}", "", f"| quantity | " + " | ".join(f"{s.axis} {n}" for n in s.sizes)
+        lines += [f"## Against {s.axis}", "", "| quantity | " + " | ".join(f"{s.axis} {n}" for n in s.sizes)
                   + " | slope | |", "|---|" + "---:|" * (len(s.sizes) + 1) + "---|"]
         for k, sl in s.slopes().items():
             ok = FLOOR <= sl <= bound

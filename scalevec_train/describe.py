@@ -116,8 +116,8 @@ def _parameters(model: Transformer, optim, group_of: dict) -> list[dict]:
         r = rates(p, kind, optim, muon)
         rows.append({"name": name, "kind": kind, "shape": list(param.shape), "init_std": p.init(name, kind),
                      "lr": g["base_lr"], "lr_multiplier": r.lr, "weight_decay": g["weight_decay"],
-                     "eps": None if muon else g.get("eps", optim.eps), "forward_multiplier": p.forward_multiplier(name, kind),
-                     "optimizer": "muon" if muon else "adamw"})
+                     "eps": None if muon else g.get("eps", optim.eps),
+                     "forward_multiplier": p.forward_multiplier(name, kind), "optimizer": "muon" if muon else "adamw"})
     return rows
 
 

@@ -9,8 +9,8 @@ from scalevec_train.config import compose_config
 from scalevec_train.model.parameterization import Parameterization
 
 DENSE = ["model=dense-l1", "model.dim=16", "model.ffn_dim=48", "model.vocab_size=128"]
-MOE = ["model=moe-tiny", "model.dim=16", "model.n_heads=1", "model.n_kv_heads=1", "model.ffn_dim=16", "model.n_layers=1",
-       "model.moe.num_experts=4", "model.moe.expert_dim=16", "model.vocab_size=128"]
+MOE = ["model=moe-tiny", "model.dim=16", "model.n_heads=1", "model.n_kv_heads=1", "model.ffn_dim=16",
+       "model.n_layers=1", "model.moe.num_experts=4", "model.moe.expert_dim=16", "model.vocab_size=128"]
 MODELS = {"dense": DENSE, "moe": MOE}
 OPTIONS = ["widths=1,2,4,16", "depths=1,2,4,8", "steps=3", "batch=2", "seq=16"]
 

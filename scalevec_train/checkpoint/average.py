@@ -48,6 +48,7 @@ from scalevec_train.checkpoint.files import (
 )
 from scalevec_train.data.tokenizer import HF_FILE, SENTENCEPIECE_FILE
 from scalevec_train.errors import ScalevecError
+from scalevec_train.model.config import architecture_diff
 
 RUN_FILES = ("config.yaml", SENTENCEPIECE_FILE, HF_FILE)
 EMA_PREFIX = "ema.weights."  # the EMA's tensors in a run's checkpoint (training/callbacks/ema.py)
@@ -109,9 +110,8 @@ def check_one_run(checkpoints: list[Path], states: list[dict]) -> None:
         if AVERAGED in state:
             raise ScalevecError(str(path), "is itself an averaged checkpoint.",
                                 "average the run's own checkpoints (pass its run_dir).")
-        if state["model_config"] != states[-1]["model_config"]:
-            diff = sorted(k for k in set(state["model_config"]) | set(states[-1]["model_config"])
-                          if state["model_config"].get(k) != states[-1]["model_config"].get(k))
+        diff = architecture_diff(state["model_config"], states[-1]["model_config"])
+        if diff:
             raise ScalevecError(str(path), f"was written by another model than {checkpoints[-1]} (differs in "
                                 f"{diff}).", "average checkpoints of one run only.")
 

@@ -166,6 +166,22 @@ class ModelConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in COMPUTE_ONLY}
 
 
+def architecture_diff(a: dict, b: dict) -> list[str]:
+    """The keys on which two architecture() records differ. A record written before an option existed
+    lacks it, and ran with the behaviour the option's default keeps: a missing key counts as its default."""
+    defaults = {k: v for k, v in dataclasses.asdict(ModelConfig()).items() if k not in COMPUTE_ONLY}
+    moe = dataclasses.asdict(MoEConfig())
+
+    def full(record: dict) -> dict:
+        out = {**defaults, **record}
+        if isinstance(out.get("moe"), dict):
+            out["moe"] = {**moe, **out["moe"]}
+        return out
+
+    a, b = full(a), full(b)
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
 Param = Literal["plain", "or", "er", "fixed"]
 PARAMS = get_args(Param)
 # The linear maps of a block that placement targets can name.

@@ -2,6 +2,7 @@
 the rules' sources, the forward against a plain sp model with its weights scaled by hand, and mup at its
 own base shape against sp bit for bit."""
 
+import json
 import math
 
 import pytest
@@ -12,9 +13,11 @@ from scalevec_train.config import compose_config
 from scalevec_train.describe import describe
 from scalevec_train.errors import ScalevecError
 from scalevec_train.model import Transformer
-from scalevec_train.model.config import ModelConfig, MoEConfig, ScaleConfig
+from scalevec_train.model.config import ModelConfig, MoEConfig, ScaleConfig, architecture_diff
 from scalevec_train.optim.config import OptimConfig
 from scalevec_train.optim.groups import build_optimizer
+from scalevec_train.train import run
+from tests.helpers import SHORT_RUN, make_config
 from tests.presets import TINY_MODEL, TINY_MOE
 
 # m_N = 128 / 32 = 4, m_L = 4 / 2 = 2, head_dim 32 (4 heads) against a base head width of 8
@@ -156,3 +159,20 @@ def test_a_misread_base_is_refused_naming_the_key(overrides, key):
     with pytest.raises(ScalevecError) as e:
         compose_config(overrides)
     assert e.value.where == key
+
+
+def test_a_checkpoint_written_before_the_option_existed_resumes(data_overrides, tmp_path):
+    """A checkpoint's model record from before model.parameterization (and its base shape) lacks the keys:
+    it ran as sp, their defaults, so resume=auto continues it; a record that says mup does not."""
+    overrides = [*data_overrides, *TINY_MODEL, *SHORT_RUN, "model.vocab_size=512", "checkpoint.every=2",
+                 f"run_dir={tmp_path / 'run'}"]
+    run(make_config(*overrides, "train.steps=2"))
+    state_file = next((tmp_path / "run" / "checkpoints").glob("step_*/train_state.json"))
+    state = json.loads(state_file.read_text())
+    for key in ("parameterization", "base_dim", "base_layers", "base_head_dim"):
+        del state["model_config"][key]
+    state_file.write_text(json.dumps(state))
+    run(make_config(*overrides, "train.steps=4", "resume=auto"))
+    assert (tmp_path / "run" / "checkpoints" / "step_000004" / "COMPLETE").is_file()
+    assert architecture_diff(state["model_config"], {**state["model_config"], "parameterization": "mup"}) == \
+        ["parameterization"]
