@@ -136,10 +136,11 @@ def test_any_flipped_byte_is_refused_by_a_resume_on_one_process(trunk, data_over
 
 
 def _resume_two_ranks(rank: int, store: str, overrides: list[str], flips: dict[str, tuple[float, int]],
-                      out: str) -> None:
+                      damaged_data: list[str], out: str) -> None:
     """Trains a 2-rank run with asynchronous saves, then resumes it once per entry of `flips` (file name
     in the newest checkpoint: where in it as a fraction of its size, mask), rank 0 flipping the byte
-    before and restoring it after; each rank writes what each resume raised."""
+    before and restoring it after, then starts a run with `damaged_data`; each rank writes what each
+    attempt raised."""
     import torch.distributed as dist
 
     with gloo_group(store, rank, 2):
@@ -162,20 +163,33 @@ def _resume_two_ranks(rank: int, store: str, overrides: list[str], flips: dict[s
             if rank == 0:
                 file.write_bytes(original)
             dist.barrier()
+        try:
+            build(make_config(*overrides, *damaged_data, world_size=2))
+        except ScalevecError as e:
+            found["data"] = str(e)
         Path(out, f"rank{rank}.json").write_text(json.dumps(found))
 
 
-def test_any_flipped_byte_is_refused_by_a_resume_on_two_ranks(data_overrides, tmp_path):
+def test_any_flipped_byte_is_refused_by_a_resume_on_two_ranks(trunk, data_overrides, tmp_path):
+    """And a flipped byte in the smaller token shard, which only rank 1 reads (the ranks share the
+    shards, the largest first), refuses a run on both ranks."""
     run_dir = tmp_path / "run"
     overrides = [*data_overrides, *RUN, "train.micro_batch=2", "checkpoint.async_save=true", f"run_dir={run_dir}"]
+    cache = shutil.copytree(next(o.split("=", 1)[1] for o in data_overrides if o.startswith("data.cache_dir=")),
+                            tmp_path / "cache")
+    shards = sorted(Path(cache).glob("text_dir-*/*/*.bin"), key=lambda p: p.stat().st_size)
+    assert len(shards) == 2
+    shards[0].write_bytes(bytes([shards[0].read_bytes()[0] ^ 0x01]) + shards[0].read_bytes()[1:])
+    damaged_data = [f"data.cache_dir={cache}", f"run_dir={tmp_path / 'fresh'}"]
     # the files a 2-rank save writes (both ranks' shards and RNG states), each flipped at a random byte
     names = [".metadata", "__0_0.distcp", "__1_0.distcp", "rng_rank0.pt", "rng_rank1.pt", "train_state.json",
              CHECKSUMS, COMPLETE]
     rng = random.Random(2)
     flips = {name: (rng.random(), rng.randrange(1, 256)) for name in names}
-    spawn(_resume_two_ranks, (str(tmp_path / "store"), overrides, flips, str(tmp_path)), nprocs=2)
+    spawn(_resume_two_ranks, (str(tmp_path / "store"), overrides, flips, damaged_data, str(tmp_path)), nprocs=2)
     found = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert found[0] == found[1]  # the same refusal on both ranks
+    assert found[0].pop("data").startswith(f"{shards[0]}: does not match the checksum its manifest recorded")
     assert set(found[0]) == set(names) == {p.name for p in step_dir(run_dir, 4).iterdir()}
     for name, error in found[0].items():
         assert error is not None, name
