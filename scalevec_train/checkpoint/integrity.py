@@ -103,7 +103,8 @@ def _check_file(path: Path, record: dict) -> str | None:
         return "is missing."
     size = path.stat().st_size
     if size != record["bytes"]:
-        return f"is {size} bytes, {record['bytes']} when it was written."
+        cut = "truncated: " if size < record["bytes"] else ""
+        return f"is {cut}{size} bytes, {record['bytes']} when it was written."
     now = file_digest(path)
     if now != record[ALGORITHM]:
         return (f"does not match the checksum recorded when it was written ({ALGORITHM} {record[ALGORITHM]} "
