@@ -1,6 +1,6 @@
 """Checkpoints that prove their bytes (checkpoint/integrity.py): a byte flipped in any file a save writes
 is refused by a resume (1 process, and 2 gloo ranks with asynchronous saves), by scalevec_train.load, by
-branch_from, average and export, each naming the file and the newest earlier checkpoint that verifies;
+branch_from, average, export and evaluate, each naming the file and the newest earlier checkpoint that verifies;
 the skip options read a trusted checkpoint; a checkpoint written before checksums loads with a notice.
 The reference is the checkpoint's own bytes: the same calls on the unflipped files succeed."""
 
@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from scalevec_train import average as average_cli
+from scalevec_train import evaluate as evaluate_cli
 from scalevec_train import export as export_cli
 from scalevec_train import verify as verify_cli
 from scalevec_train.build import build
@@ -196,7 +198,7 @@ def test_any_flipped_byte_is_refused_by_a_resume_on_two_ranks(trunk, data_overri
         assert_refused(error, step_dir(run_dir, 4) / name, str(step_dir(run_dir, 2)))
 
 
-def test_branch_from_average_and_export_refuse_and_trust_on_request(trunk, data_overrides, tmp_path):
+def test_branch_from_average_export_and_evaluate_refuse_and_trust_on_request(trunk, data_overrides, tmp_path):
     shard, at = weight_byte(step_dir(trunk, 4))
     good = str(step_dir(trunk, 2))
     branch = [*data_overrides, *RUN, "train.steps=6", f"branch_from={trunk}", f"run_dir={tmp_path / 'branch'}"]
@@ -211,12 +213,17 @@ def test_branch_from_average_and_export_refuse_and_trust_on_request(trunk, data_
             average(trunk, tmp_path / "avg", last=2)
         assert_refused(refused.value, shard, f"up to {step_dir(trunk, 2).name} (steps=")
         assert not (tmp_path / "avg").exists()
-        assert average(trunk, tmp_path / "avg", last=2, verify=False).is_dir()
+        trusted = run_main(average_cli.main, trunk, "last=2", f"out={tmp_path / 'avg'}", "verify=false")
+        assert trusted.returncode == 0 and (tmp_path / "avg").is_dir(), trusted
 
         refused = run_main(export_cli.main, trunk, f"out={tmp_path / 'hf'}")
         assert refused.returncode == 2 and refused.stderr.startswith(f"error: {shard}: does not match"), refused
         assert not (tmp_path / "hf").exists()
         assert run_main(export_cli.main, trunk, f"out={tmp_path / 'hf'}", "verify=false").returncode == 0
+
+        refused = run_main(evaluate_cli.main, trunk)
+        assert refused.returncode == 2 and refused.stderr.startswith(f"error: {shard}: does not match"), refused
+        assert "val_loss" in run_main(evaluate_cli.main, trunk, "verify=false").stdout
     # the average records its own files' checksums: it verifies, and is refused once damaged
     assert run_main(verify_cli.main, tmp_path / "avg").stdout.startswith("ok ")
     with flipped(tmp_path / "avg" / "config.yaml", 3, 0x20), pytest.raises(ScalevecError) as refused:
