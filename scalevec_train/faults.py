@@ -34,7 +34,7 @@ POINTS = {
     "save.files": "halfway through the first write of this rank's shard file (an async save: in its thread)",
     "save.agree": "this rank's files written, before the ranks compare their outcomes",
     "save.state": "rank 0, before it writes train_state.json",
-    "save.marker": "rank 0, train_state.json written, before it writes COMPLETE",
+    "save.marker": "rank 0, train_state.json written, before it writes checksums.json and COMPLETE",
     "save.rename": "rank 0, COMPLETE written, before it renames the folder into place",
     "save.retain": "rank 0, the checkpoint in place, before older ones are moved out of sight",
     "save.delete": "rank 0, older checkpoints moved out of sight, before they are deleted",

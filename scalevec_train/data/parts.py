@@ -162,7 +162,7 @@ def merge(staging: Path, root: Path, tok_path: Path, tok_hash: str, vocab_size: 
                 for shard in record[s]["shards"]:
                     name = shard_name(len(shards))
                     _link(part_dir(staging, p) / s / shard["name"], tmp / s / name)
-                    shards.append({"name": name, "num_tokens": shard["num_tokens"]})
+                    shards.append({**shard, "name": name})  # its token count and checksum
             m = write_manifest(tmp / s, vocab_size, tok_hash, shards, split=s, num_documents=documents[s],
                                eos_id=eos, corpus=corpus_info)
             log.info("%s: %d documents, %d tokens", s, documents[s], m["num_tokens"])
