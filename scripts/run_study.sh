@@ -142,11 +142,11 @@ ladder() {  # optimizers out [jobs]: the ladder of both strategies under each op
 }
 study800_jobs() { echo study800_run baseline $1; echo study800_run unified $1; }  # seed: the 5x-budget check
 grid_worker() {  # root parts...: trains scripts/lr_grid.py's queue of runs until none is left
-  local root=$1 rc job rung dir args
+  local root=$1 me=$BASHPID rc job rung dir args  # this worker's pid: $BASHPID inside $(...) is the subshell's
   shift
   while :; do
     rc=0
-    job=$($PY scripts/lr_grid.py next "$root" $BASHPID "$@") || rc=$?
+    job=$($PY scripts/lr_grid.py next "$root" $me "$@") || rc=$?
     case $rc in 0) ;; 3) sleep 20; continue ;; 4) return 0 ;; *) return 1 ;; esac
     read -r rung dir args <<<"$job"
     rc=0
