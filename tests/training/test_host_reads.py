@@ -2,7 +2,8 @@
 TorchDispatchMode (tests/host_reads.py) over the steps between logs, for dense and MoE, AdamW and Muon
 (and document masking with the z-loss, and the weight EMA), on 1 process and on 2 gloo ranks. Reads of the optimizer's
 host-side step counters (torch's for-loop AdamW on CPU) are counted apart and not held against the
-framework; Muon keeps its counters on the device and makes none."""
+framework; Muon keeps its counters on the device and makes none. A deliberate item() or tolist() in
+every forward is counted, read for read: a read the framework made would not go unseen."""
 
 import json
 from pathlib import Path
