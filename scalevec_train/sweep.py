@@ -14,6 +14,7 @@ launcher (the basic one, joblib, SLURM): each point gets `run_dir=<its directory
 - Points that would still share a run directory refuse the whole sweep, before anything is written.
 """
 
+import dataclasses
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -22,6 +23,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig, OmegaConf
 
+from scalevec_train.config import from_record
 from scalevec_train.errors import ScalevecError, listing
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+@-]+")  # what a value may keep in a folder name (and a Hydra override)
@@ -35,7 +37,8 @@ def name_points(points: Sequence[Sequence[str]], compose: Callable[[list[str]], 
     parser = OverridesParser.create()
     parsed = [parser.parse_overrides(list(p)) for p in points]
     configs = [compose(list(p)) for p in points]
-    values = [{o.key_or_group: _value(o, cfg) for o in point} for point, cfg in zip(parsed, configs)]
+    typed = [from_record(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])) for cfg in configs]
+    values = [{o.key_or_group: _value(o, cfg, t) for o in point} for point, cfg, t in zip(parsed, configs, typed)]
     keys = [o.key_or_group for o in parsed[0]]  # the same for every point: the sweep is a product
     varying = [k for k in keys if not k.startswith("hydra") and len({point[k] for point in values}) > 1]
     bases = [str(OmegaConf.select(cfg, "run_dir")).rstrip("/") for cfg in configs]
@@ -48,15 +51,17 @@ def name_points(points: Sequence[Sequence[str]], compose: Callable[[list[str]], 
     return [[*p, f"run_dir={_quoted(d)}"] for p, d in zip(points, dirs)]
 
 
-def _value(override: Override, cfg: DictConfig) -> str:
-    """A point's value of a key: a config group's option as chosen, an option's value as the config resolves
-    it (so 1e-3 and 0.001 are one value, 0.001)."""
-    value = None
-    if override.key_or_group not in cfg.hydra.runtime.choices:
-        value = OmegaConf.select(cfg, override.key_or_group, default=None)
-    if value is None or OmegaConf.is_config(value):
-        value = override.get_value_element_as_str()
-    return str(value)
+def _value(override: Override, cfg: DictConfig, node: object) -> str:
+    """A point's value of a key: a config group's option as chosen (in its composed config `cfg`), an option's
+    value as the typed config `node` (a Config) holds it (so 1e-3 and 0.001 are one value, 0.001, and 0 and 0.0 of a float option one, 0.0)."""
+    key = override.key_or_group
+    if key in cfg.hydra.runtime.choices or key.startswith("hydra"):
+        return override.get_value_element_as_str()
+    for part in key.split("."):
+        node = node[int(part)] if isinstance(node, list) and part.isdigit() else getattr(node, part, None)
+    if node is None or dataclasses.is_dataclass(node) or isinstance(node, list | dict):
+        return override.get_value_element_as_str()
+    return str(node)
 
 
 def _told_apart(key: str, dirs: list[str], values: list[dict[str, str]]) -> bool:
