@@ -6,7 +6,8 @@ Cache layout under data.cache_dir:
         (or tokenizer.json: data.tokenizer_path names a Hugging Face tokenizer)
     <source>-<key>/{train,val}/      shards and manifest.json
     .<source>-<key>.*.parts/         the parts of a preparation in progress (parts.py)
-    .lock                            held while preparing, so concurrent processes prepare only once
+    .lock                            held while preparing (lock.py), so concurrent processes prepare only
+                                     once; reading prepared data takes no lock
 A prepared folder is built under a temporary name and renamed when complete, so a killed preparation
 never leaves a folder that looks valid. The same folder layout is what data.source=shards reads.
 
@@ -16,7 +17,6 @@ last of them to finish merges; one process alone prepares everything. It takes o
 prepares what data.* configures, one source or a mixture (mixture.py).
 """
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -35,6 +35,7 @@ from scalevec_train.data.parts import encode_parts, merge, staging_dir
 from scalevec_train.data.shards import FORMAT, MANIFEST, open_manifest, scan_token_range
 from scalevec_train.data.split import SPLITS, ValSplit
 from scalevec_train.errors import ScalevecError
+from scalevec_train.lock import DirLock
 
 log = logging.getLogger(__name__)
 
@@ -176,9 +177,9 @@ def _data_root(cfg: DataConfig, identity: dict, cache: Path, tok_path: Path) -> 
 
 @contextmanager
 def exclusive(cache: Path) -> Iterator[None]:
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if the process dies
+    """The cache's lock, waited for: one process writes at a time (released also if the process dies)."""
+    with DirLock(cache) as lock:
+        lock.acquire(wait=True)
         yield
 
 
