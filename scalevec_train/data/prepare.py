@@ -35,6 +35,7 @@ from scalevec_train.data.parts import encode_parts, merge, staging_dir
 from scalevec_train.data.shards import FORMAT, MANIFEST, open_manifest, scan_token_range
 from scalevec_train.data.split import SPLITS, ValSplit
 from scalevec_train.errors import ScalevecError
+from scalevec_train.faults import fault_point
 from scalevec_train.lock import DirLock
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,9 @@ def _prepare_text(cfg: DataConfig, rank: int, world: int, workers: int) -> Prepa
     # encode their parts outside it and take it only to merge.
     with exclusive(cache):
         if not tok_path.is_file():
+            fault_point("prepare.tokenizer", 0, rank)
+            for stale in tok_path.parent.glob(f".{tok_path.name}.*"):  # a killed writer's (write_atomic)
+                stale.unlink()
             split = ValSplit(cfg.val_fraction, corpus.keys())
             _train_tokenizer(cfg, corpus, split, tok_path)
         root = _data_root(cfg, identity, cache, tok_path)
@@ -151,7 +155,7 @@ def _prepare_text(cfg: DataConfig, rank: int, world: int, workers: int) -> Prepa
     if not root.is_dir():
         _build(cfg, corpus, split, tok_path, root, rank, world, workers)
         with exclusive(cache):
-            if not root.is_dir() and not _merge(cfg, tok_path, root):
+            if not root.is_dir() and not _merge(cfg, tok_path, root, rank):
                 log.info("process %d of %d: its parts are written; the last process to finish merges", rank,
                          world)
                 return None
@@ -204,14 +208,14 @@ def _build(cfg: DataConfig, corpus: Corpus, split: ValSplit | None, tok_path: Pa
     encode_parts(corpus.documents(), split, tok_path, staging_dir(root, cfg.part_bytes), cfg.part_bytes,
                  cfg.shard_tokens, tok.get_piece_size(), rank, world, workers)
     if world == 1:
-        _merge(cfg, tok_path, root)
+        _merge(cfg, tok_path, root, rank)
         log.info("prepared %s in %.1fs", root, time.perf_counter() - start)
 
 
-def _merge(cfg: DataConfig, tok_path: Path, root: Path) -> bool:
+def _merge(cfg: DataConfig, tok_path: Path, root: Path, rank: int) -> bool:
     tok = tokenizer.load(tok_path)
     return merge(staging_dir(root, cfg.part_bytes), root, tok_path, tokenizer.file_hash(tok_path),
-                 tok.get_piece_size(), tok.eos_id(), {"source": cfg.source, "path": cfg.path})
+                 tok.get_piece_size(), tok.eos_id(), {"source": cfg.source, "path": cfg.path}, rank)
 
 
 def digest(value: object) -> str:
