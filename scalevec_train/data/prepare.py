@@ -20,6 +20,7 @@ prepares what data.* configures, one source or a mixture (mixture.py).
 import hashlib
 import json
 import logging
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -136,6 +137,9 @@ def _prepare_text(cfg: DataConfig, rank: int, world: int, workers: int) -> Prepa
         _check_vocab_size(tokenizer.load(tok_path).get_piece_size(), tok_path, cfg.vocab_size)
     root = _data_root(cfg, identity, cache, tok_path)
     if root is not None and root.is_dir():
+        if staging_dir(root, cfg.part_bytes).is_dir():  # a merge killed before it removed the parts
+            with exclusive(cache):
+                shutil.rmtree(staging_dir(root, cfg.part_bytes), ignore_errors=True)
         return open_prepared(root)
     split = None  # made only when needed: it hashes every document key
     # All processes of a job may get here at once on first use: one trains the tokenizer, the others

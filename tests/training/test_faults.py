@@ -104,8 +104,10 @@ def test_kills_at_every_phase_of_steps_and_saves_lose_nothing(mode, common, atte
         codes = attempts.run(overrides, fault, kill)
         assert -9 in codes and 0 not in codes, (fault, codes)
         assert newest_whole(run_dir) == newest, fault
-        # the run directory's lock names the dead rank 0: the next attempt takes it over at once
-        assert lock_holder(run_dir) == attempts.pids_of(attempts.count - 1)[0], fault
+        # the run directory's lock names the dead rank 0 (unless rank 0 outlived a killed rank 1 and
+        # released it on its way out): the next attempt takes it over at once
+        rank0 = attempts.pids_of(attempts.count - 1)[0]
+        assert lock_holder(run_dir) == rank0 if codes[0] == -9 else lock_holder(run_dir) is None, (fault, codes)
     assert attempts.run(overrides) == [0, 0]
     assert newest_whole(run_dir) == STEPS
     assert sorted(p.name for p in checkpoint_files.checkpoint_root(run_dir).iterdir()) == [f"step_{STEPS:06d}"]
