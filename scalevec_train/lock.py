@@ -39,10 +39,11 @@ class Held(Exception):
 
     def __init__(self, path: Path, record: dict):
         self.path, self.record = path, record
-        super().__init__(f"{path} is held by {describe(record)}")
+        super().__init__(f"{path} is held by {holder(record)}")
 
 
-def describe(record: dict) -> str:
+def holder(record: dict) -> str:
+    """The holder a record names, for messages."""
     return f"host {record.get('host')}, pid {record.get('pid')}, started {record.get('started')}"
 
 
@@ -174,10 +175,7 @@ def _start_ticks(pid: int) -> int | None:
 def _dead(path: Path, record: dict, flocked: bool) -> bool:
     """Whether the process that wrote `record` no longer holds the lock (see the module's docstring)."""
     if record.get("host") == socket.gethostname():
-        if flocked:
-            return True
-        pid = record.get("pid")
-        return not isinstance(pid, int) or pid <= 0 or _start_ticks(pid) != record.get("ticks") or not _alive(pid)
+        return flocked or not _runs(record)
     deadline = time.monotonic() + STALE
     while time.monotonic() < deadline:
         time.sleep(min(BEAT / 4, 1.0))
@@ -186,13 +184,19 @@ def _dead(path: Path, record: dict, flocked: bool) -> bool:
     return True
 
 
-def _alive(pid: int) -> bool:
-    try:
+def _runs(record: dict) -> bool:
+    """Whether the process of this host that wrote `record` still runs: its pid, started when it was."""
+    pid = record.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    if record.get("ticks") is not None:
+        return _start_ticks(pid) == record["ticks"]
+    try:  # no /proc: the pid alone
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # another user's
+        pass
     return True
 
 

@@ -52,8 +52,9 @@ def name_points(points: Sequence[Sequence[str]], compose: Callable[[list[str]], 
 
 
 def _value(override: Override, cfg: DictConfig, node: object) -> str:
-    """A point's value of a key: a config group's option as chosen (in its composed config `cfg`), an option's
-    value as the typed config `node` (a Config) holds it (so 1e-3 and 0.001 are one value, 0.001, and 0 and 0.0 of a float option one, 0.0)."""
+    """A point's value of a key: a config group's option as chosen (in its composed config `cfg`), an
+    option's value as the typed config `node` (a Config) holds it (so 1e-3 and 0.001 are one value,
+    0.001; and 0 and 0.0 of a float option one, 0.0)."""
     key = override.key_or_group
     if key in cfg.hydra.runtime.choices or key.startswith("hydra"):
         return override.get_value_element_as_str()

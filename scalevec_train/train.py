@@ -23,7 +23,7 @@ from scalevec_train.continuation import record as record_continuation
 from scalevec_train.data import tokenizer
 from scalevec_train.describe import describe
 from scalevec_train.errors import ScalevecError
-from scalevec_train.lock import DirLock, Held, describe as describe_holder
+from scalevec_train.lock import DirLock, Held, holder
 from scalevec_train.optim.groups import describe_groups
 from scalevec_train.parallel import process_group
 from scalevec_train.training.logger import MetricsLogger, wandb_init_args
@@ -51,7 +51,7 @@ def holding(run_dir: Path) -> Iterator[None]:
         try:
             lock.acquire()
         except Held as e:
-            lock, held = None, f"{describe_holder(e.record)}; its lock {e.path}"
+            lock, held = None, f"{holder(e.record)}; its lock {e.path}"
     held = process_group.broadcast_object(held)
     if held is not None:
         raise ScalevecError("run_dir", f"{run_dir} is in use by a live run ({held}): two runs in one directory "

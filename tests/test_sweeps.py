@@ -81,8 +81,9 @@ def test_a_preset_run_dir_gains_the_keys_it_does_not_name_and_slurm_composes_the
     assert sorted(run_dir_of(p) for p in points) == [
         f"runs/study/dense-study-unified-adamw-cosine-lr{lr}-s0-train.z_loss_{z}"
         for lr in ("0.001", "0.01") for z in ("0.0", "0.0001")]
-    assert named_points("+experiment=removal") == [
-        [f"scale={scale}", f"seed={seed}", "+experiment=removal"] for scale in ("none", "baseline") for seed in (0, 1, 2)]
+    assert named_points("+experiment=removal") == [  # names every key it varies: nothing added
+        [f"scale={scale}", f"seed={seed}", "+experiment=removal"] for scale in ("none", "baseline")
+        for seed in (0, 1, 2)]
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     slurm = named_points("+experiment=study_lr", "scale=unified", "seed=0", "train.z_loss=0,1e-4",
                          "hydra/launcher=slurm", "hydra.launcher.partition=gpu")
@@ -90,14 +91,16 @@ def test_a_preset_run_dir_gains_the_keys_it_does_not_name_and_slurm_composes_the
 
 
 
-@pytest.mark.parametrize("sweep, message, fix", ids=["run_dir_given", "one_value_twice", "values_read_alike"], argvalues=[
+@pytest.mark.parametrize("sweep, message, fix", ids=["run_dir_given", "one_value_twice", "values_read_alike"],
+                         argvalues=[
     (["run_dir=runs/mine", "optim.lr=1e-3,3e-3", "seed=0,1"],
      "run_dir: the sweep's points [optim.lr=0.001 seed=0], [optim.lr=0.001 seed=1], [optim.lr=0.003 seed=0], "
      "[optim.lr=0.003 seed=1] would share runs/mine,",
      "Fix: name optim.lr, seed in run_dir (e.g. run_dir='runs/mine-${optim.lr}'), or leave run_dir out"),
     (["optim.lr=1e-3,0.001"], "run_dir: the sweep lists the point [optim.lr=0.001 ", "Fix: drop the repeated value."),
     (["tasks.dir=/data/a,/data_a"],
-     f"run_dir: the sweep's points [tasks.dir=/data/a], [tasks.dir=/data_a] would share runs/{DEFAULT}-tasks.dir_data_a,",
+     f"run_dir: the sweep's points [tasks.dir=/data/a], [tasks.dir=/data_a] would share "
+     f"runs/{DEFAULT}-tasks.dir_data_a,",
      "Fix: set run_dir to name tasks.dir yourself"),
 ])
 def test_a_sweep_whose_points_would_share_a_run_dir_refuses_with_one_line_and_writes_nothing(

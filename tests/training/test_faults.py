@@ -134,19 +134,24 @@ def test_a_live_two_rank_run_holds_its_run_dir_and_a_killed_one_is_continued_at_
     run_dir = tmp_path / "held"
     overrides = [*common, f"run_dir={run_dir}", "resume=auto"]
     pids = attempts.start(overrides, "step.start:3@0")
-    attempts.started.wait_until(lambda: _state(pids[0]) == "T", "rank 0 stopped at step 3")
-    before = tree_digest(run_dir)
-    for second in ([], [f"branch_from={reference}", "resume=none"]):
-        with pytest.raises(ScalevecError, match=f"run_dir: {run_dir} is in use by a live run \\(host .*, pid "
-                           f"{pids[0]}, started .* UTC; its lock {run_dir}/.lock\\)") as info:
-            run(make_config(*overrides, *second))
-        assert " Fix: wait for that run to end or stop it" in str(info.value)
-        assert tree_digest(run_dir) == before
-    other = run(make_config(*common, "train.steps=2", f"run_dir={tmp_path / 'other'}"))
-    assert newest_whole(other) == 2
-    for sig in (signal.SIGSTOP, signal.SIGKILL):
-        for pid in pids:
-            os.kill(pid, sig)
+    try:
+        attempts.started.wait_until(lambda: _state(pids[0]) == "T", "rank 0 stopped at step 3")
+        before = tree_digest(run_dir)
+        for second in ([], [f"branch_from={reference}", "resume=none"]):
+            with pytest.raises(ScalevecError, match=f"run_dir: {run_dir} is in use by a live run \\(host .*, pid "
+                               f"{pids[0]}, started .* UTC; its lock {run_dir}/.lock\\)") as info:
+                run(make_config(*overrides, *second))
+            assert " Fix: wait for that run to end or stop it" in str(info.value)
+            assert tree_digest(run_dir) == before
+        other = run(make_config(*common, "train.steps=2", f"run_dir={tmp_path / 'other'}"))
+        assert newest_whole(other) == 2
+    finally:  # the stopped run ends whatever happened: the attempts' workers wait for it
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
     assert attempts.wait() == [-9, -9]
     assert attempts.run(overrides) == [0, 0]
     assert_same_checkpoint(checkpoint_files.step_dir(run_dir, STEPS), checkpoint_files.step_dir(reference, STEPS),
