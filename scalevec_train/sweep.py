@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from scalevec_train.config import from_record
 from scalevec_train.errors import ScalevecError, listing
@@ -37,7 +38,7 @@ def name_points(points: Sequence[Sequence[str]], compose: Callable[[list[str]], 
     parser = OverridesParser.create()
     parsed = [parser.parse_overrides(list(p)) for p in points]
     configs = [compose(list(p)) for p in points]
-    typed = [from_record(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])) for cfg in configs]
+    typed = [_typed(cfg) for cfg in configs]
     values = [{o.key_or_group: _value(o, cfg, t) for o in point} for point, cfg, t in zip(parsed, configs, typed)]
     keys = [o.key_or_group for o in parsed[0]]  # the same for every point: the sweep is a product
     varying = [k for k in keys if not k.startswith("hydra") and len({point[k] for point in values}) > 1]
@@ -51,16 +52,28 @@ def name_points(points: Sequence[Sequence[str]], compose: Callable[[list[str]], 
     return [[*p, f"run_dir={_quoted(d)}"] for p, d in zip(points, dirs)]
 
 
+def _typed(cfg: DictConfig) -> object:
+    """The point's config as the run types it (a Config), or its composed config where that fails: the
+    point's own run then says what is wrong with it, as without a sweep."""
+    try:
+        return from_record(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))
+    except OmegaConfBaseException:
+        return cfg
+
+
 def _value(override: Override, cfg: DictConfig, node: object) -> str:
     """A point's value of a key: a config group's option as chosen (in its composed config `cfg`), an
-    option's value as the typed config `node` (a Config) holds it (so 1e-3 and 0.001 are one value,
-    0.001; and 0 and 0.0 of a float option one, 0.0)."""
+    option's value as the typed config `node` (a Config; see _typed) holds it (so 1e-3 and 0.001 are one
+    value, 0.001; and 0 and 0.0 of a float option one, 0.0)."""
     key = override.key_or_group
     if key in cfg.hydra.runtime.choices or key.startswith("hydra"):
         return override.get_value_element_as_str()
-    for part in key.split("."):
-        node = node[int(part)] if isinstance(node, list) and part.isdigit() else getattr(node, part, None)
-    if node is None or dataclasses.is_dataclass(node) or isinstance(node, list | dict):
+    if isinstance(node, DictConfig):  # a config its run will refuse: as composed
+        node = OmegaConf.select(node, key, default=None, throw_on_resolution_failure=False)
+    else:
+        for part in key.split("."):
+            node = node[int(part)] if isinstance(node, list) and part.isdigit() else getattr(node, part, None)
+    if node is None or dataclasses.is_dataclass(node) or isinstance(node, list | dict) or OmegaConf.is_config(node):
         return override.get_value_element_as_str()
     return str(node)
 
