@@ -153,8 +153,10 @@ def _read(path: Path) -> dict:
 
 def _write(fd: int, record: dict) -> None:
     data = (json.dumps(record) + "\n").encode()
-    os.ftruncate(fd, 0)
+    # over the old record, then cut to length: never empty in between, which a reader would take for a
+    # released lock (a beat's rewrite of a live holder's record, or a holder killed in the middle of one)
     os.pwrite(fd, data, 0)
+    os.ftruncate(fd, len(data))
     os.fsync(fd)  # visible to other hosts (NFS writes back at close or fsync)
 
 
