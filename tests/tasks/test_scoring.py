@@ -26,9 +26,9 @@ from tests.launch import gloo_group, records, spawn
 from tests.presets import TINY_MODEL, TINY_MOE
 
 MAX_LEN = 24
-# 9 items of 2 to 4 choices: choices joined by a delimiter or written with their space, contexts that end
-# in whitespace (it moves to the continuation), an empty context, non-ASCII choices; the 8th context is
-# longer than MAX_LEN tokens, so it loses its beginning
+# 10 items of 2 to 4 choices: choices joined by a delimiter or written with their space, contexts that end
+# in whitespace (it moves to the continuation) or inside a word, an empty context, non-ASCII choices; the
+# 8th context is longer than MAX_LEN tokens, so it loses its beginning
 ITEMS = [
     Item("def add(a, b):\n    return", (" a + b", " a - b", " None"), 0),
     Item("The cat sat on the ", ("mat.", "moon, said the dog loudly.", "roof", "größer ≠"), 2),
@@ -39,6 +39,7 @@ ITEMS = [
     Item("", ("def f():\n", "class A:\n"), 1),
     Item("x = 1\n" * 20, ("y = 2\n", "x = 1\n", "return x\n"), 1),
     Item("Question: is größer ≠ groß?\nAnswer:", ("Ja, größer.", "no"), 0, " "),
+    Item("The ca", ("t sat on the mat.", "r goes.", "ke"), 0),
 ]
 TEXT = "".join(item.context + item.delimiter + "".join(item.choices) for item in ITEMS) * 3
 
@@ -87,9 +88,8 @@ def test_scores_are_the_harness_loglikelihoods(tok):
     model.train()
     task = encode_task("t", ITEMS, tok, MAX_LEN)
     assert max(len(r) for r in task.rows) == MAX_LEN + 1  # the long item was cut to fit
-    # the test tells splitting the whole string from encoding context and choice apart
-    assert any(tok.encode(i.context) + tok.encode(i.delimiter + c) != tok.encode(i.context + i.delimiter + c)
-               for i in ITEMS for c in i.choices)
+    # the items tell splitting the whole string from encoding context and choice apart
+    assert tok.encode("The cat sat on the mat.")[:len(tok.encode("The ca"))] != tok.encode("The ca")
     scores = choice_logprobs(model, task, torch.device("cpu"), nullcontext, batch_size=3)
     assert model.training  # left in the mode it was found in
     want = [[harness_loglikelihood(model, tok, item.context, item.delimiter + c) for c in item.choices]
@@ -151,8 +151,8 @@ def _rank(rank: int, world: int, store: str, out: str, model_file: str, tok_file
 
 
 def test_two_ranks_give_the_scores_of_one(tok, tmp_path):
-    """9 items over 2 ranks in batches of 2 rows: rank 0 scores 5 items (13 rows), rank 1 4 (12 rows), so
-    rank 1 runs a forward of no item while rank 0 finishes."""
+    """10 items over 2 ranks in batches of 2 rows: rank 0 scores 5 items (13 rows), rank 1 5 (15 rows), so
+    rank 0 runs a forward of no item while rank 1 finishes."""
     model = tiny_model(tok.get_piece_size())
     torch.save(model.state_dict(), tmp_path / "model.pt")
     tok_file = tmp_path / "tokenizer.model"
