@@ -4,8 +4,8 @@ scalevec and by the harness through its HFLM: the first three with the harness's
 and piqa tasks (their prompts, preprocessing and metrics, only the data files swapped for these), jsonl
 with a task written here (choices as written: target_delimiter ""). The same log-likelihood of every
 choice, and the same acc and acc_norm item by item. Skipped where lm-eval is not installed (`pip install
-"lm-eval[hf]"`); there tests/tasks/test_scoring.py checks the scorer against the harness's definitions
-written out."""
+-e ".[harness]"`, which make setup leaves out); there tests/tasks/test_scoring.py checks the scorer
+against the harness's definitions written out."""
 
 import json
 from contextlib import nullcontext
@@ -23,9 +23,9 @@ from scalevec_train.tasks.scoring import choice_logprobs, encode_task, task_metr
 from tests.helpers import make_config
 from tests.presets import TINY_MODEL
 
-lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'lm-eval[hf]')")
+lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[harness]')")
 pytest.importorskip("transformers")
-pytest.importorskip("accelerate", reason="lm-eval's Hugging Face model needs lm-eval[hf]")
+pytest.importorskip("accelerate", reason="lm-eval's HFLM needs accelerate (pip install -e '.[harness]')")
 
 MAX_LEN = 48  # model.max_seq_len: the export's max_position_embeddings, where the harness cuts inputs
 ARC = [{"question": q, "choices": {"text": texts, "label": ["A", "B", "C", "D"][:len(texts)]}, "answerKey": key}
