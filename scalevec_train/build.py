@@ -138,7 +138,7 @@ def build(cfg: Config) -> Run:
     # comparable val_loss, for every seed, world size and micro-batch. A mixture's sources have one each.
     val_data = validation_batches(cfg, data, rank_, world)
     # every rank reads (or generates) all items: which rank scores which follows from the item's index
-    tasks = load_tasks(cfg.tasks, cfg.data, data.load_tokenizer(), cfg.train.seq_len)
+    tasks = load_tasks(cfg.tasks, cfg.data, data.load_tokenizer(), cfg.model.max_seq_len)
     if train_state is not None:
         train_loader.load_state_dict(train_state["loader"])
 

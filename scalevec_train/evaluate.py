@@ -54,7 +54,7 @@ def evaluate_metrics(path: str | Path, tasks: str = "", verify: bool = True) -> 
     data = prepare_data(cfg.data)
     check_vocab(data, cfg.model.vocab_size)
     tok = data.load_tokenizer()
-    encoded = load_tasks(tasks_cfg, cfg.data, tok, cfg.train.seq_len) if tasks_cfg else []
+    encoded = load_tasks(tasks_cfg, cfg.data, tok, cfg.model.max_seq_len) if tasks_cfg else []
     model, _ = load(checkpoint, device=device, verify=verify)
     # the trainer's own validation on the same batches: the same val_loss, val_bpb and a mixture's per source
     validation = Validation(validation_batches(cfg, data, 0, 1), token_bytes(tok),
