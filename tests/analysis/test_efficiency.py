@@ -124,7 +124,8 @@ def test_compare_runs_takes_val_bpb_as_the_metric(tmp_path):
     out = tmp_path / "out"
     assert cli.main([*map(str, dirs), "--efficiency", "--reference", "scale=baseline", "--out", str(out),
                      "--bootstrap", "50", "--metric", "val_bpb"]) == 0
-    assert float(list(csv.DictReader((out / "efficiency.csv").open()))[-1]["law_at_fit"]) == pytest.approx(1.25, rel=1e-6)
+    summary = list(csv.DictReader((out / "efficiency.csv").open()))[-1]
+    assert float(summary["law_at_fit"]) == pytest.approx(1.25, rel=1e-6)
     assert cli.main([*map(str, dirs[:3]), "--reference", "scale=baseline", "--out", str(out / "summary"),
                      "--metric", "val_bpb"]) == 0
     assert "terminal val_bpb" in (out / "summary" / "summary.md").read_text()
