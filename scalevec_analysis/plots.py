@@ -116,7 +116,7 @@ def plot_efficiency(series: Sequence[Series], fits: dict[str, PowerLawFit], rows
                 mult_ax.scatter([r.compute for r in shown], [r.curves.value for r in shown], color=color,
                                 marker=marker, zorder=3, label=f"{s.label}, from ref's curves ({kind})")
         for offset, kind, marker, label in ((0.93, "law_at_loss", "s", "ref's law at the loss"),
-                                            (1.07, "law_at_fit", "D", "ref's law at its own law")):
+                                            (1.07, "law_at_fit", "D", "ref's law at the strategy's law")):
             shown = [r for r in points if np.isfinite(getattr(r, kind).high)]
             if not shown:
                 continue
@@ -130,7 +130,7 @@ def plot_efficiency(series: Sequence[Series], fits: dict[str, PowerLawFit], rows
     mult_ax.set_xscale("log")
     mult_ax.set_xlabel("training compute C (FLOPs)")
     mult_ax.set_ylabel(f"compute multiplier against {reference}")
-    mult_ax.set_title("Compute multiplier: from the reference's curves; from its law (95% bootstrap intervals)")
+    mult_ax.set_title("Compute multiplier (the law's: 95% bootstrap intervals over seeds)")
     mult_ax.grid(alpha=0.3, which="both")
     if mult_ax.get_legend_handles_labels()[0]:
         mult_ax.legend(fontsize="small")

@@ -1,5 +1,5 @@
-"""Scaling fit: L(N) = E + A * N^(-alpha), fitted per strategy (series) to the mean terminal loss over the
-runs at each parameter count N (see `fit_power_law`), and its tables."""
+"""Scaling fit: L(N) = E + A * N^(-alpha), E >= 0, fitted per strategy (series) to the mean terminal loss
+over the runs at each parameter count N (see `fit_power_law`), and its tables."""
 
 import csv
 import math
