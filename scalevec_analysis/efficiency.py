@@ -45,6 +45,8 @@ from scalevec_train.continuation import LENGTH
 from scalevec_train.errors import ScalevecError
 
 SUMMARY = "all points (geometric mean)"
+# the keys (and sections) a WSD branch may change from its trunk: they tell a rung's budgets apart
+BUDGET_KEYS = tuple(k.rstrip(".") for k in LENGTH)
 
 
 @dataclass
@@ -120,10 +122,6 @@ def reference_compute(fit: PowerLawFit, loss: float) -> float:
     return float((fit.A / (loss - fit.E)) ** (1.0 / fit.alpha))
 
 
-def _is_budget(key: str) -> bool:
-    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in LENGTH)
-
-
 def efficiency_series(runs: Sequence[Run], metric: str = "val_loss", last_k: int = 1,
                       series_keys: Sequence[str] = ("scale",), ignore: Sequence[str] = ()) -> list[Series]:
     """Runs -> series (by the strategy keys) of points (by everything else but the seed and bookkeeping)."""
@@ -152,8 +150,9 @@ def efficiency_series(runs: Sequence[Run], metric: str = "val_loss", last_k: int
             seeds = [run.config.get("seed") for run in members]
             if len(set(seeds)) < len(seeds):
                 raise ScalevecError(f"series {label!r} at {point_labels[key]}", "holds two runs of one seed "
-                                    f"({', '.join(run.name for run in members)}).", "pass each run once.")
-            made.append(Point(point_labels[key], key, tuple((k, v) for k, v in key if not _is_budget(k)),
+                                    f"({', '.join(run.name for run in members)}).", "pass one run per seed and "
+                                    "point (a key given to --ignore may hide what sets them apart).")
+            made.append(Point(point_labels[key], key, tuple((k, v) for k, v in key if not in_sections(k, BUDGET_KEYS)),
                               float(np.mean([c[-1] for c, _ in curves])), np.array([v[-1] for _, v in curves]),
                               seeds, curves))
         out.append(Series(label, dict(strategy), sorted(made, key=lambda p: p.compute)))

@@ -13,6 +13,7 @@ import yaml
 from scalevec_analysis import compute_efficiency, efficiency_series, fit_power_law, load_run_dir
 from scalevec_analysis.efficiency import SUMMARY, find_reference
 from scalevec_analysis.envelope import ABOVE, AT_MOST, EXACT, Reading, geometric_mean, read_multiplier
+from scalevec_train.errors import ScalevecError
 from tests.helpers import REPO, load_script
 
 FLOPS = {"l1": 10.0, "l2": 40.0}  # training FLOPs per token: compute = FLOPS x tokens
@@ -121,6 +122,16 @@ def test_a_seed_without_a_reference_run_on_its_rung_is_said_so(tmp_path):
     assert row.per_seed[7] is None and row.runs == 3
     # the mean is over the seeds that have a pair
     assert_reading(row.curves, Reading(math.sqrt(math.sqrt(3) * 2 ** (15 / 16) / 2)))
+
+
+def test_runs_the_multiplier_cannot_pair_are_refused(tmp_path):
+    dirs = write_ladder(tmp_path)
+    twin = write_run(tmp_path / "twin", "l1-unified-tpp5-s0", "unified", "l1", 0, 5, evals([(0, 9.0), (200, 4.0)]))
+    with pytest.raises(ScalevecError, match="model=l1 train.steps=20: holds two runs of one seed"):
+        efficiency_series([load_run_dir(d) for d in [*dirs, twin]])
+    untrained = write_run(tmp_path, "l3-baseline", "baseline", "l1", 0, 2.5, evals([(0, 9.0)]))
+    with pytest.raises(ScalevecError, match="its last `val_loss` is at 0 tokens"):
+        efficiency_series([load_run_dir(untrained)])
 
 
 def test_a_strategy_lower_at_equal_compute_never_reads_below_1():
