@@ -296,11 +296,11 @@ ARMS
       $(echo "$picks" | while read -r scale optim lr; do ls -d $L/dense-l3-$scale-$optim-lr$lr-tpp10.0-s[012]; done)
     ;;
   lr_ladder)
-    # Issue 47 (docs/results.md, "The ladder at each arm's best LR"): one queue, in this order: every arm's
-    # AdamW grid on every rung (sp; the sites at optim.scale_lr=0.01; 2 seeds, a third where the two best are
-    # within the seeds' spread; then the sites' LR either side) and its ladder at the per-rung picks (3 seeds,
-    # WSD branches); the same grid under model.parameterization=mup (base dense-l1); the mup ladder at the
-    # dense-l1 pick; then Muon's grids (one seed; sp, mup), cut first when time is short
+    # Issue 47 (docs/results.md, "The ladder at each arm's best LR"): one queue (scripts/lr_grid.py) of its
+    # parts, rung by rung from the smallest: every arm's AdamW grid (sp; the sites at optim.scale_lr=0.01; 2
+    # seeds, a third where the two best are within the seeds' spread; then the sites' LR either side) and its
+    # ladder at the per-rung picks (3 seeds, WSD branches); the same grid under model.parameterization=mup
+    # (base dense-l1); the mup ladder at the dense-l1 pick; then Muon's grids (one seed; sp, mup)
     L=runs/lr_ladder
     out=docs/results/lr_ladder
     parts="adamw mup_adamw mup_tuned muon mup_muon"
