@@ -168,6 +168,18 @@ def compose_raw(overrides: list[str]) -> DictConfig:
         return compose(config_name="config", overrides=list(overrides))
 
 
+def split_options(argv: list[str], defaults: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """A tool's command line: its own `key=value` options (`defaults` names them) and the config overrides."""
+    options, overrides = dict(defaults), []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key in options:
+            options[key] = value
+        else:
+            overrides.append(arg)
+    return options, overrides
+
+
 def compose_config(overrides: list[str], world_size: int = 1) -> Config:
     """The config Hydra composes from configs/ with command-line style overrides, typed and validated:
     what the training command would run (for tools, scripts and tests that are not Hydra apps)."""

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from hydra.errors import HydraException
 
-from scalevec_train.config import compose_raw, to_config
+from scalevec_train.config import compose_raw, split_options, to_config
 from scalevec_train.errors import ScalevecError
 from scalevec_train.model.config import ModelConfig, ScaleConfig
 from scalevec_train.model.parameterization import Kind
@@ -279,14 +279,7 @@ def plot(sweeps: tuple[Sweep, ...], path: Path, title: str) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    given = dict(OPTIONS)
-    overrides = []
-    for arg in argv:
-        key = arg.split("=", 1)[0]
-        if key in given:
-            given[key] = arg.split("=", 1)[1]
-        else:
-            overrides.append(arg)
+    given, overrides = split_options(argv, OPTIONS)
     try:
         o = Options.parse(given)
         cfg = to_config(compose_raw(overrides))

@@ -31,7 +31,7 @@ from scalevec_train.accounting import (
     train_flops_per_token,
 )
 from scalevec_train.communication import expert_all_to_all
-from scalevec_train.config import compose_raw, to_config
+from scalevec_train.config import compose_raw, split_options, to_config
 from scalevec_train.errors import ScalevecError
 from scalevec_train.memory import GB, estimate, fix, precision
 from scalevec_train.model.config import ScaleConfig
@@ -226,14 +226,7 @@ def format_memory(m: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    options = {"format": "table", "world_size": "8", "device_gb": "80"}
-    overrides = []
-    for arg in argv:
-        key = arg.split("=", 1)[0]
-        if key in options:
-            options[key] = arg.split("=", 1)[1]
-        else:
-            overrides.append(arg)
+    options, overrides = split_options(argv, {"format": "table", "world_size": "8", "device_gb": "80"})
     fmt = options["format"]
     try:
         if fmt not in ("table", "json"):
