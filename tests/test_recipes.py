@@ -142,7 +142,8 @@ def readme_train_overrides() -> list[tuple[list[str], tuple[int, ...]]]:
         launcher = dict(w.removeprefix("--").split("=", 1) for w in words[:start] if w.startswith("--") and "=" in w)
         sizes = ((int(launcher.get("nnodes", 1)) * int(launcher["nproc_per_node"]),)
                  if "nproc_per_node" in launcher else (1, 8))
-        args = [w for w in words[start:] if w != "-m"]
+        # Hydra's own settings (a launcher) are not the run's config; tests/test_sweeps.py runs them
+        args = [w for w in words[start:] if w != "-m" and not w.startswith(("hydra/", "hydra."))]
         axes = [[f"{w.split('=', 1)[0]}={v}" for v in w.split("=", 1)[1].split(",")] if "," in w else [w]
                 for w in args]
         commands.extend((list(point), sizes) for point in itertools.product(*axes))

@@ -26,13 +26,15 @@ PART, SHARD = 3000, 800  # about a dozen parts, each of more than one shard
 MARK = "SCALEVEC_PREPARE_ATTEMPT"
 TIMEOUT = 300
 
-# (processes, encoding workers per process, the fault point of each attempt in turn)
+# (processes, encoding workers per process, the fault points of each attempt in turn: the attempt ends at
+# the first one reached). The two nodes' first attempt stops rank 0 by its part 2 too, so that however far
+# it got while rank 1 reached its stop, its part 4 is unfinished for the second attempt to stop in.
 MODES = {
     "one_process": (1, 1, ["prepare.tokenizer:0", "prepare.shards:1", "prepare.part:2", "prepare.count:0",
                            "prepare.links:1", "prepare.rename:0", "prepare.cleanup:0"]),
     "two_workers": (1, 2, ["prepare.shards:0", "prepare.part:3", "prepare.links:0"]),
-    "two_nodes": (2, 1, ["prepare.part:1@1", "prepare.shards:4@0", "prepare.count:0@0", "prepare.links:0",
-                         "prepare.rename:0"]),
+    "two_nodes": (2, 1, ["prepare.part:1@1,prepare.shards:2@0", "prepare.shards:4@0", "prepare.count:0@0",
+                         "prepare.links:0", "prepare.rename:0"]),
 }
 
 
@@ -62,6 +64,13 @@ def marked(mark: str) -> list[int]:
     return found
 
 
+def signal_if_alive(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def killed_at(cfg: DataConfig, world: int, fault: str) -> None:
     """One attempt by `world` processes, every one of them (and their workers) SIGKILLed once one stops at
     `fault`; fails if none ever does."""
@@ -75,15 +84,21 @@ def killed_at(cfg: DataConfig, world: int, fault: str) -> None:
         assert any(p.is_alive() for p in procs), f"no process stopped at {fault}: {[p.exitcode for p in procs]}"
         assert time.monotonic() < deadline, f"no stop at {fault} within {TIMEOUT} s"
         time.sleep(0.02)
-    victims = [p.pid for p in procs if p.is_alive()] + marked(mark)
-    for sig in (signal.SIGSTOP, signal.SIGKILL):  # all stopped first: none sees another die
-        for pid in victims:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+    # All stopped first, so that none sees another die; the processes before their workers, and the
+    # workers until no new one appears (a process not stopped yet may have started one after a look).
+    victims, found = [], [p.pid for p in procs if p.is_alive()]
+    while found:
+        for pid in found:
+            signal_if_alive(pid, signal.SIGSTOP)
+        victims += found
+        found = [pid for pid in marked(mark) if pid not in victims]
+    for pid in victims:
+        signal_if_alive(pid, signal.SIGKILL)
     for proc in procs:
         proc.join()
+    deadline = time.monotonic() + 10  # a SIGKILLed worker's memory is torn down after kill() returns
+    while marked(mark) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not marked(mark), "an encoding worker outlived its attempt"
 
 
