@@ -12,9 +12,7 @@ Every expert is a SwiGLU, E_e(x) = W_down,e (silu(W_gate,e x_g) * W_up,e x_u), s
 [experts, out, in]. Dropless: tokens are sorted by expert and every expert takes all of its tokens,
 through torch._grouped_mm or a loop of matmuls. The sort also gives the rows per expert (sort_by_expert),
 so routing reads nothing back to the host on the grouped path (bincount would: it sizes its output by
-the data); the loop reads the counts once per layer. Gate and up are one grouped matmul of the stacked
-weights where both read the same input and their outputs are not normalized (the fused norm kernel
-takes them as separate tensors). Under expert parallelism the parallel layer installs a
+the data); the loop reads the counts once per layer. Under expert parallelism the parallel layer installs a
 dispatch (RoutedExperts.dispatch) that runs each sorted row on the rank holding its expert and brings the
 output back; routing, counts and losses stay here, on every rank's own tokens. The routing weight g
 multiplies an expert's hidden activation (W_down is linear, so this equals weighting its output); a
@@ -177,12 +175,7 @@ class RoutedExperts(ExpertSwiGLU):
         fused = self.swiglu.gate_normed and self.swiglu.up_normed  # swiglu_norm: needs each expert's end row
         ends = counts.cumsum(0) if grouped or fused else None
         offsets = ends.to(torch.int32) if grouped else None
-        if grouped and xs_up is xs_gate and not fused:
-            # One matmul reads the rows once, and its backward gives their gradient in one. (Not on the loop:
-            # its split by the counts read back, then by gate and up, miscompiles in inductor, torch 2.13.)
-            gate, up = _expert_mm(xs_gate, torch.cat([w_gate, w_up], -2), offsets, sizes).split(w_gate.shape[-2], -1)
-        else:
-            gate, up = _expert_mm(xs_gate, w_gate, offsets, sizes), _expert_mm(xs_up, w_up, offsets, sizes)
+        gate, up = _expert_mm(xs_gate, w_gate, offsets, sizes), _expert_mm(xs_up, w_up, offsets, sizes)
         hidden = self.hidden(gate, up, ends, expert_of, rows)
         return _expert_mm(hidden * gates.unsqueeze(-1), w_down, offsets, sizes)
 

@@ -13,9 +13,10 @@ from tests.helpers import REPO, load_script
 
 # (scale, backend): (forward operators at most, backward at most, host reads, grouped GEMMs), counted
 # 2026-11-28 (torch 2.13, CPU, bf16 autocast; unified's expert SwiGLU on the PyTorch reference norms,
-# kernels=auto on a CPU). Before the rework the grouped path read the host once (bincount) and ran 9
-# grouped GEMMs under baseline.
-BOUNDS = {("baseline", "grouped_mm"): (47, 51, [], 6),
+# kernels=auto on a CPU). Before the rework the grouped path read the host once (bincount). Three grouped
+# GEMMs forward and six backward: gate and up as one GEMM of the stacked weights would save three, at a
+# copy of the stacked weights each forward and other rounding (left for a GPU to decide).
+BOUNDS = {("baseline", "grouped_mm"): (47, 53, [], 9),
           ("unified", "grouped_mm"): (83, 115, [], 9),
           ("baseline", "loop"): (69, 143, ["tolist()"], 0)}
 
@@ -44,4 +45,3 @@ def test_every_moe_preset_takes_the_grouped_path_in_bf16(preset):
     moe = compose_config([f"model={preset}"], 1).model
     x = torch.empty(0, moe.dim, dtype=torch.bfloat16)
     assert _grouped_mm_supported(x, (moe.dim, moe.moe.expert_dim))
-    assert _grouped_mm_supported(x, (moe.dim, 2 * moe.moe.expert_dim))  # gate and up as one
