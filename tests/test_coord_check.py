@@ -5,8 +5,8 @@ readout multiplier taken out. The models are tiny (width 16 to 16 x 16, depth 1 
 import pytest
 
 from scalevec_train import coord_check
-from scalevec_train.config import compose_config
 from scalevec_train.model.parameterization import Parameterization
+from tests.helpers import make_config_shared
 
 DENSE = ["model=dense-l1", "model.dim=16", "model.ffn_dim=48", "model.vocab_size=128"]
 MOE = ["model=moe-tiny", "model.dim=16", "model.n_heads=1", "model.n_kv_heads=1", "model.ffn_dim=16",
@@ -18,8 +18,9 @@ OPTIONS = ["widths=1,2,4,16", "depths=1,2,4,8", "steps=3", "batch=2", "seq=16"]
 def check(model: str, scale: str, optim: str, parameterization: str) -> list[str]:
     """The quantities whose slope fails the check (empty: it passes)."""
     options = coord_check.Options.parse({**coord_check.OPTIONS, **dict(o.split("=") for o in OPTIONS)})
-    cfg = compose_config([*MODELS[model], f"scale={scale}", f"optim={optim}", "optim.lr=0.01",
-                          f"model.parameterization={parameterization}"])
+    # one Hydra compose per model, strategy and optimizer: the mup and sp checks of one share it
+    cfg = make_config_shared(*MODELS[model], f"scale={scale}", f"optim={optim}", "optim.lr=0.01",
+                             f"model.parameterization={parameterization}")
     return coord_check.table(coord_check.run(cfg, options), options.bound, "")[1]
 
 

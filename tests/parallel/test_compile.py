@@ -188,7 +188,7 @@ def train(model: Transformer, overrides: list[str], optim: str) -> list[float]:
 
 
 
-# Measured on the 2-core CPU (torch 2.13): compiled against eager, the losses differed by at most 9e-7
+# Measured on the 2-core CPU (torch 2.13), with 2 blocks: compiled against eager, the losses differed by at most 9e-7
 # relative under AdamW and 1.7e-5 under Muon; on 2026-11-28 by at most 2.7e-6 and 3.8e-6 (the dense
 # inductor case, the same to the bit with or without its selective checkpointing; the MoE inductor case
 # 1.9e-7 and 1.5e-6; the aot_eager cases equal to the bit). Inductor fuses element-wise work and reorders
@@ -217,8 +217,11 @@ CASES = [("dense-tiny", "unified", "inductor", "selective"), ("moe-tiny", "basel
 def test_compiled_training_matches_eager(model, scale, backend, ac):
     """distributed.compile=true (blocks and loss) with activation checkpointing `ac` against eager without
     checkpointing, fp32 on CPU; each model compiles once and trains with both optimizers (4 experts instead
-    of moe-tiny's 8: the per-expert loop unrolls into the graph, and compile time grows with it)."""
-    overrides = [f"model={model}", f"scale={scale}", "model.n_layers=2", "model.vocab_size=128", "optim.lr=1e-3"]
+    of moe-tiny's 8: the per-expert loop unrolls into the graph, and compile time grows with it). One block:
+    each block is compiled on its own, the same code, and a second one cost dynamo, AOT autograd and inductor
+    their work again (the dense inductor case took 47-53 CPU-s with 2 blocks, 34 with 1, cold caches, 2-core
+    CPU, 2026-11-28); blocks compiled side by side are tests/training/test_diagnostics.py's two-rank run."""
+    overrides = [f"model={model}", f"scale={scale}", "model.n_layers=1", "model.vocab_size=128", "optim.lr=1e-3"]
     if model == "moe-tiny":
         overrides.append("model.moe.num_experts=4")
     results = {}

@@ -205,12 +205,15 @@ def test_scoring_under_compile_compiles_nothing(tmp_path, data_overrides, monkey
     """Under distributed.compile the items' shapes (other batch sizes and lengths than training's) stay out
     of the compiled blocks, so training keeps its graphs for static shapes: a run scoring a task every 2
     steps compiles exactly as many graphs as the run without. Dynamo's eager backend: the same guards,
-    recompiles and dynamic-shape decisions as inductor, without generating code."""
+    recompiles and dynamic-shape decisions as inductor, without generating code. 2 steps: tasks scored at
+    step 0, before training compiles anything, and at step 2, after its graphs exist (a third scoring
+    at step 4 met the same graphs again)."""
     monkeypatch.setattr(torch, "compile", partial(torch.compile, backend="eager"))
     graphs = {}
     for name, extra in (("plain", []), ("tasks", task_overrides(tmp_path))):
         torch._dynamo.reset()
         counters.clear()
-        run(make_config(*data_overrides, *RUN, "distributed.compile=true", *extra, f"run_dir={tmp_path / name}"))
+        run(make_config(*data_overrides, *RUN, "train.steps=2", "distributed.compile=true", *extra,
+                        f"run_dir={tmp_path / name}"))
         graphs[name] = counters["stats"]["unique_graphs"]
     assert graphs["tasks"] == graphs["plain"] > 0
