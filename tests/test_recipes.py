@@ -15,6 +15,7 @@ from scalevec_train.errors import ScalevecError
 from scalevec_train.train import run
 from tests.helpers import REPO, make_config_at, make_config_shared
 from tests.launch import Processes, train_command
+from tests.presets import TINY_MODEL
 
 MODELS = sorted(p.stem for p in (Path(CONFIG_DIR) / "model").glob("*.yaml"))
 
@@ -166,9 +167,10 @@ def train_launched(processes: Processes | None, nproc: int, run_dir: Path, overr
     """Train with `nproc` processes (torchrun above 1; one process: in this one, `run` of the config the
     command composes, which needs no process of its own) and no batch override; returns the losses. One
     validation batch (at steps 0 and 3), not 8: the batch split is what this checks, and 16 validation
-    forwards cost more than the 3 steps."""
-    overrides = [*overrides, "model=dense-tiny", "train.steps=3", "schedule.warmup_steps=1", "train.log_every=1",
-                 "train.eval_every=0", "train.eval_batches=1", f"run_dir={run_dir}"]
+    forwards cost more than the 3 steps. dense-tiny's recipe (its batch and sequence length) on a
+    model of TINY_MODEL's shape: the split follows the batch and the ranks, not the model's width."""
+    overrides = [*overrides, "model=dense-tiny", *TINY_MODEL, "train.steps=3", "schedule.warmup_steps=1",
+                 "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", f"run_dir={run_dir}"]
     if nproc == 1:
         run(make_config_shared(*overrides))
     else:
