@@ -26,7 +26,6 @@ grow linearly in it.
 
 import argparse
 import ast
-import math
 import re
 import sys
 from collections import defaultdict
@@ -254,7 +253,7 @@ def table(results: dict[str, Account], tokens: int) -> str:
         per[s] = d
     for p in PHASES + ["all"]:
         cells = []
-        for s, acc in results.items():
+        for s in results:
             if p == "all":
                 f, b, m = (sum(v[i] for v in per[s].values()) for i in range(3))
             else:
@@ -281,7 +280,7 @@ def main() -> None:
         reads = acc.host_reads()
         print(f"\n{s}: {len(reads)} host reads{': ' + ', '.join(reads) if reads else ''}")
         shapes = defaultdict(int)
-        for where, a, b in acc.grouped_mm:
+        for _, a, b in acc.grouped_mm:
             shapes[(a, b)] += 1
         print(f"{s}: {len(acc.grouped_mm)} grouped GEMMs: " +
               "; ".join(f"{n} x {list(a)} by {list(b)}" for (a, b), n in shapes.items()))
