@@ -3,8 +3,9 @@ scaling laws. Kept out of `scalevec_train` so that training does not need matplo
 plots use (`pip install -e ".[analysis]"`).
 
 Modules: `runs` reads run directories and wandb runs, `groups` groups them and summarizes the groups,
-`scaling` fits the scaling law, `efficiency` measures compute multipliers over a ladder, `plots` draws,
-`report` writes an output directory, `diagnostics` reads the diagnostics' series (diag/* metrics).
+`scaling` fits the scaling law, `efficiency` measures compute multipliers over a ladder (`envelope`
+reads them from the reference's curves), `plots` draws, `report` writes an output directory,
+`diagnostics` reads the diagnostics' series (diag/* metrics).
 
 Definitions (the CLI's --help repeats them):
 
@@ -25,9 +26,10 @@ Definitions (the CLI's --help repeats them):
   point is already low enough). >1 means G reaches its loss with fewer tokens than R needs for it.
   When R's curve never gets that low, T_R and the efficiency are "not reached" (None).
 - The *compute multiplier* of a strategy at a ladder point is the training compute (FLOPs per token times
-  tokens) the reference needs to reach the point's terminal loss, read off the reference's fit
-  L(C) = E + A C^(-alpha), divided by the point's compute (`efficiency` has the details: measured and
-  from the fits, bootstrap intervals over seeds). >1: the strategy needs less compute for that loss.
+  tokens) the reference needs to reach the point's terminal loss, divided by the point's compute. >1: the
+  strategy needs less compute for that loss. It is read from the reference's measured curves on the same
+  rung, seed by seed (`envelope`: their lower envelope, a bound where the reference never gets there),
+  and from the reference's fitted law L(C) = E + A C^(-alpha), E >= 0 (`efficiency` has the details).
 """
 
 from scalevec_analysis.efficiency import compute_efficiency, efficiency_series, reference_compute

@@ -8,6 +8,7 @@ import numpy as np
 
 from scalevec_analysis.diagnostics import PANELS, panel_series
 from scalevec_analysis.efficiency import EfficiencyRow, Series
+from scalevec_analysis.envelope import ABOVE, AT_MOST, EXACT
 from scalevec_analysis.groups import Group, ema, mean_curve, metric_curve
 from scalevec_analysis.runs import Run
 from scalevec_analysis.scaling import PowerLawFit, ScalingSeries
@@ -92,8 +93,10 @@ def _log_loss_axes(ax, xlabel: str, title: str, metric: str) -> None:
 def plot_efficiency(series: Sequence[Series], fits: dict[str, PowerLawFit], rows: Sequence[EfficiencyRow],
                     reference: str, path: Path, metric: str = "val_loss") -> None:
     """Left: terminal loss against training compute, every run (faint), each point's mean and each
-    series' fit. Right: the compute multipliers of the strategies' points, measured and from the fits,
-    with their bootstrap intervals (a multiplier the reference never reaches is left out)."""
+    series' fit. Right: the compute multipliers of the strategies' points: from the reference's curves
+    (the geometric mean over seeds; a triangle up for a lower bound, down for an upper bound) and from the
+    reference's law at the point's loss and at the strategy's law, with their bootstrap intervals (one the
+    law never reaches is left out)."""
     fig = _figure(path, figsize=(13, 5), layout="constrained")
     loss_ax, mult_ax = fig.subplots(1, 2)
     for i, s in enumerate(series):
@@ -107,7 +110,13 @@ def plot_efficiency(series: Sequence[Series], fits: dict[str, PowerLawFit], rows
         loss_ax.plot(grid, f(grid), color=color, label=f"{s.label}{' (ref)' if s.label == reference else ''}: "
                                                        f"E={f.E:.3f}, A={f.A:.3g}, α={f.alpha:.3f}")
         points = [r for r in rows if r.series == s.label and r.compute is not None]
-        for offset, kind, marker in ((0.97, "measured", "o"), (1.03, "fitted", "s")):
+        for marker, bound, kind in (("o", EXACT, "exact"), ("^", ABOVE, "lower bound"), ("v", AT_MOST, "upper bound")):
+            shown = [r for r in points if r.curves is not None and r.curves.bound == bound]
+            if shown:
+                mult_ax.scatter([r.compute for r in shown], [r.curves.value for r in shown], color=color,
+                                marker=marker, zorder=3, label=f"{s.label}, from ref's curves ({kind})")
+        for offset, kind, marker, label in ((0.93, "law_at_loss", "s", "ref's law at the loss"),
+                                            (1.07, "law_at_fit", "D", "ref's law at the strategy's law")):
             shown = [r for r in points if np.isfinite(getattr(r, kind).high)]
             if not shown:
                 continue
@@ -115,13 +124,13 @@ def plot_efficiency(series: Sequence[Series], fits: dict[str, PowerLawFit], rows
             errors = np.array([[v - getattr(r, kind).low, getattr(r, kind).high - v] for r, v in zip(shown, value,
                                                                                                    strict=True)]).T
             mult_ax.errorbar([r.compute * offset for r in shown], value, yerr=errors, color=color, marker=marker,
-                             linestyle="none", capsize=3, label=f"{s.label}, {kind}")
-    _log_loss_axes(loss_ax, "training compute C (FLOPs)", "Fits L(C) = E + A·C^(-α) per strategy", metric)
+                             markerfacecolor="none", linestyle="none", capsize=3, label=f"{s.label}, {label}")
+    _log_loss_axes(loss_ax, "training compute C (FLOPs)", "Fits L(C) = E + A·C^(-α), E ≥ 0, per strategy", metric)
     mult_ax.axhline(1.0, color="black", linewidth=0.8)
     mult_ax.set_xscale("log")
     mult_ax.set_xlabel("training compute C (FLOPs)")
     mult_ax.set_ylabel(f"compute multiplier against {reference}")
-    mult_ax.set_title("Compute multiplier, 95% bootstrap intervals over seeds")
+    mult_ax.set_title("Compute multiplier (the law's: 95% bootstrap intervals over seeds)")
     mult_ax.grid(alpha=0.3, which="both")
     if mult_ax.get_legend_handles_labels()[0]:
         mult_ax.legend(fontsize="small")

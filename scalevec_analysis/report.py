@@ -11,6 +11,7 @@ from scalevec_analysis.efficiency import (
     efficiency_markdown,
     efficiency_series,
     find_reference,
+    fit_residuals,
     write_efficiency_csv,
 )
 from scalevec_analysis.groups import find_group, group_runs, summarize, summary_markdown, write_summary_csv
@@ -58,9 +59,10 @@ def write_efficiency(runs: Sequence[Run], reference: str, out_dir: str | Path, m
     series = efficiency_series(runs, metric, last_k, series_keys, ignore)
     ref = find_reference(series, reference)
     rows, fits = compute_efficiency(series, ref, bootstrap)
-    table = efficiency_markdown(rows, fits, ref.label, bootstrap)
+    residuals = fit_residuals(series, fits)
+    table = efficiency_markdown(rows, fits, residuals, ref.label, bootstrap)
     (out / "efficiency.md").write_text(table)
-    write_efficiency_csv(rows, out / "efficiency.csv")
+    write_efficiency_csv(rows, residuals, ref.label, out / "efficiency.csv")
     plot_efficiency(series, fits, rows, ref.label, out / "efficiency.png", metric)
     return table
 

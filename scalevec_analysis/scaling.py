@@ -1,5 +1,5 @@
-"""Scaling fit: L(N) = E + A * N^(-alpha), fitted per strategy (series) to the mean terminal loss over the
-runs at each parameter count N (see `fit_power_law`), and its tables."""
+"""Scaling fit: L(N) = E + A * N^(-alpha), E >= 0, fitted per strategy (series) to the mean terminal loss
+over the runs at each parameter count N (see `fit_power_law`), and its tables."""
 
 import csv
 import math
@@ -38,22 +38,28 @@ class ScalingSeries:
     fit: PowerLawFit | None  # None with fewer than 3 sizes
 
 
-def _profile(x_base: np.ndarray, y: np.ndarray, alpha: float) -> tuple[float, float, float]:
-    # For a fixed alpha the model is linear in (E, A'): least squares in closed form.
-    x = np.power(x_base, -alpha)
-    xc = x - x.mean()
-    slope = float(xc @ (y - y.mean()) / (xc @ xc))
-    intercept = float(y.mean() - slope * x.mean())
-    resid = y - intercept - slope * x
-    return float(resid @ resid), intercept, slope
+def _profiles(base: np.ndarray, y: np.ndarray, alphas: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each alpha the model is linear in (E, A'): the least-squares (residual sum of squares, E, A')
+    in closed form, with E >= 0 (no loss has a negative floor): where the free E would be negative, the
+    optimum lies on E = 0, with A' by least squares through the origin."""
+    x = np.power(base[None, :], -alphas[:, None])
+    xc = x - x.mean(axis=1, keepdims=True)
+    slope = (xc @ (y - y.mean())) / np.einsum("ij,ij->i", xc, xc)
+    intercept = y.mean() - slope * x.mean(axis=1)
+    negative = intercept < 0
+    slope = np.where(negative, (x @ y) / np.einsum("ij,ij->i", x, x), slope)
+    intercept = np.where(negative, 0.0, intercept)
+    resid = y[None, :] - intercept[:, None] - slope[:, None] * x
+    return np.einsum("ij,ij->i", resid, resid), intercept, slope
 
 
 def fit_power_law(sizes: Sequence[float], losses: Sequence[float], alpha_max: float = 4.0) -> PowerLawFit:
-    """Least-squares fit of L(N) = E + A * N^(-alpha) with alpha in (0, alpha_max].
+    """Least-squares fit of L(N) = E + A * N^(-alpha) with E >= 0 and alpha in (0, alpha_max].
 
-    For each alpha, E and A follow by linear least squares; alpha minimises that profile residual: a
-    grid search, then golden-section refinement between the grid neighbours of the best point. Exact
-    points give back their E, A, alpha. N is divided by its geometric mean for conditioning.
+    For each alpha, E and A follow by linear least squares (where the free E would be negative, E = 0
+    and A by least squares through the origin); alpha minimises that profile residual: a grid search,
+    then ever finer grids between the neighbours of the best point. Exact points of a law
+    with E >= 0 give back their E, A, alpha. N is divided by its geometric mean for conditioning.
     """
     n = np.asarray(sizes, dtype=np.float64)
     y = np.asarray(losses, dtype=np.float64)
@@ -63,32 +69,16 @@ def fit_power_law(sizes: Sequence[float], losses: Sequence[float], alpha_max: fl
     n0 = float(np.exp(np.log(n).mean()))
     base = n / n0
     grid = np.linspace(alpha_max / 4000, alpha_max, 4000)
-    # the profile residual of every grid alpha at once (as _profile computes it for one)
-    x = np.power(base[None, :], -grid[:, None])
-    xc = x - x.mean(axis=1, keepdims=True)
-    yc = y - y.mean()
-    slope = (xc @ yc) / np.einsum("ij,ij->i", xc, xc)
-    ssr = np.sum((yc[None, :] - slope[:, None] * xc) ** 2, axis=1)
-    i = int(np.argmin(ssr))
+    i = int(np.argmin(_profiles(base, y, grid)[0]))
     lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
-    ratio = (math.sqrt(5) - 1) / 2
-    a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
-    fa, fb = _profile(base, y, a)[0], _profile(base, y, b)[0]
-    for _ in range(200):
-        if hi - lo <= 1e-14 * hi:
-            break
-        if fa <= fb:
-            hi, b, fb = b, a, fa
-            a = hi - ratio * (hi - lo)
-            fa = _profile(base, y, a)[0]
-        else:
-            lo, a, fa = a, b, fb
-            b = lo + ratio * (hi - lo)
-            fb = _profile(base, y, b)[0]
-    alpha = min((grid[i], a, b), key=lambda x: _profile(base, y, x)[0])
-    ssr_best, e, slope = _profile(base, y, alpha)
+    while hi - lo > 1e-14 * hi:
+        finer = np.linspace(lo, hi, 33)
+        i = int(np.argmin(_profiles(base, y, finer)[0]))
+        lo, hi = finer[max(i - 1, 0)], finer[min(i + 1, len(finer) - 1)]
+    alpha = (lo + hi) / 2
+    ssr, e, slope = (float(v[0]) for v in _profiles(base, y, np.array([alpha])))
     # y = E + slope * (N / n0)^(-alpha), so A = slope * n0^alpha.
-    return PowerLawFit(E=e, A=slope * n0**alpha, alpha=float(alpha), rmse=math.sqrt(ssr_best / len(y)))
+    return PowerLawFit(E=e, A=slope * n0**alpha, alpha=float(alpha), rmse=math.sqrt(ssr / len(y)))
 
 
 def scaling_series(runs: Sequence[Run], metric: str = "val_loss", last_k: int = 1,

@@ -1,29 +1,34 @@
 """`python -m scalevec_train.average <run_dir> last=3 out=<dir>` (or steps=[100,200,300]): the mean of
 checkpoints of one run as a checkpoint folder that scalevec_train.load and export read
 (checkpoint/average.py says what it holds). `ema=last` (or ema=<step>) writes instead the EMA of the
-weights that the run kept (train.ema.half_life_tokens) in its newest checkpoint (or that step's)."""
+weights that the run kept (train.ema.half_life_tokens) in its newest checkpoint (or that step's).
+`verify=false` reads the checkpoints without checking them against their checksums first."""
 
 import sys
 
 from scalevec_train.checkpoint.average import average, ema_model
 from scalevec_train.errors import ScalevecError
 
-USAGE = "usage: python -m scalevec_train.average <run_dir> (last=N | steps=[a,b,...] | ema=last | ema=N) out=<folder>"
+USAGE = ("usage: python -m scalevec_train.average <run_dir> (last=N | steps=[a,b,...] | ema=last | ema=N) "
+         "out=<folder> [verify=false]")
 
 
 def parse(options: dict[str, str]) -> dict | None:
     """average()'s keyword arguments from the command line's (`ema`: ema_model()'s step, None for the
     newest), or None when they are not usable."""
-    if "out" not in options or not options["out"] or len(set(options) - {"out"}) != 1:
+    verify = options.pop("verify", "true")
+    if "out" not in options or not options["out"] or len(set(options) - {"out"}) != 1 or verify not in (
+            "true", "false"):
         return None
+    common = {"out": options["out"], "verify": verify == "true"}
     try:
         if "last" in options:
-            return {"out": options["out"], "last": int(options["last"])}
+            return {**common, "last": int(options["last"])}
         if "steps" in options:
             steps = [int(s) for s in options["steps"].strip("[]").split(",") if s.strip()]
-            return {"out": options["out"], "steps": steps}
+            return {**common, "steps": steps}
         if "ema" in options:
-            return {"out": options["out"], "ema": None if options["ema"] == "last" else int(options["ema"])}
+            return {**common, "ema": None if options["ema"] == "last" else int(options["ema"])}
     except ValueError:
         return None
     return None
@@ -37,7 +42,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         if "ema" in kwargs:
-            out = ema_model(positional[0], kwargs["out"], kwargs["ema"])
+            out = ema_model(positional[0], kwargs["out"], kwargs["ema"], kwargs["verify"])
         else:
             out = average(positional[0], **kwargs)
     except ScalevecError as e:

@@ -2,8 +2,8 @@
 trainer with its callbacks, built in data-flow order.
 
 Inputs are checked before expensive work and nothing is written: the run directory and the checkpoint
-to resume from (its files, its model) before data preparation, the data and the saved data position
-before the model is initialized.
+to resume from (its files against their checksums, its model) before data preparation, the data (its
+shards against their checksums) and the saved data position before the model is initialized.
 """
 
 import os
@@ -18,21 +18,25 @@ import torch
 from scalevec_kernels import KernelError, check_backend
 from scalevec_train.accounting import peak_flops, train_flops_per_token
 from scalevec_train.branch import branch_point, check_own_run_dir
+from scalevec_train.checkpoint import integrity
 from scalevec_train.checkpoint.files import check_model_fits, checkpoint_root, find_resume, inspect
 from scalevec_train.checkpoint.manager import CheckpointManager, ModelState, OptimizerState
 from scalevec_train.config import Config
 from scalevec_train.continuation import as_record, check_continuation, saved_config
 from scalevec_train.data import PreparedData, TokenLoader, check_vocab, prepare_data
+from scalevec_train.data import integrity as shard_checks
 from scalevec_train.data.mixture import MixtureData
 from scalevec_train.data.mixture_loader import MixtureLoader
+from scalevec_train.data.shards import MANIFEST
 from scalevec_train.data.tokenizer import token_bytes
 from scalevec_train.errors import ScalevecError
 from scalevec_train.interop.hf_import import check_init_from, init_from_hf
+from scalevec_train.model.config import architecture_diff
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.optim.groups import build_optimizer
 from scalevec_train.optim.schedules import lr_multiplier
 from scalevec_train.parallel.data_parallel import parallelize, uses_bf16
-from scalevec_train.parallel.process_group import broadcast_object, local_rank, rank, world_size
+from scalevec_train.parallel.process_group import broadcast_object, gather_all, local_rank, rank, world_size
 from scalevec_train.tasks.load import load_tasks
 from scalevec_train.training.callbacks import (
     Checkpointer,
@@ -106,6 +110,9 @@ def build(cfg: Config) -> Run:
     # A branch that has checkpoints of its own continues from them (resume=auto) like any run.
     branched_from = broadcast_object(branch_point(cfg, run_dir)) if cfg.branch_from and not resume_from else None
     resume_from = resume_from or branched_from
+    if resume_from and cfg.checkpoint.verify:
+        key = "branch_from" if branched_from else "resume"
+        integrity.verify(resume_from, lambda good: f"{key}={good}", "checkpoint.verify=false")
     train_state = inspect(resume_from) if resume_from else None
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.scale)
@@ -116,6 +123,8 @@ def build(cfg: Config) -> Run:
     init_weights = check_init_from(model, cfg.init_from) if cfg.init_from and train_state is None else None
     data = prepare_data(cfg.data)
     check_vocab(data, cfg.model.vocab_size)
+    if cfg.data.verify:
+        check_shards(data)
 
     rank_, world = rank(), world_size()
     if isinstance(data, MixtureData):
@@ -129,7 +138,7 @@ def build(cfg: Config) -> Run:
     # comparable val_loss, for every seed, world size and micro-batch. A mixture's sources have one each.
     val_data = validation_batches(cfg, data, rank_, world)
     # every rank reads (or generates) all items: which rank scores which follows from the item's index
-    tasks = load_tasks(cfg.tasks, cfg.data, data.load_tokenizer(), cfg.train.seq_len)
+    tasks = load_tasks(cfg.tasks, cfg.data, data.load_tokenizer(), cfg.model.max_seq_len)
     if train_state is not None:
         train_loader.load_state_dict(train_state["loader"])
 
@@ -181,6 +190,21 @@ def build(cfg: Config) -> Run:
                       Compute(device, autocast_for(cfg.train.dtype, device)), callbacks)
     return Run(trainer, data, run_dir, checkpointer, branched_from, attended,
                (train_state["step"], resume_from, continued) if train_state else None)
+
+
+def check_shards(data: PreparedData | MixtureData) -> None:
+    """Raises on every rank alike, naming the shard, unless every shard of `data` matches the checksum its
+    manifest recorded; each rank reads a share of them. Every rank calls it."""
+    problems = [p for found in gather_all(shard_checks.mismatches(shard_checks.shards_of(data)[rank()::world_size()]))
+                for p in found]
+    if problems:
+        where, problem = problems[0]
+        raise ScalevecError(where, problem, f"{shard_checks.reprepare(where)}; or, if you trust the shards as "
+                            "they are, data.verify=false.")
+    if rank() == 0:
+        for split_dir in shard_checks.unrecorded(data):
+            print(f"note: {split_dir / MANIFEST} records no checksums (prepared before scalevec recorded them): "
+                  "its shards are read unverified; prepare the data again to record them.", file=sys.stderr)
 
 
 def validation_batches(cfg: Config, data: PreparedData | MixtureData, rank_: int,
@@ -235,9 +259,8 @@ def check_continuation_of(cfg: Config, path: Path, train_state: dict, branch: bo
 def check_resumable(cfg: Config, path: Path, train_state: dict, model: torch.nn.Module) -> None:
     """Raises unless checkpoint `path` was written for this model and optimizer (`model` may be on the
     meta device): before any data is prepared or weight initialized."""
-    saved, current = train_state["model_config"], cfg.model.architecture()
-    if saved != current:
-        diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+    diff = architecture_diff(train_state["model_config"], cfg.model.architecture())
+    if diff:
         raise ScalevecError(str(path), f"was written by another model (differs in {diff}).",
                             "resume with the model config of that run, or use another run_dir.")
     saved_optim = train_state.get("optimizer", cfg.optim.name)  # absent in older checkpoints

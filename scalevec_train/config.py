@@ -79,6 +79,10 @@ class Config:
             check_expert_parallel(self.distributed, None if moe is None else moe.num_experts, world_size,
                                   mesh_shape(self.distributed, world_size)[0])
         self.tasks.validate()
+        if self.model.parameterization == "mup" and self.optim.name == "muon" and self.optim.muon_router:
+            raise ScalevecError("optim.muon_router", "under model.parameterization=mup the router is a readout "
+                                "(its logits scaled by 1 / m_N), whose rule is AdamW's (docs/parameterization.md).",
+                                "set optim.muon_router=false.")
         if self.train.seq_len > self.model.max_seq_len:
             raise ScalevecError("train.seq_len", f"{self.train.seq_len} is longer than the model's "
                                 f"positions (model.max_seq_len={self.model.max_seq_len}).",
@@ -162,6 +166,18 @@ def compose_raw(overrides: list[str]) -> DictConfig:
     to_config turns into a Config for any world size)."""
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
         return compose(config_name="config", overrides=list(overrides))
+
+
+def split_options(argv: list[str], defaults: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """A tool's command line: its own `key=value` options (`defaults` names them) and the config overrides."""
+    options, overrides = dict(defaults), []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key in options:
+            options[key] = value
+        else:
+            overrides.append(arg)
+    return options, overrides
 
 
 def compose_config(overrides: list[str], world_size: int = 1) -> Config:

@@ -30,7 +30,7 @@ from scalevec_train.training.logger import flatten
 
 # Key prefixes (a trailing dot: every key below) and keys a continuation may change freely.
 OPERATIONAL = ("logger.", "checkpoint.", "distributed.", "tasks.", "data.num_workers", "data.cache_dir",
-               "data.part_bytes", "model.kernels", "model.attention_backend", "train.micro_batch",
+               "data.part_bytes", "data.verify", "model.kernels", "model.attention_backend", "train.micro_batch",
                "train.max_micro_batch_tokens", "train.log_every", "train.eval_every", "train.eval_batches",
                "train.max_bad_steps", "train.spike_factor", "train.profile_steps", "train.profile_record_shapes",
                "train.profile_all_ranks", "train.diagnostics_every", "train.ema.", "device")

@@ -1,7 +1,9 @@
 """`python -m scalevec_train.describe model=<preset> scale=<preset> [format=json] [world_size=8]
 [device_gb=80]`: every scale site of a model under a strategy (the rows of its scale plan: role,
 parameterization, shape, the optimizer's peak LR and decay, the maps it scales, how it folds, a cancelled
-magnitude), what it costs in parameters and FLOPs, and the memory each rank needs. Builds the model on the
+magnitude), every other parameter's init, LR, decay, Adam eps and forward multiplier under
+model.parameterization (parameterization.py, optim/groups.py's `rates`), what it costs in parameters and
+FLOPs, and the memory each rank needs. Builds the model on the
 meta device, so any preset describes instantly.
 
 Memory: per rank on `world_size` GPUs (the micro-batch derived for that many ranks) for the config's
@@ -29,14 +31,15 @@ from scalevec_train.accounting import (
     train_flops_per_token,
 )
 from scalevec_train.communication import expert_all_to_all
-from scalevec_train.config import compose_raw, to_config
+from scalevec_train.config import compose_raw, split_options, to_config
 from scalevec_train.errors import ScalevecError
 from scalevec_train.memory import GB, estimate, fix, precision
 from scalevec_train.model.config import ScaleConfig
+from scalevec_train.model.parameterization import Kind
 from scalevec_train.model.plan import ScalePlan
 from scalevec_train.model.strategies import site_display_name
 from scalevec_train.model.transformer import Transformer
-from scalevec_train.optim.groups import param_groups
+from scalevec_train.optim.groups import param_groups, rates
 from scalevec_train.parallel.config import ActivationCheckpointing
 
 
@@ -70,6 +73,7 @@ def describe(cfg, attended: float | None = None) -> dict:
             "side": row.side, "maps": list(dict.fromkeys(m.name for m in row.maps)), "folds": row.fold,
         })
     scale_params = sum(s["params"] for s in sites)
+    parameters = _parameters(model, cfg.optim, group_of)
     baseline = ScalePlan.build(cfg.model, ScaleConfig(name="baseline"))
     extra = 3 * (norm_flops_per_token(model.plan) - norm_flops_per_token(baseline))
     documents = cfg.model.attention_mask == "document"
@@ -79,7 +83,8 @@ def describe(cfg, attended: float | None = None) -> dict:
         "non_embedding_params": non_embedding_params(model),
         "scale_params": scale_params, "scale_share": scale_params / total,
         "extra_train_flops_per_token": extra, "extra_flops_share": extra / model_flops,
-        "train_flops_per_token": model_flops, "sites": sites,
+        "train_flops_per_token": model_flops, "sites": sites, "parameterization": _multipliers(model),
+        "parameters": parameters,
     }
     if cfg.model.moe is not None:
         out["active_params"] = active_params(model)
@@ -87,6 +92,54 @@ def describe(cfg, attended: float | None = None) -> dict:
         out["attention_mask"] = "document"
         out["attended_keys"] = attended  # None: not measured, attention counted at seq_len
     return out
+
+
+def _multipliers(model: Transformer) -> dict:
+    p = model.parameterization
+    return {"name": p.name, "width_multiplier": p.width, "depth_multiplier": p.depth, "logits": p.readout,
+            "router_logits": p.readout, "residual_branches": p.residual,
+            "attention_scale": p.attention_scale if p.attention_scale is not None else p.head_dim**-0.5}
+
+
+def _parameters(model: Transformer, optim, group_of: dict) -> list[dict]:
+    """Every parameter but the scale sites' (their table above): its muP kind, init std, peak LR and the
+    multiplier the parameterization puts on it, decoupled weight decay, Adam eps and forward multiplier."""
+    p = model.parameterization
+    sites = model.plan.site_parameters()
+    rows = []
+    for name, param in model.named_parameters():
+        kind = p.kind(name, sites)
+        if kind is Kind.VECTOR:
+            continue
+        g = group_of[name]
+        muon = bool(g.get("use_muon"))
+        r = rates(p, kind, optim, muon)
+        rows.append({"name": name, "kind": kind, "shape": list(param.shape), "init_std": p.init(name, kind),
+                     "lr": g["base_lr"], "lr_multiplier": r.lr, "weight_decay": g["weight_decay"],
+                     "eps": None if muon else g.get("eps", optim.eps),
+                     "forward_multiplier": p.forward_multiplier(name, kind), "optimizer": "muon" if muon else "adamw"})
+    return rows
+
+
+def format_parameters(d: dict) -> str:
+    """The parameters' table, one row per name with every layer's index as *."""
+    m = d["parameterization"]
+    lines = [f"parameterization {m['name']}: width x{m['width_multiplier']:g}, depth x{m['depth_multiplier']:g}; "
+             f"logits x{m['logits']:g}, residual branches x{m['residual_branches']:g}, attention scale "
+             f"{m['attention_scale']:.4g}",
+             f"{'parameter':<34} {'kind':<9} {'init std':>9} {'lr':>9} {'lr mult':>8} {'decay':>7} {'eps':>9} "
+             f"{'forward':>8} optimizer"]
+    seen = set()
+    for r in d["parameters"]:
+        parts = r["name"].split(".")
+        name = ".".join(["layers", "*", *parts[2:]]) if parts[0] == "layers" else r["name"]
+        if name in seen:
+            continue
+        seen.add(name)
+        eps = "-" if r["eps"] is None else f"{r['eps']:.3g}"
+        lines.append(f"{name:<34} {r['kind']:<9} {r['init_std']:>9.4g} {r['lr']:>9.4g} {r['lr_multiplier']:>8.4g} "
+                     f"{r['weight_decay']:>7.4g} {eps:>9} {r['forward_multiplier']:>8.4g} {r['optimizer']}")
+    return "\n".join(lines)
 
 
 def format_table(d: dict) -> str:
@@ -173,14 +226,7 @@ def format_memory(m: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    options = {"format": "table", "world_size": "8", "device_gb": "80"}
-    overrides = []
-    for arg in argv:
-        key = arg.split("=", 1)[0]
-        if key in options:
-            options[key] = arg.split("=", 1)[1]
-        else:
-            overrides.append(arg)
+    options, overrides = split_options(argv, {"format": "table", "world_size": "8", "device_gb": "80"})
     fmt = options["format"]
     try:
         if fmt not in ("table", "json"):
@@ -206,6 +252,8 @@ def main(argv: list[str]) -> int:
         print(json.dumps(d))
     else:
         print(format_table(d))
+        print()
+        print(format_parameters(d))
         print()
         print(format_memory(d["memory"]))
     return 0

@@ -1,9 +1,10 @@
-"""`python -m scalevec_train.evaluate <run_dir or checkpoint> [--tasks PRESET]`: the validation loss and
-bits per byte of a checkpoint on its run's validation set (the same batches and computation as the
-trainer's val_loss and val_bpb, so the numbers compare), in one process; with --tasks, also the
-downstream tasks of a preset of configs/tasks/ (`embedded`: the task the embedded corpus brings;
-`standard`: the public task files under the run's tasks.dir) or `run` (the tasks the run's config
-names), as the trainer's task/<name>/<metric>.
+"""`python -m scalevec_train.evaluate <run_dir or checkpoint> [--tasks PRESET] [verify=false]`: the
+validation loss and bits per byte of a checkpoint on its run's validation set (the same batches and
+computation as the trainer's val_loss and val_bpb, so the numbers compare), in one process; with
+--tasks, also the downstream tasks of a preset of configs/tasks/ (`embedded`: the task the embedded
+corpus brings; `standard`: the public task files under the run's tasks.dir) or `run` (the tasks the
+run's config names), as the trainer's task/<name>/<metric>. `verify=false` reads the checkpoint without
+checking it against its checksums first.
 
 For an averaged checkpoint (checkpoint/average.py; also a run's weight EMA written out with
 `average ... ema=last`) it also writes metrics.jsonl into that folder, one record {"step": the step it
@@ -31,7 +32,7 @@ from scalevec_train.tasks.scoring import score
 from scalevec_train.training.callbacks.evaluation import Validation
 
 USAGE = ("usage: python -m scalevec_train.evaluate <run_dir or checkpoints/step_N or averaged folder> "
-         "[--tasks embedded|standard|run]")
+         "[--tasks embedded|standard|run] [verify=false]")
 METRICS_FILE = "metrics.jsonl"
 TASK_PRESETS = Path(CONFIG_DIR) / "tasks"
 
@@ -42,10 +43,10 @@ def evaluate(path: str | Path) -> tuple[float, Path | None]:
     return metrics["val_loss"], written
 
 
-def evaluate_metrics(path: str | Path, tasks: str = "") -> tuple[dict[str, float], Path | None]:
+def evaluate_metrics(path: str | Path, tasks: str = "", verify: bool = True) -> tuple[dict[str, float], Path | None]:
     """({"val_loss": ..., "val_bpb": ... (a mixture's also per source, as the trainer records them),
     "task/<name>/<metric>": ... for the tasks of `tasks` (see the module docstring; empty: none)}, the
-    metrics.jsonl written for an averaged checkpoint or None)."""
+    metrics.jsonl written for an averaged checkpoint or None). `verify`: as for load()."""
     run_dir, checkpoint = resolve(Path(path))
     cfg = read_config(run_dir)
     tasks_cfg = tasks_config(cfg, tasks) if tasks else None
@@ -53,8 +54,8 @@ def evaluate_metrics(path: str | Path, tasks: str = "") -> tuple[dict[str, float
     data = prepare_data(cfg.data)
     check_vocab(data, cfg.model.vocab_size)
     tok = data.load_tokenizer()
-    encoded = load_tasks(tasks_cfg, cfg.data, tok, cfg.train.seq_len) if tasks_cfg else []
-    model, _ = load(checkpoint, device=device)
+    encoded = load_tasks(tasks_cfg, cfg.data, tok, cfg.model.max_seq_len) if tasks_cfg else []
+    model, _ = load(checkpoint, device=device, verify=verify)
     # the trainer's own validation on the same batches: the same val_loss, val_bpb and a mixture's per source
     validation = Validation(validation_batches(cfg, data, 0, 1), token_bytes(tok),
                             {m.name: m.weight for m in cfg.data.mixture} or None)
@@ -91,7 +92,7 @@ def tasks_config(cfg: Config, tasks: str) -> TasksConfig:
 
 
 def main(argv: list[str]) -> int:
-    args, tasks = list(argv), ""
+    args, tasks = [a for a in argv if a not in ("verify=false", "verify=true")], ""
     if "--tasks" in args:
         i = args.index("--tasks")
         tasks = args[i + 1] if i + 1 < len(args) else ""
@@ -100,7 +101,7 @@ def main(argv: list[str]) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     try:
-        metrics, written = evaluate_metrics(args[0], tasks)
+        metrics, written = evaluate_metrics(args[0], tasks, "verify=false" not in argv)
     except ScalevecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -8,6 +8,8 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import hydra
@@ -15,12 +17,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from scalevec_train.accounting import total_params
 from scalevec_train.branch import copy_trunk_metrics
-from scalevec_train.build import build
+from scalevec_train.build import build, check_run_dir
 from scalevec_train.config import CONFIG_DIR, Config, to_config, to_yaml
 from scalevec_train.continuation import record as record_continuation
 from scalevec_train.data import tokenizer
 from scalevec_train.describe import describe
 from scalevec_train.errors import ScalevecError
+from scalevec_train.lock import DirLock, Held, holder
 from scalevec_train.optim.groups import describe_groups
 from scalevec_train.parallel import process_group
 from scalevec_train.training.logger import MetricsLogger, wandb_init_args
@@ -35,10 +38,49 @@ def write_run_files(cfg: Config, run_dir: Path, tokenizer_path: Path, attended: 
     tokenizer.install(tokenizer_path, run_dir)  # as tokenizer.model, or tokenizer.json
 
 
+@contextmanager
+def holding(run_dir: Path) -> Iterator[None]:
+    """The run directory's lock (lock.py), held by rank 0 for the life of the run: a second launch into it
+    refuses on every rank before anything is written. A run directory that this launch made and left
+    holding nothing (bad input found later) is removed again."""
+    check_run_dir(run_dir)
+    made = [d for d in (run_dir, *run_dir.parents) if not d.exists()]
+    lock, held = None, None
+    if process_group.is_main():
+        lock = DirLock(run_dir)
+        try:
+            lock.acquire()
+        except Held as e:
+            lock, held = None, f"{holder(e.record)}; its lock {e.path}"
+    held = process_group.broadcast_object(held)
+    if held is not None:
+        raise ScalevecError("run_dir", f"{run_dir} is in use by a live run ({held}): two runs in one directory "
+                            "overwrite each other's checkpoints and records.", "wait for that run to end or stop "
+                            "it (a run that was killed or lost its node holds nothing: the next launch takes "
+                            "over), or set another run_dir.")
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+            if made and [p.name for p in run_dir.iterdir()] == [lock.path.name]:
+                lock.path.unlink()
+                for d in made:  # the run directory, then the parents it was made with
+                    try:
+                        d.rmdir()
+                    except OSError:  # not empty: another run's meanwhile
+                        break
+
+
 def run(cfg: Config) -> Path:
     """Train to cfg.train.steps, or until an early stop: SIGTERM returns with a complete checkpoint,
     train.max_bad_steps non-finite steps in a row raise DivergedError (from the stability guard, once
-    the checkpoint is complete). Returns the run directory."""
+    the checkpoint is complete). Returns the run directory. The run directory is locked meanwhile."""
+    with holding(Path(process_group.broadcast_object(cfg.run_dir))):
+        return _run(cfg)
+
+
+def _run(cfg: Config) -> Path:
     built = build(cfg)
     trainer, run_dir = built.trainer, built.run_dir
     main = process_group.is_main()

@@ -40,19 +40,29 @@ OUT/summary.csv, and prints the table:
                   (mean over the group's runs; the header gives the chance level); summary.csv adds
                   bpb and chance (task/<name>/<metric>).
 
---scaling mode fits L(N) = E + A*N^(-alpha) per strategy (runs split by the config keys under
+--scaling mode fits L(N) = E + A*N^(-alpha), E >= 0, per strategy (runs split by the config keys under
 --series, default the `scale` section) to the mean terminal loss at each parameter count N
 (describe.json total_params, else `params` in the metrics), and writes OUT/scaling.png,
 OUT/scaling.md and OUT/scaling.csv.
 
 --efficiency mode measures compute efficiency against --reference over a ladder: runs split into series
 (--series, default `scale`) and, within a series, into points (everything else but the seed: model size,
-budget). Each series is fitted with L(C) = E + A*C^(-alpha), C = train_flops_per_token (describe.json)
-times tokens. A point's compute multiplier is the compute the reference's fit needs to reach the point's
-loss divided by the point's compute (>1: the strategy needs less), measured (the point's mean loss) and
-from the fits (the strategy's fitted loss), per point and as the geometric mean over a series' points,
-with 95% percentile bootstrap intervals over seeds (--bootstrap resamples). Writes OUT/efficiency.png,
-OUT/efficiency.md and OUT/efficiency.csv.
+budget); C = train_flops_per_token (describe.json) times tokens. A point's compute multiplier is the
+compute the reference needs to reach the point's loss over the point's compute (>1: the strategy needs
+less), read two ways:
+  from ref's curves  seed by seed, against every evaluation of the reference's runs of that seed on the
+                  same rung (the point's config without train.steps, train.tokens_per_param and
+                  schedule.*: a trunk and its WSD branches): where their lower envelope (running minimum
+                  of the loss as compute grows, log-linear in compute) first gets to the run's terminal
+                  loss; "> x" when the reference never gets there within its longest budget, "<= x" when
+                  it is there at its first evaluation; per point the geometric mean over seeds.
+  from ref's law  each series fitted with L(C) = E + A*C^(-alpha), E >= 0, over all its points; the
+                  compute at which the reference's law reaches the point's mean loss (at the loss) or the
+                  strategy's law at the point's compute (at the strategy's law); 95% percentile
+                  bootstrap intervals over seeds (--bootstrap resamples).
+Both per point and as the geometric mean over a series' points, with the laws' residuals (loss - law).
+Pass trunks and branches together. Writes OUT/efficiency.png, OUT/efficiency.md and OUT/efficiency.csv;
+docs/experiments.md ("Compute efficiency") says which to read when they disagree.
 
 --diagnostics mode draws the diag/* metrics of runs trained with train.diagnostics_every (docs/experiments.md,
 "Diagnostics") over training, a column per run (e.g. baseline against unified), to OUT/diagnostics.png:
@@ -102,7 +112,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--diagnostics", action="store_true",
                    help="draw the runs' diag/* metrics side by side (OUT/diagnostics.png)")
     p.add_argument("--bootstrap", type=int, default=1000,
-                   help="--efficiency: bootstrap resamples over seeds for the intervals (default 1000)")
+                   help="--efficiency: bootstrap resamples over seeds for the law's intervals (default 1000)")
     args = p.parse_args(argv)
     if not (args.run_dirs or args.wandb or args.wandb_filter):
         p.error("give at least one RUN_DIR, --wandb or --wandb-filter")

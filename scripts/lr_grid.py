@@ -7,8 +7,10 @@
   lr_grid.py done ROOT RUN_DIR RC   releases the claim on a run that ended with exit status RC: 3 (the
                                     trainer's "diverged") keeps it as failed; another error stops the
                                     worker (exit 1); a signal leaves it to be trained again
-  lr_grid.py report ROOT OUT_DIR PART...   the grids, the picks, and the run directories of the final
-                                    seeds (OUT_DIR/<part>_grid.md, OUT_DIR/<part>_final.txt)
+  lr_grid.py report ROOT OUT_DIR PART...   each part's grid and picks (OUT_DIR/<part>_grid.md, and its
+                                    loss-against-LR plot per rung, <part>_grid.png), the run directories
+                                    of its final seeds (<part>_final.txt), and every grid's pick per
+                                    rung with its drift in grid steps (OUT_DIR/transfer.md)
 
 A part is an optimizer with its grid (PARTS below); per rung and strategy (an arm) it goes through:
   1. grid: the peak LR (optim.lr: every parameter but the scale sites, which have scale_lr when set) on
@@ -20,6 +22,7 @@ A part is an optimizer with its grid (PARTS below); per rung and strategy (an ar
   4. sites: at the best LR, the scale sites' LR one grid step down and up (same seeds); the pick is the
      best of the three;
   5. final: the pick with the final seeds, trunks and their WSD branches to 2.5 and 5 tokens per parameter.
+A part `tuned_on` another part's rung skips 1-4: every rung takes that rung's pick (the ladder tuned once).
 A run is done when its last checkpoint is complete (checkpoints/step_<train.steps>/COMPLETE). A run that
 diverged (non-finite steps past train.max_bad_steps) counts as the worst point of its grid and is
 written as failed; its log says why. Claims (ROOT_logs/<name>.claim) hold what a worker trains, so two
@@ -28,6 +31,7 @@ workers never take one run; `next` clears the claims of workers that are gone.
 
 import fcntl
 import json
+import math
 import os
 import statistics
 import sys
@@ -49,20 +53,31 @@ class Part:
     lrs: tuple[float, ...]  # the first grid
     seeds: tuple[int, ...]
     tiebreak: int | None = None  # the seed added where the two best LRs are within the seeds' spread
-    scale_lr: float | None = None  # the sites' LR during the grid; sites stage one step either side
+    scale_lr: float | None = None  # the sites' LR during the grid
+    sites: bool = True  # with scale_lr: the sites' LR one step either side of the pick
     final: tuple[int, ...] = ()  # seeds at the pick, with WSD branches
     overrides: tuple[str, ...] = ()
     tag: str = ""  # in every run's name, for the overrides
     rungs: tuple[str, ...] = RUNGS
     scales: tuple[str, ...] = SCALES
+    tuned_on: tuple[str, str] | None = None  # (part, rung) whose pick every rung takes
 
 
 LRS = (0.001, 0.003, 0.01, 0.03)
+# model.parameterization=mup with dense-l1 (width 32, one block) as the base shape; the ladder's heads keep
+# their width (32), so the attention scale is sp's
+MUP = ("model.parameterization=mup", "model.base_dim=32", "model.base_layers=1")
 PARTS = {
     # issue 47, item 1: every rung at each arm's own best LR, the sites at optim.scale_lr=0.01
     "adamw": Part("adamw", LRS, seeds=(0, 1), tiebreak=2, scale_lr=0.01, final=(0, 1, 2)),
-    # the Muon ladder's grid (its settings) on one seed per rung: a check of its dense-l2 picks
+    # item 4: the same grid under mup (the sites' LR kept at the grid's: transfer is about one LR)
+    "mup_adamw": Part("adamw", LRS, seeds=(0, 1), tiebreak=2, scale_lr=0.01, sites=False, overrides=MUP, tag="mup"),
+    # item 5: the ladder tuned once, every rung at mup's dense-l1 pick
+    "mup_tuned": Part("adamw", LRS, seeds=(0, 1), scale_lr=0.01, final=(0, 1, 2), overrides=MUP, tag="mup",
+                      tuned_on=("mup_adamw", "dense-l1")),
+    # the Muon ladder's grid (its settings) on one seed per rung: a check of its dense-l2 picks; and under mup
     "muon": Part("muon", LRS, seeds=(0,)),
+    "mup_muon": Part("muon", LRS, seeds=(0,), overrides=MUP, tag="mup"),
 }
 
 
@@ -153,6 +168,9 @@ class Arm:
     def plan(self):
         """(runs still needed, None) or ([], the pick (lr, scale_lr, seeds)) when the grid is decided."""
         p = self.part
+        if p.tuned_on is not None:
+            name, rung = p.tuned_on
+            return Arm(PARTS[name], rung, self.scale, self.state).plan()
         lrs = sorted(p.lrs)
         while True:  # 1, 2: the grid, widened while its best is at an edge
             runs = [self.run(lr, s) for lr in lrs for s in p.seeds]
@@ -180,9 +198,9 @@ class Arm:
                 if pending:
                     return pending, None
                 best = min((first, second), key=lambda lr: self.mean(lr, seeds))
-        if p.scale_lr is None:
-            return [], (best, None, seeds)
-        sites = [step(p.scale_lr, -1), p.scale_lr, step(p.scale_lr, 1)]  # 4
+        if p.scale_lr is None or not p.sites:
+            return [], (best, p.scale_lr, seeds)
+        sites = [p.scale_lr, step(p.scale_lr, -1), step(p.scale_lr, 1)]  # 4: on a tie the grid's own stays
         runs = [self.run(best, s, slr) for slr in sites for s in seeds]
         pending = [r for r in runs if self.state.loss(r) is None]
         if pending:
@@ -244,14 +262,14 @@ def next_run(root: Path, pid: int, parts: list[str]) -> int:
                 claimed.add(claim.name[: -len(".claim")])
             else:
                 claim.unlink()
-        needed = [(parts.index(name), -RUNGS.index(arm.rung), r.tpp != 10.0, arm.rung, r)
+        needed = [(-RUNGS.index(arm.rung), parts.index(name), r.tpp != 10.0, arm.rung, r)
                   for name, arm in arms(parts, state) for r in arm.needed()]
         needed = [(rung, r) for *_, rung, r in sorted(needed, key=lambda x: x[:3])]
         free = [(rung, r) for rung, r in needed if r.name not in claimed]
         if not free:
             return 3 if needed else 4
-        # the parts in their order; then the smallest rung first (its picks, and their branches, come
-        # early), trunks before branches
+        # the smallest rung first, every part's (its picks, and what they say about transfer, come before
+        # the long runs of the largest rung); then the parts in their order, trunks before branches
         rung, run = free[0]
         (state.logs / f"{run.name}.claim").write_text(str(pid))
         print(rung, root / run.name, *run.overrides(root))
@@ -277,55 +295,113 @@ def _cell(values):
     return text + (" (" + ", ".join(f"{v:.3f}" for v in values) + ")" if len(values) > 1 else "")
 
 
+def grid(arm: Arm) -> dict[float, list[float]]:
+    """Every LR of the arm's grid run on all of its part's seeds: the terminal val_loss per seed (the
+    tie-break seed's too where it ran)."""
+    part, out = arm.part, {}
+    for lr in SEQUENCE:
+        values = arm.losses([arm.run(lr, s) for s in part.seeds])
+        if None not in values:
+            extra = [] if part.tiebreak is None else arm.losses([arm.run(lr, part.tiebreak)])
+            out[lr] = values + [v for v in extra if v is not None]
+    return out
+
+
+def grid_table(name: str, state: State) -> tuple[str, list[str]]:
+    """The part's grid per rung and arm with each pick, the sites' LR either side of it, and the run
+    directories of the pick's final seeds."""
+    part = PARTS[name]
+    found = [(arm, grid(arm), arm.plan()[1]) for _, arm in arms([name], state)]
+    finals = [str(state.root / r.name) for arm, _, pick in found if pick is not None
+              for r in arm.final_runs(pick) if state.loss(r) not in (None, FAILED)]
+    if part.tuned_on is not None:
+        picks = ", ".join(f"{arm.scale} lr {fmt(pick[0])}" for arm, _, pick in found[:len(part.scales)] if pick)
+        return f"Every rung at {part.tuned_on[0]}'s {part.tuned_on[1]} pick: {picks or 'pending'}.\n", finals
+    lrs = sorted({lr for _, g, _ in found for lr in g})
+    rows = [f"Terminal val_loss at 10 tokens per parameter, mean over seeds {', '.join(map(str, part.seeds))} (each "
+            "seed's in brackets; a third seed where the two best were within the seeds' spread); the pick in bold.\n",
+            "| rung | arm | " + " | ".join(f"lr {fmt(lr)}" for lr in lrs) + " | pick |",
+            "|---|---|" + "---:|" * (len(lrs) + 1)]
+    for arm, g, pick in found:
+        cells = [(f"**{_cell(g[lr])}**" if pick and lr == pick[0] else _cell(g[lr])) if lr in g else "" for lr in lrs]
+        chosen = "pending" if pick is None else f"lr {fmt(pick[0])}" + (
+            f", scale_lr {fmt(pick[1])}" if pick[1] is not None else "")
+        rows.append(f"| {arm.rung} | {arm.scale} {part.optim} | " + " | ".join(cells) + f" | {chosen} |")
+    if part.scale_lr is not None and part.sites:
+        sites = [step(part.scale_lr, -1), part.scale_lr, step(part.scale_lr, 1)]
+        rows += ["\nThe scale sites' LR at each arm's best LR (same seeds):\n",
+                 "| rung | arm | lr | " + " | ".join(f"scale_lr {fmt(x)}" for x in sites) + " |",
+                 "|---|---|---:|" + "---:|" * len(sites)]
+        for arm, _, pick in found:
+            if pick is None:
+                continue
+            cells = []
+            for slr in sites:
+                values = arm.losses([arm.run(pick[0], x, slr) for x in pick[2]])
+                text = "" if None in values else _cell(values)
+                cells.append(f"**{text}**" if slr == pick[1] else text)
+            rows.append(f"| {arm.rung} | {arm.scale} {part.optim} | {fmt(pick[0])} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n", finals
+
+
+def transfer_table(names: list[str], state: State) -> str:
+    """Each part's pick per rung and arm, and how many grid steps it moves from rung to rung."""
+    rungs = sorted({r for n in names for r in PARTS[n].rungs}, key=lambda r: -RUNGS.index(r))
+    rows = ["| arm | part | " + " | ".join(rungs) + " | steps per rung | " + rungs[0] + " to " + rungs[-1] + " |",
+            "|---|---|" + "---:|" * (len(rungs) + 2)]
+    for name in names:
+        for scale in PARTS[name].scales:
+            picks = {}
+            for rung in rungs:
+                pick = Arm(PARTS[name], rung, scale, state).plan()[1]
+                picks[rung] = None if pick is None else pick[0]
+            known = [picks[r] for r in rungs if picks[r] is not None]
+            moves = [round(math.log(b / a) / math.log(10) * 2) for a, b in zip(known, known[1:])]
+            cells = [fmt(picks[r]) if picks[r] is not None else "pending" for r in rungs]
+            whole = f"{sum(moves):+d}" if len(known) == len(rungs) else ""
+            rows.append(f"| {scale} {PARTS[name].optim} | {name} | " + " | ".join(cells) + " | "
+                        + ", ".join(f"{m:+d}" for m in moves) + f" | {whole} |")
+    return "\n".join(rows) + "\n"
+
+
+def plot(name: str, state: State, path: Path) -> None:
+    """Terminal val_loss against the LR, a panel per rung, a line per arm (the seeds' range as bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    part = PARTS[name]
+    fig, axes = plt.subplots(1, len(part.rungs), figsize=(4.2 * len(part.rungs), 3.4), squeeze=False)
+    for ax, rung in zip(axes[0], sorted(part.rungs, key=lambda r: -RUNGS.index(r)), strict=True):
+        for scale in part.scales:
+            g = {lr: v for lr, v in grid(Arm(part, rung, scale, state)).items() if FAILED not in v}
+            if not g:
+                continue
+            lrs = sorted(g)
+            means = [statistics.fmean(g[lr]) for lr in lrs]
+            low = [m - min(g[lr]) for m, lr in zip(means, lrs, strict=True)]
+            high = [max(g[lr]) - m for m, lr in zip(means, lrs, strict=True)]
+            ax.errorbar(lrs, means, yerr=[low, high], marker="o", capsize=3, label=scale)
+        ax.set(xscale="log", xlabel="peak LR (optim.lr)", ylabel="terminal val_loss", title=f"{rung} ({name})")
+        if ax.lines:
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def report(root: Path, out: Path, parts: list[str]) -> int:
     state = State(root)
     out.mkdir(parents=True, exist_ok=True)
     for name in parts:
-        part = PARTS[name]
-        rows, finals, lrs_seen = [], [], set()
-        grids = []
-        for _, arm in arms([name], state):
-            _, pick = arm.plan()
-            grid = {}
-            for lr in SEQUENCE:
-                seeds = [s for s in (*part.seeds, *([part.tiebreak] if part.tiebreak is not None else []))
-                         if state.loss(arm.run(lr, s)) is not None]
-                if seeds and all(s in seeds for s in part.seeds):
-                    grid[lr] = arm.losses([arm.run(lr, s) for s in seeds])
-            lrs_seen |= set(grid)
-            grids.append((arm, grid, pick))
-            if pick is not None:
-                finals += [str(root / r.name) for r in arm.final_runs(pick) if state.loss(r) not in (None, FAILED)]
-        lrs = sorted(lrs_seen)
-        seeds = ", ".join(map(str, part.seeds))
-        rows.append(f"Terminal val_loss at 10 tokens per parameter, mean over seeds {seeds} (each seed's in "
-                    "brackets; a third seed where the two best were within the seeds' spread); the pick in bold.\n")
-        rows.append("| rung | arm | " + " | ".join(f"lr {fmt(lr)}" for lr in lrs) + " | pick |")
-        rows.append("|---|---|" + "---:|" * (len(lrs) + 1))
-        for arm, grid, pick in grids:
-            cells = []
-            for lr in lrs:
-                text = _cell(grid[lr]) if lr in grid else ""
-                cells.append(f"**{text}**" if pick is not None and lr == pick[0] else text)
-            chosen = "pending" if pick is None else f"lr {fmt(pick[0])}" + (
-                f", scale_lr {fmt(pick[1])}" if pick[1] is not None else "")
-            rows.append(f"| {arm.rung} | {arm.scale} {part.optim} | " + " | ".join(cells) + f" | {chosen} |")
-        if part.scale_lr is not None:
-            sites = [step(part.scale_lr, -1), part.scale_lr, step(part.scale_lr, 1)]
-            rows.append("\nThe scale sites' LR at each arm's best matrix LR (same seeds):\n")
-            rows.append("| rung | arm | lr | " + " | ".join(f"scale_lr {fmt(s)}" for s in sites) + " |")
-            rows.append("|---|---|---:|" + "---:|" * len(sites))
-            for arm, _, pick in grids:
-                if pick is None:
-                    continue
-                cells = []
-                for slr in sites:
-                    values = arm.losses([arm.run(pick[0], s, slr) for s in pick[2]])
-                    text = "" if None in values else _cell(values)
-                    cells.append(f"**{text}**" if slr == pick[1] else text)
-                rows.append(f"| {arm.rung} | {arm.scale} {part.optim} | {fmt(pick[0])} | " + " | ".join(cells) + " |")
-        (out / f"{name}_grid.md").write_text("\n".join(rows) + "\n")
+        text, finals = grid_table(name, state)
+        (out / f"{name}_grid.md").write_text(text)
         (out / f"{name}_final.txt").write_text("".join(f"{d}\n" for d in finals))
+        if PARTS[name].tuned_on is None:
+            plot(name, state, out / f"{name}_grid.png")
+    grids = [n for n in parts if PARTS[n].tuned_on is None]
+    (out / "transfer.md").write_text(transfer_table(grids, state))
     return 0
 
 

@@ -13,12 +13,13 @@
 #                                        and dense-l1 at swapped LRs (3 seeds each, trunks
 #                                        to 10 tokens per parameter); runs to runs/adamw_l3/, tables to
 #                                        docs/results/adamw_l3/
-#   bash scripts/run_study.sh lr_ladder  the ladder at each arm's own best LR per rung (issue 47): AdamW's
-#                                        grid on dense-l1..l3 (sites at optim.scale_lr=0.01; 2 seeds, a
-#                                        third where needed; the sites' LR either side of the pick), then
-#                                        3 seeds with WSD branches at each pick; Muon's grid on one seed
-#                                        (scripts/lr_grid.py); runs to runs/lr_ladder/, tables to
-#                                        docs/results/lr_ladder/
+#   bash scripts/run_study.sh lr_ladder  the ladder at each arm's own best LR per rung, and under
+#                                        model.parameterization=mup (issue 47): AdamW's grid on dense-l1..l3
+#                                        (sites at optim.scale_lr=0.01; 2 seeds, a third where needed; the
+#                                        sites' LR either side of the pick), then 3 seeds with WSD branches
+#                                        at each pick; the grid under mup and its ladder tuned on dense-l1;
+#                                        Muon's grids on one seed (scripts/lr_grid.py); runs to
+#                                        runs/lr_ladder/, tables to docs/results/lr_ladder/
 #   bash scripts/run_study.sh ladder_grid_l3 ["adamw muon"]  the ladder's LR grid again on
 #                                        dense-l3 (both strategies of the optimizers named, seed 0), then
 #                                        each arm at its dense-l3 pick with 3 seeds (trunks), to
@@ -141,11 +142,11 @@ ladder() {  # optimizers out [jobs]: the ladder of both strategies under each op
 }
 study800_jobs() { echo study800_run baseline $1; echo study800_run unified $1; }  # seed: the 5x-budget check
 grid_worker() {  # root parts...: trains scripts/lr_grid.py's queue of runs until none is left
-  local root=$1 rc job rung dir args
+  local root=$1 me=$BASHPID rc job rung dir args  # this worker's pid: $BASHPID inside $(...) is the subshell's
   shift
   while :; do
     rc=0
-    job=$($PY scripts/lr_grid.py next "$root" $BASHPID "$@") || rc=$?
+    job=$($PY scripts/lr_grid.py next "$root" $me "$@") || rc=$?
     case $rc in 0) ;; 3) sleep 20; continue ;; 4) return 0 ;; *) return 1 ;; esac
     read -r rung dir args <<<"$job"
     rc=0
@@ -295,20 +296,27 @@ ARMS
       $(echo "$picks" | while read -r scale optim lr; do ls -d $L/dense-l3-$scale-$optim-lr$lr-tpp10.0-s[012]; done)
     ;;
   lr_ladder)
-    # Issue 47: every arm's LR grid on every rung (AdamW with the sites at optim.scale_lr=0.01, 2 seeds, a
-    # third where the two best are within the seeds' spread, then the sites' LR either side; Muon on one
-    # seed), then AdamW's ladder at each arm's per-rung pick (3 seeds, WSD branches)
+    # Issue 47 (docs/results.md, "The ladder at each arm's best LR"): one queue (scripts/lr_grid.py) of its
+    # parts, rung by rung from the smallest: every arm's AdamW grid (sp; the sites at optim.scale_lr=0.01; 2
+    # seeds, a third where the two best are within the seeds' spread; then the sites' LR either side) and its
+    # ladder at the per-rung picks (3 seeds, WSD branches); the same grid under model.parameterization=mup
+    # (base dense-l1); the mup ladder at the dense-l1 pick; then Muon's grids (one seed; sp, mup)
     L=runs/lr_ladder
     out=docs/results/lr_ladder
-    grid_pool $L adamw muon
-    $PY scripts/lr_grid.py report $L $out adamw muon
-    for d in $(cat $out/adamw_final.txt); do
-      case $d in *-tpp10-s*) echo task_run $d ;; esac
+    parts="adamw mup_adamw mup_tuned muon mup_muon"
+    grid_pool $L $parts
+    $PY scripts/lr_grid.py report $L $out $parts
+    for part in adamw mup_tuned; do
+      for d in $(cat $out/${part}_final.txt); do
+        case $d in *-tpp10-s*) echo task_run $d ;; esac
+      done
     done | on_two_workers
-    $PY scripts/ladder_report.py table $out/terminal.md $(cat $out/adamw_final.txt)
-    for metric in val_loss val_bpb; do
-      $PY scripts/compare_runs.py $(cat $out/adamw_final.txt) --efficiency --reference scale=baseline \
-        --ignore optim.lr --ignore optim.scale_lr --metric $metric --out $out/efficiency_adamw_$metric
+    for part in adamw mup_tuned; do
+      $PY scripts/ladder_report.py table $out/${part}_terminal.md $(cat $out/${part}_final.txt)
+      for metric in val_loss val_bpb; do
+        $PY scripts/compare_runs.py $(cat $out/${part}_final.txt) --efficiency --reference scale=baseline \
+          --ignore optim.lr --ignore optim.scale_lr --metric $metric --out $out/efficiency_${part}_$metric
+      done
     done
     ;;
   *)

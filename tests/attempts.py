@@ -12,9 +12,12 @@ writes the child's pid to <i>.rank<r>.pid and, once it has ended, its exit code 
 (process_group.init takes a fresh namespace in torchrun's store).
 
 A child's CPU goes mostly to what the worker has not done for it yet: the modules a run imports on first
-use (torch's compiler configs, DCP, Hydra's parser: over a second), and the collections at the end of
-a run, which walk every object of the process. So each child leaves the list of its modules, which the
-worker imports before the next fork, and the worker freezes its objects out of the collector's reach.
+use (torch's compiler configs, DCP, Hydra's parser: over a second), Hydra's composition of the config,
+and the collections at the end of a run, which walk every object of the process. So each child leaves
+the list of its modules, which the worker imports before the next fork; the worker composes each list
+of overrides once (attempts that differ only in `env`, a run killed and resumed, share it: Hydra's
+composition reads configs/ and the overrides, not the environment) and freezes its objects out of the
+collector's reach.
 """
 
 import gc
@@ -25,6 +28,8 @@ import sys
 import time
 import traceback
 from pathlib import Path
+
+from omegaconf import DictConfig
 
 from scalevec_train import train
 from scalevec_train.config import compose_raw
@@ -37,18 +42,29 @@ def write(path: Path, text: str) -> None:
     tmp.rename(path)
 
 
-def attempt(spec: dict) -> int:
-    """The child's work: scalevec_train.train's main on the config Hydra composes (once: Hydra's app
-    composes it twice); returns its exit code."""
+def attempt(spec: dict, raw: DictConfig | None) -> int:
+    """The child's work: scalevec_train.train's main on the config Hydra composed from the overrides (by
+    the worker; here if it failed there, so that the error is the child's); returns its exit code."""
     os.environ.update(spec["env"])
     try:
-        train.main.__wrapped__(compose_raw(spec["overrides"]))
+        train.main.__wrapped__(compose_raw(spec["overrides"]) if raw is None else raw)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 0 if e.code is None else 1
     except BaseException:
         traceback.print_exc()
         return 1
     return 0
+
+
+def composed(overrides: list[str], known: dict[tuple[str, ...], DictConfig | None]) -> DictConfig | None:
+    """The config Hydra composes from `overrides`, once per list; None where composing fails."""
+    key = tuple(overrides)
+    if key not in known:
+        try:
+            known[key] = compose_raw(overrides)
+        except Exception:
+            known[key] = None
+    return known[key]
 
 
 def warm(modules: Path) -> None:
@@ -65,16 +81,18 @@ def warm(modules: Path) -> None:
 def main(folder: Path) -> None:
     rank = os.environ["RANK"]
     modules = folder / f"modules.rank{rank}"
-    i = 0
+    i, known = 0, {}
     while not (folder / "done").exists():
         spec = folder / f"{i}.json"
         if not spec.exists():
             time.sleep(0.02)
             continue
+        todo = json.loads(spec.read_text())
+        raw = composed(todo["overrides"], known)
         warm(modules)
         pid = os.fork()
         if pid == 0:
-            code = attempt(json.loads(spec.read_text()))
+            code = attempt(todo, raw)
             write(modules, "\n".join(sorted(sys.modules)))
             sys.stdout.flush()
             sys.stderr.flush()

@@ -66,6 +66,14 @@ def make_config_shared(*overrides: str, world_size: int = 1) -> Config:
     return make_configs([list(overrides)], world_size)[0]
 
 
+def hide_package(monkeypatch, name: str) -> None:
+    """Make package `name` look uninstalled for the rest of the test (monkeypatch restores it): it and
+    its submodules already imported are set to None in sys.modules, so that `import name` and
+    `from name.sub import x` raise ModuleNotFoundError and importlib.util.find_spec(name) returns None."""
+    for key in [key for key in sys.modules if key.startswith(f"{name}.")] + [name]:
+        monkeypatch.setitem(sys.modules, key, None)
+
+
 def load_script(path: Path, name: str | None = None) -> ModuleType:
     """A script outside the packages (scripts/...) imported as a module, its main() not run."""
     spec = importlib.util.spec_from_file_location(name or path.stem, path)

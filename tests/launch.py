@@ -319,6 +319,10 @@ class Attempts:
         return [self.started.wait_until(lambda r=r: self._read(f"{i}.rank{r}.pid"), f"attempt {i} started")
                 for r in range(self.nproc)]
 
+    def pids_of(self, attempt: int) -> list[int]:
+        """The pids of attempt `attempt`'s processes, in rank order."""
+        return [self._read(f"{attempt}.rank{r}.pid") for r in range(self.nproc)]
+
     def exits(self) -> list[int | None]:
         """The exit codes of the latest attempt's processes; None for those still running."""
         return [self._read(f"{self.count - 1}.rank{r}.exit") for r in range(self.nproc)]

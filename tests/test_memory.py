@@ -99,26 +99,37 @@ def close(estimated: float, measured: float, rel: float = 0.10) -> bool:
 
 @pytest.mark.parametrize("model", ["dense-tiny", "moe-tiny"])
 @pytest.mark.parametrize("scale", ["baseline", "unified"])
-@pytest.mark.parametrize("optim", ["adamw", "muon"])
-def test_estimate_matches_a_real_cpu_step(model, scale, optim):
-    """Within 10% of the measured bytes for each checkpointing mode: `none` keeps every block's
-    tensors, `selective` the blocks' inputs and matmul outputs, `full` only the blocks' inputs (both
-    recompute one block in its backward; `full`'s is the largest block measured without checkpointing).
-    Parameters, gradients and optimizer state do not depend on the mode: measured once (`none`), each
-    mode's estimate of them is checked against that."""
-    base = [f"model={model}", f"scale={scale}", f"optim={optim}", *SHAPE]
+def test_estimate_matches_a_real_cpu_step(model, scale):
+    """Within 10% of the measured bytes for each checkpointing mode and each optimizer (AdamW, Muon):
+    `none` keeps every block's tensors, `selective` the blocks' inputs and matmul outputs, `full` only
+    the blocks' inputs (both recompute one block in its backward; `full`'s is the largest block
+    measured without checkpointing). Parameters, gradients and optimizer state do not depend on the
+    mode: measured once per optimizer (`none`), each mode's estimate of them is checked against that.
+    The forward does not depend on the optimizer (the two configs agree on all it reads): the
+    checkpointing modes' activations are measured once, for both."""
+    base = [f"model={model}", f"scale={scale}", *SHAPE]
+    optims = ("adamw", "muon")
     measured = {}
     for mode in ("none", "selective", "full"):
-        cfg = make_configs([[*base, f"distributed.activation_checkpointing={mode}"]])[0]
-        got = {**measured.get("none", {}), **measure(cfg, states=mode == "none")}
-        est = estimate(cfg, world=1, device="cpu")
-        measured[mode] = got
-        for key in ("params", "grads", "optimizer", "skip_copies", "activations"):
-            assert close(getattr(est, key), got[key]), (mode, key, getattr(est, key), got[key])
+        cfgs = dict(zip(optims, make_configs([[*base, f"optim={optim}", f"distributed.activation_checkpointing={mode}"]
+                                              for optim in optims])))
+        adamw, muon = cfgs.values()
+        assert (adamw.model, adamw.scale, adamw.train, adamw.distributed) == (muon.model, muon.scale, muon.train,
+                                                                               muon.distributed)
         if mode == "none":
-            assert est.recompute == 0
+            measured[mode] = {optim: measure(cfg) for optim, cfg in cfgs.items()}
         else:
-            assert close(est.recompute, measured["none"]["block"]), (est.recompute, measured["none"]["block"])
+            forward = measure(adamw, states=False)
+            measured[mode] = {optim: {**measured["none"][optim], **forward} for optim in optims}
+        for optim, cfg in cfgs.items():
+            got, est = measured[mode][optim], estimate(cfg, world=1, device="cpu")
+            for key in ("params", "grads", "optimizer", "skip_copies", "activations"):
+                assert close(getattr(est, key), got[key]), (mode, optim, key, getattr(est, key), got[key])
+            if mode == "none":
+                assert est.recompute == 0
+            else:
+                block = measured["none"][optim]["block"]
+                assert close(est.recompute, block), (optim, est.recompute, block)
 
 
 @pytest.mark.parametrize("overrides", [

@@ -15,6 +15,7 @@ from scalevec_train.errors import ScalevecError
 from scalevec_train.train import run
 from tests.helpers import REPO, make_config_at, make_config_shared
 from tests.launch import Processes, train_command
+from tests.presets import TINY_MODEL
 
 MODELS = sorted(p.stem for p in (Path(CONFIG_DIR) / "model").glob("*.yaml"))
 
@@ -142,7 +143,8 @@ def readme_train_overrides() -> list[tuple[list[str], tuple[int, ...]]]:
         launcher = dict(w.removeprefix("--").split("=", 1) for w in words[:start] if w.startswith("--") and "=" in w)
         sizes = ((int(launcher.get("nnodes", 1)) * int(launcher["nproc_per_node"]),)
                  if "nproc_per_node" in launcher else (1, 8))
-        args = [w for w in words[start:] if w != "-m"]
+        # Hydra's own settings (a launcher) are not the run's config; tests/test_sweeps.py runs them
+        args = [w for w in words[start:] if w != "-m" and not w.startswith(("hydra/", "hydra."))]
         axes = [[f"{w.split('=', 1)[0]}={v}" for v in w.split("=", 1)[1].split(",")] if "," in w else [w]
                 for w in args]
         commands.extend((list(point), sizes) for point in itertools.product(*axes))
@@ -165,9 +167,10 @@ def train_launched(processes: Processes | None, nproc: int, run_dir: Path, overr
     """Train with `nproc` processes (torchrun above 1; one process: in this one, `run` of the config the
     command composes, which needs no process of its own) and no batch override; returns the losses. One
     validation batch (at steps 0 and 3), not 8: the batch split is what this checks, and 16 validation
-    forwards cost more than the 3 steps."""
-    overrides = [*overrides, "model=dense-tiny", "train.steps=3", "schedule.warmup_steps=1", "train.log_every=1",
-                 "train.eval_every=0", "train.eval_batches=1", f"run_dir={run_dir}"]
+    forwards cost more than the 3 steps. dense-tiny's recipe (its batch and sequence length) on a
+    model of TINY_MODEL's shape: the split follows the batch and the ranks, not the model's width."""
+    overrides = [*overrides, "model=dense-tiny", *TINY_MODEL, "train.steps=3", "schedule.warmup_steps=1",
+                 "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", f"run_dir={run_dir}"]
     if nproc == 1:
         run(make_config_shared(*overrides))
     else:
@@ -183,10 +186,12 @@ def one_process_losses(data_overrides, tmp_path_factory) -> dict[int, float]:
     return train_launched(None, 1, tmp_path_factory.mktemp("ranks1") / "run", data_overrides)
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
 def test_torchrun_derives_the_micro_batch_without_batch_overrides(tmp_path, data_overrides, one_process_losses,
-                                                                   processes, ranks):
-    """`torchrun --nproc_per_node=N -m scalevec_train.train model=dense-tiny` with no batch override: each
-    rank takes 16 / N sequences per step, and the losses are the single process's."""
-    losses = train_launched(processes, ranks, tmp_path / "run", data_overrides)
+                                                                   processes):
+    """`torchrun --nproc_per_node=4 -m scalevec_train.train model=dense-tiny` with no batch override: each
+    rank takes 16 / 4 sequences per step, and the losses are the single process's. One launch, at 4 ranks:
+    the micro-batch is derived by one code path for any number of ranks (checked at 1, 2, 4 and 8 by
+    test_micro_batch_is_the_largest_whole_share_within_the_cap), and 4 ranks split the batch further
+    than 2 would."""
+    losses = train_launched(processes, 4, tmp_path / "run", data_overrides)
     assert losses == pytest.approx(one_process_losses, rel=1e-5)

@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from scalevec_train.checkpoint import integrity
 from scalevec_train.checkpoint.files import (
     AVERAGED,
     COMPLETE,
@@ -48,6 +49,7 @@ from scalevec_train.checkpoint.files import (
 )
 from scalevec_train.data.tokenizer import HF_FILE, SENTENCEPIECE_FILE
 from scalevec_train.errors import ScalevecError
+from scalevec_train.model.config import architecture_diff
 
 RUN_FILES = ("config.yaml", SENTENCEPIECE_FILE, HF_FILE)
 EMA_PREFIX = "ema.weights."  # the EMA's tensors in a run's checkpoint (training/callbacks/ema.py)
@@ -109,9 +111,8 @@ def check_one_run(checkpoints: list[Path], states: list[dict]) -> None:
         if AVERAGED in state:
             raise ScalevecError(str(path), "is itself an averaged checkpoint.",
                                 "average the run's own checkpoints (pass its run_dir).")
-        if state["model_config"] != states[-1]["model_config"]:
-            diff = sorted(k for k in set(state["model_config"]) | set(states[-1]["model_config"])
-                          if state["model_config"].get(k) != states[-1]["model_config"].get(k))
+        diff = architecture_diff(state["model_config"], states[-1]["model_config"])
+        if diff:
             raise ScalevecError(str(path), f"was written by another model than {checkpoints[-1]} (differs in "
                                 f"{diff}).", "average checkpoints of one run only.")
 
@@ -134,11 +135,15 @@ def mean(tensors: list[dict[str, torch.Tensor]], where: list[Path]) -> dict[str,
 
 
 def average(run_dir: str | Path, out: str | Path, last: int | None = None,
-            steps: list[int] | None = None) -> Path:
-    """Average checkpoints of run_dir (the newest `last`, or those of `steps`) into the new folder `out`."""
+            steps: list[int] | None = None, verify: bool = True) -> Path:
+    """Average checkpoints of run_dir (the newest `last`, or those of `steps`) into the new folder `out`;
+    each checked against its checksums first unless verify=False (integrity.py)."""
     run_dir, out = Path(run_dir), Path(out)
     check_new_folder(out)
     checkpoints = choose(run_dir, last, steps)
+    if verify:
+        for path in checkpoints:
+            check_source(path)
     states = [inspect(p) for p in checkpoints]
     check_one_run(checkpoints, states)
     averaged = mean([read_model(p) for p in checkpoints], checkpoints)
@@ -146,9 +151,10 @@ def average(run_dir: str | Path, out: str | Path, last: int | None = None,
     return write_model(out, run_dir, checkpoints[-1], states[-1], averaged, source)
 
 
-def ema_model(run_dir: str | Path, out: str | Path, step: int | None = None) -> Path:
+def ema_model(run_dir: str | Path, out: str | Path, step: int | None = None, verify: bool = True) -> Path:
     """The EMA of the weights kept in run_dir's checkpoint of `step` (None: the newest complete one)
-    as a model in the new folder `out`."""
+    as a model in the new folder `out`; the checkpoint checked against its checksums first unless
+    verify=False."""
     run_dir, out = Path(run_dir), Path(out)
     check_new_folder(out)
     if not (run_dir / "config.yaml").is_file():
@@ -162,6 +168,8 @@ def ema_model(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     if not (path / COMPLETE).is_file():
         raise ScalevecError(str(path), "is not a complete checkpoint.",
                             f"pick a step among the complete ones: {[checkpoint_step(p) for p in found]}.")
+    if verify:
+        check_source(path)
     state = inspect(path)
     check_one_run([path], [state])
     if not any(k.startswith(EMA_PREFIX) for k in read_metadata(path).state_dict_metadata):
@@ -173,6 +181,13 @@ def ema_model(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     model.update({k: v.to(model[k].dtype) for k, v in ema.items()})
     source = {"run_dir": str(run_dir.resolve()), "steps": [checkpoint_step(path)], "ema": True}
     return write_model(out, run_dir, path, state, model, source)
+
+
+def check_source(path: Path) -> None:
+    """Raises, naming the file and the newest earlier checkpoint that verifies, unless every file of the
+    source checkpoint `path` matches its checksum."""
+    integrity.verify(path, lambda good: f"use checkpoints up to {good.name} (steps=[...], ema=<step>)",
+                     "pass verify=false")
 
 
 def write_model(out: Path, run_dir: Path, newest: Path, train_state: dict, model: dict[str, torch.Tensor],
@@ -187,5 +202,5 @@ def write_model(out: Path, run_dir: Path, newest: Path, train_state: dict, model
             if (run_dir / name).is_file():
                 shutil.copyfile(run_dir / name, tmp / name)
         (tmp / STATE_FILE).write_text(json.dumps({**train_state, "world_size": 1, AVERAGED: source}, indent=1))
-        (tmp / COMPLETE).write_text("")
+        integrity.seal(tmp, {})
     return out

@@ -10,7 +10,9 @@ Layout: run_dir/checkpoints/step_000050/ holds
     train_state.json   step, world size, and the plain-data states (the data loader's global sample
                        position, the numerical-guard counters, the model config, the optimizer's name)
     rng_rank<r>.pt     rank r's RNG states
-    COMPLETE           the marker of a whole checkpoint
+    checksums.json     every other file's size and checksum, recorded as it was written (integrity.py)
+    COMPLETE           the marker of a whole checkpoint, holding the checksum of checksums.json (empty,
+                       and no checksums.json, in checkpoints written before checksums were recorded)
 """
 
 import io

@@ -7,12 +7,13 @@ numerical guard) into train_state.json, readable before any tensor is (files.py 
 checks).
 
 A save is written into a temporary directory (.tmp_step_000050_<id>). Once every rank has finished
-writing, rank 0 adds train_state.json and COMPLETE and renames the directory to step_000050 (one atomic
-rename), then deletes checkpoints beyond the newest `keep_last` and leftovers of interrupted saves. An
-interrupted save therefore never replaces the last good checkpoint, and `resume=auto` only ever picks
-complete ones. A checkpoint to delete, and one that is written again (a resumed run reaching the same
-step), is first renamed away as a leftover, so that a process killed at any moment never leaves a
-marked directory with missing files (tests/training/test_faults.py kills at each of these moments).
+writing and hashed what it wrote (integrity.py), rank 0 adds train_state.json, checksums.json and
+COMPLETE and renames the directory to step_000050 (one atomic rename), then deletes checkpoints beyond
+the newest `keep_last` and leftovers of interrupted saves. An interrupted save therefore never replaces
+the last good checkpoint, and `resume=auto` only ever picks complete ones. A checkpoint to delete, and
+one that is written again (a resumed run reaching the same step), is first renamed away as a leftover,
+so that a process killed at any moment never leaves a marked directory with missing files
+(tests/training/test_faults.py kills at each of these moments).
 
 A write that fails (a full disk, an I/O error) on any rank stops the run: the ranks compare their
 outcomes before the marker and after the rename, rank 0 removes the partial folder, and every rank
@@ -21,13 +22,15 @@ complete checkpoint is untouched (docs/reliability.md, "A checkpoint that cannot
 
 Asynchronous saves (checkpoint.async_save) stage a CPU copy of the state and write it in a background
 thread, which talks over its own gloo process group so that its collectives never interleave with the
-training's. The rename happens at the next sync point: the next save, or finish() at the end of a run.
+training's, and then hashes the rank's shard files in the same thread, off the training's path. The
+rename happens at the next sync point: the next save, or finish() at the end of a run.
 
 Resuming on another world size: DCP reshards model and optimizer, and the loader position counts
 global samples, so both continue exactly. RNG states are per rank and are restored only on the same
 world size (training draws no random numbers today, so losses do not depend on them).
 """
 
+import io
 import json
 import shutil
 import sys
@@ -50,7 +53,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from scalevec_train.checkpoint.files import (
-    COMPLETE,
     DAMAGED,
     STATE_FILE,
     TMP_PREFIX,
@@ -63,6 +65,8 @@ from scalevec_train.checkpoint.files import (
     read_metadata,
     step_dir,
 )
+from scalevec_train.checkpoint.integrity import entry, hash_files, rank_shards, seal
+from scalevec_train.checksums import digest
 from scalevec_train.errors import CheckpointWriteError, ScalevecError
 from scalevec_train.faults import checkpoint_writer, fault_point
 from scalevec_train.model.protocol import TrainableModel
@@ -109,8 +113,9 @@ class _Save:
     final: Path
     train_state: dict
     rng: dict  # this rank's RNG states at the step saved
-    future: Future | None = None  # the async write
+    future: Future | None = None  # the async write, then the hashing of this rank's shards: their records
     error: str | None = None  # this rank's failure to write, in one line
+    hashed: dict | None = None  # this rank's files' records for checksums.json, once written
 
 
 class CheckpointManager:
@@ -145,7 +150,8 @@ class CheckpointManager:
         writer = checkpoint_writer(tmp, step)
         try:
             if self.async_save:
-                save.future = dcp.async_save(self.tensors, storage_writer=writer, process_group=self._async_group())
+                written = dcp.async_save(self.tensors, storage_writer=writer, process_group=self._async_group())
+                save.future = _then(written, lambda: hash_files(tmp, rank_shards(tmp, rank())))
             else:
                 dcp.save(self.tensors, storage_writer=writer)
         except (OSError, CheckpointException) as e:  # CheckpointException: a rank failed; every rank gets it
@@ -163,24 +169,33 @@ class CheckpointManager:
             return None
         done, self.pending = self.pending, None
         self._agree(done, done.error or _attempt(lambda: self._write_rest(done)))
-        self._agree(done, _attempt(lambda: self._complete(done)) if is_main() else None)
+        hashed = {name: record for records in gather_all(done.hashed) for name, record in records.items()}
+        self._agree(done, _attempt(lambda: self._complete(done, hashed)) if is_main() else None)
         if is_main():
             self._retain(done.step)
         return done.final
 
     def _write_rest(self, done: _Save) -> None:
-        """This rank's part of `done` on disk: its shards (the async write finished) and its RNG states."""
+        """This rank's part of `done` on disk, and hashed: its shards (the async write and its hashing
+        finished) and its RNG states."""
         if done.future is not None:
-            done.future.result()
-        torch.save(done.rng, done.tmp / f"rng_rank{rank()}.pt")
+            hashed = done.future.result()
+        else:
+            hashed = hash_files(done.tmp, rank_shards(done.tmp, rank()))
+        buffer = io.BytesIO()
+        torch.save(done.rng, buffer)
+        name = f"rng_rank{rank()}.pt"
+        (done.tmp / name).write_bytes(buffer.getvalue())
+        done.hashed = {**hashed, name: entry(len(buffer.getvalue()), digest(buffer.getbuffer()))}
         fault_point("save.agree", done.step)
 
-    def _complete(self, done: _Save) -> None:
-        """Rank 0, every rank's files written: the train state and the marker, then one rename into place."""
+    def _complete(self, done: _Save, hashed: dict[str, dict]) -> None:
+        """Rank 0, every rank's files written and hashed (`hashed`: their records): the train state, the
+        checksums and the marker, then one rename into place."""
         fault_point("save.state", done.step)
         (done.tmp / STATE_FILE).write_text(json.dumps(done.train_state, indent=1))
         fault_point("save.marker", done.step)
-        (done.tmp / COMPLETE).write_text("")
+        seal(done.tmp, hashed)
         fault_point("save.rename", done.step)
         if done.final.exists():  # the same step saved before: it becomes a leftover, deleted by _retain
             _move_away(done.final)
@@ -248,6 +263,22 @@ class CheckpointManager:
 
 def _move_away(checkpoint: Path) -> None:
     checkpoint.rename(checkpoint.parent / f"{TMP_PREFIX}{checkpoint.name}_{uuid.uuid4().hex[:8]}")
+
+
+def _then(first: Future, then: Callable[[], object]) -> Future:
+    """A future of then()'s result, which runs once `first` has succeeded, in the thread that completes it
+    (DCP's writing thread for an async save): after the write, off the training's path."""
+    out = Future()
+
+    def run(done: Future) -> None:
+        try:
+            done.result()
+            out.set_result(then())
+        except BaseException as e:  # the write's failure, or the hashing's, is the caller's to see
+            out.set_exception(e)
+
+    first.add_done_callback(run)
+    return out
 
 
 def _attempt(write: Callable[[], None]) -> str | None:

@@ -74,6 +74,10 @@ class DataConfig(SourceOptions):
     part_bytes: int = 1 << 27
     # where tokenizers and prepared shards are cached (relative to the working directory)
     cache_dir: str = "data_cache"
+    # check every token shard against the checksum its manifest recorded at preparation when a run starts
+    # (each rank reads a share of the shards once); a mismatch refuses the run, naming the shard. false:
+    # read them unchecked (shards you trust, or too many to read at every start)
+    verify: bool = True
     # several sources instead of one (empty: the single source above): each entry a MixtureSource, e.g.
     # [{name: code, source: stdlib, weight: 3}, {name: docs, source: text_dir, path: docs, weight: 1}].
     # data.source, data.path and the other source-specific options above then go unused. All sources share

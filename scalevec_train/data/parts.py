@@ -30,6 +30,7 @@ from scalevec_train.data.encode import Batch, Encoded, encode_batches
 from scalevec_train.data.shards import ShardWriter, shard_name, write_manifest
 from scalevec_train.data.split import SPLITS, ValSplit
 from scalevec_train.errors import ScalevecError
+from scalevec_train.faults import fault_point
 
 log = logging.getLogger(__name__)
 
@@ -82,20 +83,24 @@ class Cutter:
 class PartWriter:
     """One part's shards and record, built in a temporary folder and renamed into place by finish()."""
 
-    def __init__(self, staging: Path, part: int, vocab_size: int, shard_tokens: int):
-        self.part, self.final = part, part_dir(staging, part)
+    def __init__(self, staging: Path, part: int, vocab_size: int, shard_tokens: int, rank: int = 0):
+        self.part, self.final, self.rank = part, part_dir(staging, part), rank
         self.tmp = Path(tempfile.mkdtemp(dir=staging, prefix=f".{self.final.name}."))
         self.writers = {s: ShardWriter(self.tmp / s, vocab_size, shard_tokens) for s in SPLITS}
         self.documents = dict.fromkeys(SPLITS, 0)
 
     def add(self, encoded: Encoded) -> None:
+        written = sum(len(w.shards) for w in self.writers.values())
         for s in SPLITS:
             self.writers[s].add(encoded.tokens[s])
             self.documents[s] += encoded.documents[s]
+        if not written and any(w.shards for w in self.writers.values()):
+            fault_point("prepare.shards", self.part, self.rank)
 
     def finish(self) -> None:
         record = {s: {"shards": self.writers[s].finish(), "num_documents": self.documents[s]} for s in SPLITS}
         (self.tmp / _RECORD).write_text(json.dumps(record))
+        fault_point("prepare.part", self.part, self.rank)
         try:
             os.rename(self.tmp, self.final)
         except OSError:
@@ -122,7 +127,7 @@ def encode_parts(documents: Iterator[Document], split: ValSplit, tok_path: Path,
                 if writer is not None:
                     writer.finish()
                     written += 1
-                writer = PartWriter(staging, encoded.part, vocab_size, shard_tokens)
+                writer = PartWriter(staging, encoded.part, vocab_size, shard_tokens, rank)
             writer.add(encoded)
         if writer is not None:
             writer.finish()
@@ -130,15 +135,17 @@ def encode_parts(documents: Iterator[Document], split: ValSplit, tok_path: Path,
     finally:
         if writer is not None:
             writer.discard()
+    fault_point("prepare.count", 0, rank)
     tokenizer.write_atomic(staging / _COUNT, json.dumps({"parts": cutter.parts}).encode())
     log.info("process %d of %d: encoded %d of %d parts in %.1fs (workers: %d)", rank, world, written,
              cutter.parts, time.perf_counter() - start, workers)
 
 
 def merge(staging: Path, root: Path, tok_path: Path, tok_hash: str, vocab_size: int, eos: int,
-          corpus_info: dict) -> bool:
+          corpus_info: dict, rank: int = 0) -> bool:
     """Builds `root` from the parts in `staging` if all are there (False if not); the caller holds the
-    cache lock. The folder appears whole or not at all."""
+    cache lock. The folder appears whole or not at all: a merge killed midway leaves its temporary
+    folder, which the next merge removes."""
     if not (staging / _COUNT).is_file():
         return False
     count = json.loads((staging / _COUNT).read_text())["parts"]
@@ -152,6 +159,9 @@ def merge(staging: Path, root: Path, tok_path: Path, tok_hash: str, vocab_size: 
     if documents["val"] == 0:
         raise ScalevecError("data.val_fraction", "no document with text fell into the validation split.",
                             "raise data.val_fraction or add documents.")
+    for stale in root.parent.glob(f".{root.name}.*"):
+        if stale != staging and not stale.name.endswith(".parts"):  # a killed merge's (no other runs now)
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{root.name}."))
     try:
         tokenizer.install(tok_path, tmp)
@@ -162,10 +172,12 @@ def merge(staging: Path, root: Path, tok_path: Path, tok_hash: str, vocab_size: 
                 for shard in record[s]["shards"]:
                     name = shard_name(len(shards))
                     _link(part_dir(staging, p) / s / shard["name"], tmp / s / name)
-                    shards.append({"name": name, "num_tokens": shard["num_tokens"]})
+                    shards.append({**shard, "name": name})  # its token count and checksum
+            fault_point("prepare.links", SPLITS.index(s), rank)
             m = write_manifest(tmp / s, vocab_size, tok_hash, shards, split=s, num_documents=documents[s],
                                eos_id=eos, corpus=corpus_info)
             log.info("%s: %d documents, %d tokens", s, documents[s], m["num_tokens"])
+        fault_point("prepare.rename", 0, rank)
         try:
             os.rename(tmp, root)
         except OSError:
@@ -174,6 +186,7 @@ def merge(staging: Path, root: Path, tok_path: Path, tok_hash: str, vocab_size: 
             # Another process merged first; its folder is equally valid.
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    fault_point("prepare.cleanup", 0, rank)
     shutil.rmtree(staging, ignore_errors=True)
     log.info("merged %d parts into %s", count, root)
     return True

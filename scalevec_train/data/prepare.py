@@ -6,7 +6,8 @@ Cache layout under data.cache_dir:
         (or tokenizer.json: data.tokenizer_path names a Hugging Face tokenizer)
     <source>-<key>/{train,val}/      shards and manifest.json
     .<source>-<key>.*.parts/         the parts of a preparation in progress (parts.py)
-    .lock                            held while preparing, so concurrent processes prepare only once
+    .lock                            held while preparing (lock.py), so concurrent processes prepare only
+                                     once; reading prepared data takes no lock
 A prepared folder is built under a temporary name and renamed when complete, so a killed preparation
 never leaves a folder that looks valid. The same folder layout is what data.source=shards reads.
 
@@ -16,10 +17,10 @@ last of them to finish merges; one process alone prepares everything. It takes o
 prepares what data.* configures, one source or a mixture (mixture.py).
 """
 
-import fcntl
 import hashlib
 import json
 import logging
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,6 +36,8 @@ from scalevec_train.data.parts import encode_parts, merge, staging_dir
 from scalevec_train.data.shards import FORMAT, MANIFEST, open_manifest, scan_token_range
 from scalevec_train.data.split import SPLITS, ValSplit
 from scalevec_train.errors import ScalevecError
+from scalevec_train.faults import fault_point
+from scalevec_train.lock import DirLock
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +137,9 @@ def _prepare_text(cfg: DataConfig, rank: int, world: int, workers: int) -> Prepa
         _check_vocab_size(tokenizer.load(tok_path).get_piece_size(), tok_path, cfg.vocab_size)
     root = _data_root(cfg, identity, cache, tok_path)
     if root is not None and root.is_dir():
+        if staging_dir(root, cfg.part_bytes).is_dir():  # a merge killed before it removed the parts
+            with exclusive(cache):
+                shutil.rmtree(staging_dir(root, cfg.part_bytes), ignore_errors=True)
         return open_prepared(root)
     split = None  # made only when needed: it hashes every document key
     # All processes of a job may get here at once on first use: one trains the tokenizer, the others
@@ -142,6 +148,9 @@ def _prepare_text(cfg: DataConfig, rank: int, world: int, workers: int) -> Prepa
     # encode their parts outside it and take it only to merge.
     with exclusive(cache):
         if not tok_path.is_file():
+            fault_point("prepare.tokenizer", 0, rank)
+            for stale in tok_path.parent.glob(f".{tok_path.name}.*"):  # a killed writer's (write_atomic)
+                stale.unlink()
             split = ValSplit(cfg.val_fraction, corpus.keys())
             _train_tokenizer(cfg, corpus, split, tok_path)
         root = _data_root(cfg, identity, cache, tok_path)
@@ -150,7 +159,7 @@ def _prepare_text(cfg: DataConfig, rank: int, world: int, workers: int) -> Prepa
     if not root.is_dir():
         _build(cfg, corpus, split, tok_path, root, rank, world, workers)
         with exclusive(cache):
-            if not root.is_dir() and not _merge(cfg, tok_path, root):
+            if not root.is_dir() and not _merge(cfg, tok_path, root, rank):
                 log.info("process %d of %d: its parts are written; the last process to finish merges", rank,
                          world)
                 return None
@@ -176,9 +185,9 @@ def _data_root(cfg: DataConfig, identity: dict, cache: Path, tok_path: Path) -> 
 
 @contextmanager
 def exclusive(cache: Path) -> Iterator[None]:
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if the process dies
+    """The cache's lock, waited for: one process writes at a time (released also if the process dies)."""
+    with DirLock(cache) as lock:
+        lock.acquire(wait=True)
         yield
 
 
@@ -203,14 +212,14 @@ def _build(cfg: DataConfig, corpus: Corpus, split: ValSplit | None, tok_path: Pa
     encode_parts(corpus.documents(), split, tok_path, staging_dir(root, cfg.part_bytes), cfg.part_bytes,
                  cfg.shard_tokens, tok.get_piece_size(), rank, world, workers)
     if world == 1:
-        _merge(cfg, tok_path, root)
+        _merge(cfg, tok_path, root, rank)
         log.info("prepared %s in %.1fs", root, time.perf_counter() - start)
 
 
-def _merge(cfg: DataConfig, tok_path: Path, root: Path) -> bool:
+def _merge(cfg: DataConfig, tok_path: Path, root: Path, rank: int) -> bool:
     tok = tokenizer.load(tok_path)
     return merge(staging_dir(root, cfg.part_bytes), root, tok_path, tokenizer.file_hash(tok_path),
-                 tok.get_piece_size(), tok.eos_id(), {"source": cfg.source, "path": cfg.path})
+                 tok.get_piece_size(), tok.eos_id(), {"source": cfg.source, "path": cfg.path}, rank)
 
 
 def digest(value: object) -> str:

@@ -1,8 +1,9 @@
 """Token shards of one split on disk: writing them with their manifest, checking them, reading them.
 
 A split folder holds raw little-endian token files (uint16 when the vocabulary fits, else uint32) and a
-manifest.json naming them with their token counts, the dtype, the vocab size and the hash of the
-tokenizer that produced them.
+manifest.json naming them with their token counts and checksums (scalevec_train/checksums.py, of the
+bytes as they were written; absent in folders prepared before checksums were recorded), the dtype, the
+vocab size and the hash of the tokenizer that produced them.
 """
 
 import json
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from scalevec_train.checksums import ALGORITHM, digest, file_digest
 from scalevec_train.errors import ScalevecError
 
 FORMAT = "scalevec-tokens-1"
@@ -49,7 +51,7 @@ class ShardWriter:
             self._flush(self.shard_tokens)
 
     def finish(self) -> list[dict]:
-        """Writes the last shard; returns the shards written, {"name", "num_tokens"} each."""
+        """Writes the last shard; returns the shards written, {"name", "num_tokens", ALGORITHM} each."""
         if self.pending_len:
             self._flush(self.pending_len)
         return self.shards
@@ -58,7 +60,7 @@ class ShardWriter:
         tokens = np.concatenate(self.pending)
         name = shard_name(len(self.shards))
         tokens[:n].tofile(self.dir / name)
-        self.shards.append({"name": name, "num_tokens": n})
+        self.shards.append({"name": name, "num_tokens": n, ALGORITHM: digest(memoryview(tokens[:n]))})
         rest = tokens[n:]
         self.pending, self.pending_len = ([rest] if rest.size else []), rest.size
 
@@ -100,8 +102,10 @@ def open_manifest(split_dir: Path) -> dict:
     shards = m.get("shards")
     if not isinstance(shards, list) or not all(
             isinstance(s, dict) and isinstance(s.get("name"), str) and Path(s["name"]).name == s["name"]
-            and isinstance(s.get("num_tokens"), int) and s["num_tokens"] >= 0 for s in shards):
-        raise bad("has a malformed shard list; each entry needs a file name and a num_tokens.")
+            and isinstance(s.get("num_tokens"), int) and s["num_tokens"] >= 0
+            and isinstance(s.get(ALGORITHM, ""), str) for s in shards):
+        raise bad(f"has a malformed shard list; each entry needs a file name and a num_tokens (and a "
+                  f"{ALGORITHM} checksum, if any, in hex).")
     if m.get("num_tokens") != sum(s["num_tokens"] for s in shards):
         raise bad(f"says num_tokens={m.get('num_tokens')!r} but its shards add up to "
                   f"{sum(s['num_tokens'] for s in shards)}.")
@@ -116,6 +120,16 @@ def open_manifest(split_dir: Path) -> dict:
             raise ScalevecError(str(shard), f"is {state}: {size} bytes, expected {want} "
                                 f"({s['num_tokens']} {m['dtype']} tokens).", _REPREPARE)
     return m
+
+
+def shard_mismatch(split_dir: Path, shard: dict) -> str | None:
+    """Why the file of `shard` (a manifest entry that records a checksum) does not match it; None if it
+    does."""
+    now = file_digest(split_dir / shard["name"])
+    if now == shard[ALGORITHM]:
+        return None
+    return (f"does not match the checksum its manifest recorded at preparation ({ALGORITHM} {shard[ALGORITHM]} "
+            f"recorded, {now} read): its bytes changed since.")
 
 
 def scan_token_range(split_dir: Path, manifest: dict) -> None:

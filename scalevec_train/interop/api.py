@@ -17,6 +17,7 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from scalevec_train.checkpoint import integrity
 from scalevec_train.checkpoint.files import COMPLETE, TMP_PREFIX, complete_checkpoints
 from scalevec_train.checkpoint.manager import load_model
 from scalevec_train.config import Config, to_config
@@ -29,13 +30,19 @@ from scalevec_train.model.transformer import Transformer
 CONFIG_FILE = "config.yaml"
 
 
-def load(path: str | Path, fold: bool = False,
-         device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer]:
+def load(path: str | Path, fold: bool = False, device: str | torch.device = "cpu",
+         verify: bool = True) -> tuple[Transformer, Tokenizer]:
     """The model (in eval mode, fp32, on `device`) and the tokenizer of a run directory (its newest
     complete checkpoint) or of one checkpoints/step_* directory: a SentencePieceProcessor, or for a
     tokenizer.json an HfTokenizer with the same encode/decode/eos_id/get_piece_size. fold=True returns
-    the folded model (every foldable scale site absorbed into its linear map; same logits)."""
+    the folded model (every foldable scale site absorbed into its linear map; same logits). Every file of
+    the checkpoint is checked against the checksums recorded when it was written, and a mismatch refuses
+    it (naming the file and the newest earlier checkpoint that verifies); verify=False skips the check,
+    for a checkpoint you trust."""
     run_dir, checkpoint = resolve(Path(path))
+    if verify:
+        integrity.verify(checkpoint, lambda good: f"load {good} instead", "pass verify=False (on the command "
+                         "lines verify=false)")
     cfg = read_config(run_dir)
     # The tokenizer is cheap to check: a bad one fails before any weight is read.
     tok_path = tokenizer_path(run_dir, cfg)

@@ -54,9 +54,10 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
 _NEVER = -1e9
 
 
-def export(path: str | Path, out: str | Path) -> Path:
-    """Export the newest complete checkpoint of a run directory, or one checkpoint, to `out`."""
-    model, tokenizer = load(path)
+def export(path: str | Path, out: str | Path, verify: bool = True) -> Path:
+    """Export the newest complete checkpoint of a run directory, or one checkpoint, to `out` (`verify`:
+    as for load())."""
+    model, tokenizer = load(path, verify=verify)
     return export_model(model, tokenizer, out)
 
 

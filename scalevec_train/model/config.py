@@ -115,6 +115,18 @@ class ModelConfig:
     # reference, whichever the latest GPU visit measured faster: scalevec_kernels/choice.py, the picks in
     # docs/benchmarks.md) | triton | torch. Changes no weight: a checkpoint resumes under any backend.
     kernels: str = choice("auto", Literal[BACKENDS])
+    # how the init, the learning rates and the forward's multipliers follow width and depth
+    # (docs/parameterization.md): sp (one init std and one LR at every size) | mup (muP for width, Tensor
+    # Programs V; CompleteP for depth, Dey et al. 2025: an LR tuned at the base shape below carries over)
+    parameterization: str = choice("sp", Literal["sp", "mup"])
+    # mup only: the width (model.dim) of the base model the LR is tuned at; null: dim (this model is the base)
+    base_dim: int | None = None
+    # mup only: the depth (model.n_layers) of the base model; null: n_layers
+    base_layers: int | None = None
+    # mup only: the base model's head width; attention logits are scaled by sqrt(base_head_dim) / head_dim
+    # (muP's 1 / head_dim, equal to sp's 1 / sqrt(head_dim) at the base); null: head_dim, right wherever
+    # the head width stays fixed as the model grows (the ladders grow by heads)
+    base_head_dim: int | None = None
 
     @property
     def head_dim(self) -> int:
@@ -140,11 +152,36 @@ class ModelConfig:
                                 "model.rope_reset=false.")
         if self.moe is not None:
             self.moe.validate(self.dim)
+        for key in ("base_dim", "base_layers", "base_head_dim"):
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if self.parameterization != "mup":
+                raise ScalevecError(f"model.{key}", f"is set ({value}) but only model.parameterization=mup reads it.",
+                                    f"set model.parameterization=mup, or model.{key}=null.")
+            if value <= 0:
+                raise ScalevecError(f"model.{key}", f"must be positive, got {value}.", "use a positive size or null.")
 
     def architecture(self) -> dict:
         """The options that decide the weights (what a checkpoint must match): all but the kernels and
         the attention mask (the same weights serve either mask)."""
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in COMPUTE_ONLY}
+
+
+def architecture_diff(a: dict, b: dict) -> list[str]:
+    """The keys on which two architecture() records differ. A record written before an option existed
+    lacks it, and ran with the behaviour the option's default keeps: a missing key counts as its default."""
+    defaults = {k: v for k, v in dataclasses.asdict(ModelConfig()).items() if k not in COMPUTE_ONLY}
+    moe = dataclasses.asdict(MoEConfig())
+
+    def full(record: dict) -> dict:
+        out = {**defaults, **record}
+        if isinstance(out.get("moe"), dict):
+            out["moe"] = {**moe, **out["moe"]}
+        return out
+
+    a, b = full(a), full(b)
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
 Param = Literal["plain", "or", "er", "fixed"]

@@ -67,12 +67,13 @@ def _compiled_flex():
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: "torch.Tensor | BlockMask | None",
-           gqa: bool) -> torch.Tensor:
-    """Attention of q [batch, heads, seq, head_dim] over k, v: causal without a mask, else `mask`'s."""
+           gqa: bool, scale: float | None = None) -> torch.Tensor:
+    """Attention of q [batch, heads, seq, head_dim] over k, v: causal without a mask, else `mask`'s;
+    `scale` multiplies the logits (None: 1 / sqrt(head_dim))."""
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
     if isinstance(mask, torch.Tensor):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
     # eager FlexAttention (CPU inference) is unfused but exact; compiled is the kernel
     flex = _compiled_flex() if q.is_cuda else flex_attention
-    return flex(q, k, v, block_mask=mask, enable_gqa=gqa)
+    return flex(q, k, v, block_mask=mask, enable_gqa=gqa, scale=scale)

@@ -1,6 +1,7 @@
 """Mixture-of-experts feed-forward layer: a drop-in for the dense SwiGLU block (`model.moe`).
 
-    logits = W_r x_r                         fp32, even under autocast; x_r: the router's input
+    logits = W_r x_r                         fp32, even under autocast; x_r: the router's input (under
+                                             model.parameterization=mup times 1 / m_N: parameterization.py)
     p      = softmax(logits) | sigmoid(logits)
     chosen = top_k(p + bias)                 the expert bias only chooses, it never weights
     g      = p[chosen], renormalized to sum 1 over the k chosen if `renormalize`
@@ -9,7 +10,9 @@
 
 Every expert is a SwiGLU, E_e(x) = W_down,e (silu(W_gate,e x_g) * W_up,e x_u), stored as 3-D weights
 [experts, out, in]. Dropless: tokens are sorted by expert and every expert takes all of its tokens,
-through torch._grouped_mm or a loop of matmuls. Under expert parallelism the parallel layer installs a
+through torch._grouped_mm or a loop of matmuls. The sort also gives the rows per expert (sort_by_expert),
+so routing reads nothing back to the host on the grouped path (bincount would: it sizes its output by
+the data); the loop reads the counts once per layer. Under expert parallelism the parallel layer installs a
 dispatch (RoutedExperts.dispatch) that runs each sorted row on the rank holding its expert and brings the
 output back; routing, counts and losses stay here, on every rank's own tokens. The routing weight g
 multiplies an expert's hidden activation (W_down is linear, so this equals weighting its output); a
@@ -48,6 +51,7 @@ from torch import nn
 
 from scalevec_kernels import rms_norm_scales
 from scalevec_train.model.config import ModelConfig
+from scalevec_train.model.parameterization import Parameterization
 from scalevec_train.model.plan import Branch, MoEPlan, SwiGLUPlan
 from scalevec_train.model.strategies import ScaleSite
 from scalevec_train.model.swiglu import ExpertSwiGLU
@@ -72,11 +76,23 @@ def _grouped_mm_supported(x: torch.Tensor, widths: tuple[int, ...]) -> bool:
     return False
 
 
-def _expert_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None) -> torch.Tensor:
+def sort_by_expert(chosen: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, expert_of, counts) of the assignments chosen [tokens, k], flattened: the stable order that
+    sorts them by expert, each sorted row's expert, and the rows per expert [E]. The counts come from the
+    sorted experts (where each expert's rows start), so their size is E whatever the data: no host read."""
+    flat = chosen.flatten()
+    order = flat.argsort(stable=True)
+    expert_of = flat.index_select(0, order)
+    starts = torch.searchsorted(expert_of, torch.arange(num_experts + 1, device=flat.device, dtype=flat.dtype))
+    return order, expert_of, starts[1:] - starts[:-1]
+
+
+def _expert_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, sizes: list[int] | None) -> torch.Tensor:
     """Rows of x sorted by expert times each expert's matrix: x [rows, in], w [E, out, in]; through
-    torch._grouped_mm when `sizes` (counts as a list, for the loop) is None."""
+    torch._grouped_mm (offsets: int32 end row of each expert) when `sizes` (rows per expert, for the loop)
+    is None."""
     if sizes is None:
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
     chunks = x.split(sizes)
     return torch.cat([F.linear(chunk, w[e]) for e, chunk in enumerate(chunks)])
 
@@ -123,19 +139,17 @@ class RoutedExperts(ExpertSwiGLU):
         stacks and every site, each one row per expert."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, x_gate: torch.Tensor, x_up: torch.Tensor, chosen: torch.Tensor,
-                weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x_*: [tokens, dim]; chosen, weights: [tokens, k]; counts: [E] (bincount of chosen).
-        Returns sum_j weights_j E_{chosen_j}(x) per token, in fp32."""
-        tokens, k = chosen.shape
-        order = chosen.flatten().argsort(stable=True)
+    def forward(self, x_gate: torch.Tensor, x_up: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
+                expert_of: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x_*: [tokens, dim]; weights: [tokens, k]; order, expert_of, counts: sort_by_expert's of the
+        chosen experts [tokens, k]. Returns sum_j weights_j E_{chosen_j}(x) per token, in fp32."""
+        tokens, k = weights.shape
         token_of = order // k
         dtype = _compute_dtype(self.w_gate, x_gate.device)
         xs_gate = x_gate.to(dtype).index_select(0, token_of)
         xs_up = xs_gate if x_up is x_gate else x_up.to(dtype).index_select(0, token_of)
         gates = weights.flatten().index_select(0, order).to(dtype)
         if self.dispatch is None:
-            expert_of = chosen.flatten().index_select(0, order)
             out = self.compute(xs_gate, xs_up, gates, counts, expert_of, self.weights())
         else:
             out = self.dispatch(self, xs_gate, xs_up, gates, counts)
@@ -155,11 +169,15 @@ class RoutedExperts(ExpertSwiGLU):
             grouped = _grouped_mm_supported(xs_gate, (w_gate.shape[-1], w_gate.shape[-2]))
         else:
             grouped = self.backend == "grouped_mm"
-        # One host sync for the three matmuls, and one set of sizes, so that the compiler knows gate and up alike.
+        # One host read for the three matmuls on the loop, and one set of sizes, so that the compiler knows
+        # gate and up alike; the grouped path reads nothing.
         sizes = None if grouped else counts.tolist()
-        hidden = self.hidden(_expert_mm(xs_gate, w_gate, counts, sizes), _expert_mm(xs_up, w_up, counts, sizes),
-                             counts, expert_of, rows)
-        return _expert_mm(hidden * gates.unsqueeze(-1), w_down, counts, sizes)
+        fused = self.swiglu.gate_normed and self.swiglu.up_normed  # swiglu_norm: needs each expert's end row
+        ends = counts.cumsum(0) if grouped or fused else None
+        offsets = ends.to(torch.int32) if grouped else None
+        gate, up = _expert_mm(xs_gate, w_gate, offsets, sizes), _expert_mm(xs_up, w_up, offsets, sizes)
+        hidden = self.hidden(gate, up, ends, expert_of, rows)
+        return _expert_mm(hidden * gates.unsqueeze(-1), w_down, offsets, sizes)
 
 
 class SharedExpert(ExpertSwiGLU):
@@ -194,6 +212,8 @@ class MoEFeedForward(nn.Module):
         self.down_out = None if plan.down_site is None else ScaleSite.of(plan.down_site)
         self.out_norm = plan.down_norm
         self.eps, self.kernels = cfg.norm_eps, cfg.kernels
+        # the router's logits' multiplier (1 but under mup: a readout of the width)
+        self.router_scale = Parameterization.of(cfg).readout
         # the pre-norm branches the router, the experts' gate and their up read
         self.reads: tuple[Branch, Branch, Branch] = (plan.router.reads, plan.experts.gate.reads,
                                                      plan.experts.up.reads)
@@ -223,6 +243,8 @@ class MoEFeedForward(nn.Module):
         fp32 routing weights [tokens, k])."""
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.float(), self.router.weight.float())
+            if self.router_scale != 1:
+                logits = logits * self.router_scale
         scores = logits.softmax(-1) if self.cfg.score_func == "softmax" else logits.sigmoid()
         chosen = (scores.detach() + self.expert_bias.float()).topk(self.cfg.top_k, dim=-1).indices
         weights = scores.gather(-1, chosen)
@@ -247,13 +269,13 @@ class MoEFeedForward(nn.Module):
         flat_gate = x_gate.reshape(-1, dim)
         flat_up = flat_gate if x_up is x_gate else x_up.reshape(-1, dim)
         logits, scores, chosen, weights = self.route(x_router.reshape(-1, dim))
-        counts = torch.bincount(chosen.flatten(), minlength=self.cfg.num_experts)
+        order, expert_of, counts = sort_by_expert(chosen, self.cfg.num_experts)
         if self.training and torch.is_grad_enabled():
             # Activation checkpointing recomputes this forward and counts again, for every
             # micro-batch alike: the relative loads, all the bias update and metrics use, stay.
             self.token_counts += counts
         self._record_aux(logits, scores, counts)
-        args = (flat_gate, flat_up, chosen, weights, counts)
+        args = (flat_gate, flat_up, weights, order, expert_of, counts)
         y = self.experts(*args) if self.experts.dispatch is None else _outside_graph(self.experts, *args)
         if self.shared is not None:
             y = y + self.shared(flat_gate, flat_up).float()

@@ -12,6 +12,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from scalevec_train.model.parameterization import Parameterization
 from scalevec_train.model.plan import ScalePlan
 from scalevec_train.model.strategies import SiteMaps
 
@@ -22,6 +23,8 @@ class TrainableModel(Protocol):
     layers: nn.ModuleList
     # Every scale site the model has (plan.py): the optimizer's groups and FSDP's replicated sites read it.
     plan: ScalePlan
+    # How init, LRs and the forward's multipliers follow width and depth (model.parameterization).
+    parameterization: Parameterization
 
     def __call__(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits; doc_ids confine attention to documents where the model's config asks for it."""

@@ -35,12 +35,11 @@ class SwiGLU:
         self.eps, self.kernels = cfg.norm_eps, cfg.kernels
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor, s_gate: torch.Tensor | None,
-                 s_up: torch.Tensor | None, counts: torch.Tensor | None = None,
+                 s_up: torch.Tensor | None, offsets: torch.Tensor | None = None,
                  expert_of: torch.Tensor | None = None, folded: bool = False) -> torch.Tensor:
-        """Rows grouped by expert give `counts` (rows per expert) and `expert_of` (each row's expert) for
+        """Rows grouped by expert give `offsets` (each expert's end row) and `expert_of` (each row's expert) for
         per-expert sites; `folded`: the sites behind no normalization are already in the weights."""
         if self.gate_normed and self.up_normed:
-            offsets = None if counts is None else counts.cumsum(0)
             return swiglu_norm(gate, up, s_gate, s_up, self.eps, expert_offsets=offsets, backend=self.kernels)
         return (F.silu(self._side(gate, s_gate, self.gate_normed, expert_of, folded))
                 * self._side(up, s_up, self.up_normed, expert_of, folded))
@@ -96,11 +95,11 @@ class ExpertSwiGLU(nn.Module):
         return (fold_sites(w_gate, self.gate_in, self.gate_out, rows),
                 fold_sites(w_up, self.up_in, self.up_out, rows), fold_sites(w_down, self.down_in, None, rows))
 
-    def hidden(self, gate: torch.Tensor, up: torch.Tensor, counts: torch.Tensor | None = None,
+    def hidden(self, gate: torch.Tensor, up: torch.Tensor, offsets: torch.Tensor | None = None,
                expert_of: torch.Tensor | None = None, rows: slice | None = None) -> torch.Tensor:
-        """The SwiGLU of the folded maps' outputs (rows grouped by expert: counts, expert_of, each
+        """The SwiGLU of the folded maps' outputs (rows grouped by expert: offsets, expert_of, each
         relative to the experts `rows` of the sites, None: all)."""
-        return self.swiglu(gate, up, _vector(self.gate_out, rows), _vector(self.up_out, rows), counts, expert_of,
+        return self.swiglu(gate, up, _vector(self.gate_out, rows), _vector(self.up_out, rows), offsets, expert_of,
                            folded=True)
 
 

@@ -11,12 +11,13 @@ kernels (model.kernels) are chosen when the layers are built.
     y = h + Wdown (silu(Wgate b_g) * Wup b_u)
     logits = Whead (s_final * N(x_L))
 
-Initialization (documented in configs/model/*.yaml): embeddings and every matrix ~ N(0, init_std),
-the maps that write into the residual stream (o, down) ~ N(0, init_std / sqrt(2 * n_layers)); every
-scale site starts at s = 1. Values depend only on (seed, parameter name), never on sharding.
+Initialization (model.parameterization, parameterization.py): under sp, embeddings and every matrix ~
+N(0, init_std), the maps that write into the residual stream (o, down) ~ N(0, init_std / sqrt(2 * n_layers));
+every scale site starts at s = 1. Values depend only on (seed, parameter name), never on sharding. Under
+mup the init follows the width, and the logits, the attention logits and each residual branch (h = x +
+m * ...) get the multipliers parameterization.py gives (all 1 under sp, which skips them).
 """
 
-import math
 import zlib
 
 import torch
@@ -27,6 +28,7 @@ from scalevec_train.model.config import ModelConfig, ScaleConfig
 from scalevec_train.model.layers import Linear, PreNorm, Residual, Rotary
 from scalevec_train.model.masking import attend, backend_for, document_mask, positions
 from scalevec_train.model.moe import MoEFeedForward
+from scalevec_train.model.parameterization import Parameterization
 from scalevec_train.model.plan import AttentionPlan, BlockPlan, Branch, ScalePlan, SwiGLUPlan
 from scalevec_train.model.strategies import ScaledMap, ScaleSite, SiteMaps
 from scalevec_train.model.swiglu import SwiGLU
@@ -40,6 +42,7 @@ class Attention(nn.Module):
         self.wk = Linear(plan.k, cfg)
         self.wv = Linear(plan.v, cfg)
         self.wo = Linear(plan.o, cfg)
+        self.scale = Parameterization.of(cfg).attention_scale
         # the pre-norm branches q, k and v read
         self.reads: tuple[Branch, Branch, Branch] = (plan.q.reads, plan.k.reads, plan.v.reads)
 
@@ -52,7 +55,7 @@ class Attention(nn.Module):
         q = q.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        out = attend(rope(q, positions), rope(k, positions), v, mask, self.n_kv_heads != self.n_heads)
+        out = attend(rope(q, positions), rope(k, positions), v, mask, self.n_kv_heads != self.n_heads, self.scale)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -81,14 +84,19 @@ class Block(nn.Module):
         self.attn = Attention(cfg, plan.attn)
         self.ffn_norm = PreNorm(plan.ffn_norm, cfg)
         self.ffn = FeedForward(cfg, plan.ffn) if plan.moe is None else MoEFeedForward(cfg, plan.moe)
+        self.branch = Parameterization.of(cfg).residual
 
     def forward(self, stream: Residual, rope: Rotary, mask=None, positions: torch.Tensor | None = None) -> Residual:
-        """x + attn(norm(x)), then h + ffn(norm(h)); mask, positions: see Attention.forward. Each sum is
-        handed on as a Residual and formed by the next norm, in the fused pass that normalizes it."""
+        """x + m attn(norm(x)), then h + m ffn(norm(h)) (m: the residual branches' multiplier, 1 but under
+        mup's depth rule); mask, positions: see Attention.forward. Each sum is handed on as a Residual and
+        formed by the next norm, in the fused pass that normalizes it."""
         a, x = self.attn_norm(stream)
-        h = Residual(x, plus=self.attn(a, rope, mask, positions))
+        h = Residual(x, plus=self._branch(self.attn(a, rope, mask, positions)))
         b, h = self.ffn_norm(h)
-        return Residual(h, plus=self.ffn(b))
+        return Residual(h, plus=self._branch(self.ffn(b)))
+
+    def _branch(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.branch == 1 else out * self.branch
 
 
 class Transformer(nn.Module):
@@ -96,6 +104,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg, self.scale = cfg, scale
         self.plan = ScalePlan.build(cfg, scale)
+        self.parameterization = Parameterization.of(cfg)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.rope = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.layers = nn.ModuleList(Block(cfg, block) for block in self.plan.blocks)
@@ -123,6 +132,8 @@ class Transformer(nn.Module):
         for layer in self.layers:
             stream = layer(stream, self.rope, mask, pos)
         final = self.final_norm(stream)[0][Branch.FINAL]
+        if self.parameterization.readout != 1:
+            final = final * self.parameterization.readout  # on the width, cheaper than on the vocabulary
         weight = self.tok_emb.weight if self.head is None else self.head.weight
         return F.linear(final, weight)
 
@@ -164,10 +175,8 @@ class Transformer(nn.Module):
         if isinstance(owner, ScaleSite):
             return owner.initial_value(name.rsplit(".", 1)[1], shape)
         gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        std = self.cfg.init_std
-        if name.endswith(("wo.weight", "w_down.weight")) or ".experts.w_down" in name:
-            std /= math.sqrt(2 * self.cfg.n_layers)
-        return torch.randn(shape, generator=gen) * std
+        p = self.parameterization
+        return torch.randn(shape, generator=gen) * p.init(name, p.kind(name, ()))
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -3,12 +3,16 @@
 Every parameter gets exactly one kind, decided by its name (never by its shape): a scale-site parameter
 the group the model's plan gives it (model/plan.py: its decay rule under the strategy's policy); the
 token embedding and the output head decay by the optimizer config; every other parameter is a hidden
-matrix.
+matrix. Under model.parameterization=mup each kind's LR, decoupled weight decay and Adam eps are
+multiplied as `rates` says (docs/parameterization.md).
 """
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from scalevec_train.model.parameterization import Kind, Parameterization
 from scalevec_train.model.plan import GROUPS, Decay
 from scalevec_train.model.protocol import TrainableModel
 from scalevec_train.optim.adamw import AdamW, FusedAdamW
@@ -42,11 +46,48 @@ def classify(model: TrainableModel) -> dict[str, list[tuple[str, nn.Parameter]]]
     return kinds
 
 
+@dataclass(frozen=True)
+class Rates:
+    """What multiplies a parameter's peak LR, its decoupled weight decay and its Adam eps."""
+
+    lr: float = 1.0
+    weight_decay: float = 1.0
+    eps: float = 1.0
+
+
+def rates(p: Parameterization, kind: Kind, cfg: OptimConfig, muon: bool) -> Rates:
+    """The multipliers of a parameter of `kind` under the model's parameterization (all 1 under sp);
+    `muon`: updated by Muon. m_N, m_L: the width and depth multipliers. AdamW: muP's Adam rule (hidden
+    matrices' LR 1 / m_N, every other kind's 1) and CompleteP's at alpha = 1 (no LR change with depth; eps
+    1 / m_N for the embedding and readouts, 1 / (m_N m_L) for what lies inside the blocks); the weight decay
+    keeps lr * wd where it was. Muon: the spectral condition (Yang, Simon & Bernstein 2023, ||dW|| ~
+    sqrt(fan_out / fan_in)) for an update whose singular values are all 1 times lr_adjust's factor:
+    `original`'s, sqrt(max(1, rows / cols)), meets it at one LR for every width; match_rms_adamw's, 0.2
+    sqrt(max(rows, cols)), grows as sqrt(m_N), so the LR follows 1 / sqrt(m_N)."""
+    if p.name == "sp":
+        return Rates()
+    n, depth = p.width, p.depth
+    if muon:
+        lr = 1.0 if cfg.lr_adjust == "original" else n**-0.5
+        return Rates(lr, 1 / lr)
+    if kind is Kind.HIDDEN:
+        return Rates(1 / n, n, 1 / (n * depth))
+    if kind is Kind.VECTOR:
+        return Rates(eps=1 / (n * depth))
+    return Rates(eps=1 / n)
+
+
+# the muP kind of each optimizer group's parameters
+_KIND = {"matrix": Kind.HIDDEN, "embedding": Kind.EMBEDDING, "head": Kind.READOUT, "router": Kind.READOUT,
+         **{g: Kind.VECTOR for g in GROUPS.values()}}
+
+
 def param_groups(model: TrainableModel, cfg: OptimConfig) -> list[dict]:
     """One group per kind. Each group keeps its peak LR in `base_lr`: the schedule multiplies it.
     Under Muon, hidden matrices (and the MoE router only with muon_router) are Muon groups; every
     other kind is an AdamW group. Scale-site kinds take optim.scale_lr and optim.scale_weight_decay
-    (null: what the other groups take)."""
+    (null: what the other groups take). Under mup the router is a group of its own (a readout), and every
+    group's LR, decay and eps are multiplied by its `rates`."""
     decay = {
         "matrix": cfg.weight_decay,
         "embedding": cfg.weight_decay if cfg.decay_embeddings else 0.0,
@@ -56,8 +97,10 @@ def param_groups(model: TrainableModel, cfg: OptimConfig) -> list[dict]:
         "scale_no_decay": 0.0,
     }
     kinds = classify(model)
-    if cfg.name == "muon" and not cfg.muon_router:
-        # The router is a matrix, but a tiny, fast-moving one: AdamW unless asked for.
+    mup = model.parameterization
+    if (cfg.name == "muon" and not cfg.muon_router) or mup.name == "mup":
+        # The router is a matrix, but a tiny, fast-moving one: AdamW unless asked for; under mup a
+        # readout, with a readout's rates.
         kinds["router"] = [(n, p) for n, p in kinds["matrix"] if n.endswith("router.weight")]
         kinds["matrix"] = [(n, p) for n, p in kinds["matrix"] if not n.endswith("router.weight")]
         decay["router"] = cfg.weight_decay
@@ -69,11 +112,16 @@ def param_groups(model: TrainableModel, cfg: OptimConfig) -> list[dict]:
             peak = cfg.scale_peak_lr()
         else:
             peak = cfg.lr if kind == "matrix" else cfg.adamw_peak_lr()
-        group = {"name": kind, "params": [p for _, p in members], "weight_decay": decay[kind], "base_lr": peak}
+        use_muon = cfg.name == "muon" and kind == "matrix"
+        r = rates(mup, _KIND[kind], cfg, use_muon)
+        group = {"name": kind, "params": [p for _, p in members], "weight_decay": decay[kind] * r.weight_decay,
+                 "base_lr": peak * r.lr}
+        if r.eps != 1:
+            group["eps"] = cfg.eps * r.eps
         if kind == "scale_log_decay":
-            group["log_weight_decay"] = cfg.scale_decay()
+            group["log_weight_decay"] = cfg.scale_decay() * r.weight_decay
         if cfg.name == "muon":
-            group["use_muon"] = kind == "matrix"
+            group["use_muon"] = use_muon
         groups.append(group)
     return groups
 

@@ -85,13 +85,15 @@ class ExpertDispatch:
         # received[i n + e]: the rows rank i sends to this rank's expert e
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)
-        send = counts.view(ep, n).sum(1).tolist()
-        recv = received.view(ep, n).sum(1).tolist()
+        # the one host read of a layer under EP: the uneven splits the collectives take
+        send, recv = torch.stack([counts.view(ep, n).sum(1), received.view(ep, n).sum(1)]).tolist()
         dim = xs_gate.shape[-1]
         parts = [xs_gate] if xs_up is xs_gate else [xs_gate, xs_up]
         got = all_to_all_single_autograd(torch.cat([*parts, gates.unsqueeze(-1)], -1), recv, send, self.group)
-        # rows arrive by source rank, then by expert: sorted by expert for the grouped matmuls
-        arrived_of = torch.arange(n, device=counts.device).repeat(ep).repeat_interleave(received)
+        # rows arrive by source rank, then by expert: sorted by expert for the grouped matmuls (output_size
+        # known: no second read)
+        arrived_of = torch.arange(n, device=counts.device).repeat(ep).repeat_interleave(received,
+                                                                                          output_size=sum(recv))
         order = arrived_of.argsort(stable=True)
         got = got.index_select(0, order)
         # copies with rows of their own (grouped_mm wants them aligned to 16 bytes; contiguous() keeps the

@@ -1,10 +1,11 @@
 """Multiple-choice items from the JSON-lines layouts tasks are distributed in, as scalevec scores them:
 a context, choices that each continue it, and the index of the right one.
 
-Contexts and choices follow lm-evaluation-harness's prompts, so that numbers are comparable in kind:
-a choice starts with the space that separates it from its context; ARC and PIQA ask
-"Question: ...\\nAnswer:"; HellaSwag's context is its activity label and both context parts, cleaned of
-WikiHow's bracketed markup.
+Contexts, choices and delimiters are lm-evaluation-harness's (0.4, its arc_easy/arc_challenge, piqa and
+hellaswag tasks, zero-shot): its doc_to_text is the context, its doc_to_choice the choices and its
+target_delimiter " " what joins them. ARC and PIQA ask "Question: ...\\nAnswer:"; HellaSwag's context is its
+activity label and both context parts, and its context and endings are cleaned of WikiHow's bracketed
+markup as the harness's preprocess does.
 """
 
 import json
@@ -21,6 +22,9 @@ class Item:
     context: str
     choices: tuple[str, ...]
     label: int
+    # what joins the context and each choice (the harness's target_delimiter): scored with the choice, but
+    # not counted in the choice's length that acc_norm divides by
+    delimiter: str = ""
 
 
 def read_items(task: TaskConfig, folder: Path) -> list[Item]:
@@ -91,7 +95,7 @@ def _hellaswag_text(text: str) -> str:
 def _hellaswag(row: dict) -> Item:
     context = row["ctx_a"] + " " + row["ctx_b"].capitalize()
     query = _hellaswag_text(row["activity_label"] + ": " + context)
-    return Item(query, tuple(" " + _hellaswag_text(e) for e in row["endings"]), int(row["label"]))
+    return Item(query, tuple(_hellaswag_text(e) for e in row["endings"]), int(row["label"]), " ")
 
 
 def _arc(row: dict) -> Item:
@@ -102,11 +106,11 @@ def _arc(row: dict) -> Item:
         question = question["stem"]
     else:  # the Hugging Face layout: choices {"text": [...], "label": [...]}
         texts, labels = row["choices"]["text"], row["choices"]["label"]
-    return Item(f"Question: {question}\nAnswer:", tuple(" " + t for t in texts), labels.index(row["answerKey"]))
+    return Item(f"Question: {question}\nAnswer:", tuple(texts), labels.index(row["answerKey"]), " ")
 
 
 def _piqa(row: dict) -> Item:
-    return Item(f"Question: {row['goal']}\nAnswer:", (" " + row["sol1"], " " + row["sol2"]), int(row["label"]))
+    return Item(f"Question: {row['goal']}\nAnswer:", (row["sol1"], row["sol2"]), int(row["label"]), " ")
 
 
 _PARSERS = {"jsonl": _generic, "hellaswag": _hellaswag, "arc": _arc, "piqa": _piqa}

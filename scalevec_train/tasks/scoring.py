@@ -1,14 +1,23 @@
-"""Scoring multiple-choice items by the log-likelihood of each choice given its context.
+"""Scoring multiple-choice items by the log-likelihood of each choice given its context, as
+lm-evaluation-harness scores a multiple_choice task with a Hugging Face model (0.4, HFLM, zero-shot).
 
-Per item: the summed log-probability of each choice's tokens after its context, and from those
-    acc       the share of items whose right choice has the highest summed log-probability,
-    acc_norm  the same, per UTF-8 byte of each choice (lm-evaluation-harness divides by characters:
-              the same for ASCII; bytes are the unit val_bpb counts in),
-    bpb       bits per byte of the right choices: -(their summed log-probabilities) / ln 2 / (their
-              bytes), over all items (a ratio of sums, as val_bpb): smooth where accuracy moves in steps,
+Per item and choice, the harness's loglikelihood(context, delimiter + choice):
+    - whitespace that ends the context moves to the front of the continuation;
+    - the context's tokens are those of the context alone, the continuation's are those of context +
+      continuation past that many tokens (the two strings encoded whole, then split);
+    - nothing precedes the context (the export's tokenizer adds no BOS); an empty context is EOS alone;
+    - context + continuation lose tokens from the left to fit max_len + 1 (max_len: the model's
+      positions, the export's max_position_embeddings);
+    - the score is the continuation tokens' summed log-probability.
+From those:
+    acc       the share of items whose right choice has the highest score,
+    acc_norm  the same, each score divided by the choice's length in characters (without the delimiter,
+              as the harness's acc_norm),
+    bpb       bits per byte of the right choices: -(their summed scores) / ln 2 / (the UTF-8 bytes of
+              their continuations), over all items (a ratio of sums, as val_bpb): smooth where accuracy
+              moves in steps,
     chance    the accuracy of guessing: the mean over items of 1 / (their number of choices).
-Each choice is one sequence, [EOS] + context + choice, as a document starts in the training stream;
-context and choice are tokenized apart, and a long context loses its beginning to fit `max_len`.
+Ties go to the first choice, as numpy's argmax.
 
 Items are dealt to ranks by index (item i to rank i % world); the per-choice sums, each written by one
 rank, are summed over ranks, so every rank holds all of them and the metrics do not depend on the
@@ -35,47 +44,60 @@ class EncodedTask:
     """A task's items as token sequences, one per choice."""
 
     name: str
-    rows: list[list[int]]  # one per choice: the tokens the model reads, and the last choice token
-    starts: list[int]  # where in its row the choice's tokens start
+    rows: list[list[int]]  # one per choice: the tokens the model reads, and the last continuation token
+    starts: list[int]  # where in its row the continuation's tokens start
     items: list[int]  # the item of each row
     cells: list[int]  # the row's place in the items x width table: item * width + choice
     labels: torch.Tensor  # [items] the right choice's index
-    choice_bytes: torch.Tensor  # [items, width] float64 UTF-8 bytes of each choice (0: no such choice)
+    choice_chars: torch.Tensor  # [items, width] float64 characters of each choice (0: no such choice)
+    right_bytes: int  # UTF-8 bytes of the right choices' continuations, summed
     chance: float
 
     @property
     def width(self) -> int:
-        return self.choice_bytes.shape[1]
+        return self.choice_chars.shape[1]
 
 
 def encode_task(name: str, items: list[Item], tok: Tokenizer, max_len: int) -> EncodedTask:
     """Tokenizes `items` into sequences of at most max_len + 1 tokens (max_len: what the model reads)."""
     width = max(len(item.choices) for item in items)
-    contexts = tok.encode([item.context for item in items])
-    choices = tok.encode([choice for item in items for choice in item.choices])
-    prefix = [tok.eos_id()] if tok.eos_id() >= 0 else []
+    # the harness's split: trailing whitespace of the context belongs to the continuation
+    contexts = [item.context.rstrip() for item in items]
+    continuations = [[item.context[len(ctx):] + item.delimiter + choice for choice in item.choices]
+                     for item, ctx in zip(items, contexts, strict=True)]
+    context_ids = tok.encode(contexts)
+    whole_ids = iter(tok.encode([ctx + cont for ctx, conts in zip(contexts, continuations, strict=True)
+                                 for cont in conts]))
     rows, starts, owners, cells = [], [], [], []
-    choice_bytes = torch.zeros(len(items), width, dtype=torch.float64)
-    flat = iter(choices)
-    for i, (item, context) in enumerate(zip(items, contexts, strict=True)):
-        for c, text in enumerate(item.choices):
-            ids = next(flat)
-            if not ids or len(ids) >= max_len:
-                raise ScalevecError(f"task {name!r}", f"item {i}'s choice {c} is {len(ids)} tokens: the model reads "
-                                    f"at most {max_len} (train.seq_len), context included.",
-                                    "use a longer train.seq_len, or drop the item.")
-            keep = (prefix + context)[-(max_len + 1 - len(ids)):]
-            if not keep:
-                raise ScalevecError(f"task {name!r}", f"item {i} has an empty context, and the tokenizer no EOS "
-                                    "to start it with.", "give every item a context.")
-            rows.append(keep + ids)
-            starts.append(len(keep))
+    choice_chars = torch.zeros(len(items), width, dtype=torch.float64)
+    right_bytes = 0
+    empty = [tok.eos_id()] if tok.eos_id() >= 0 else []  # the harness's empty context: end-of-text alone
+    for i, (item, ctx_ids, conts) in enumerate(zip(items, context_ids, continuations, strict=True)):
+        for c, (choice, cont) in enumerate(zip(item.choices, conts, strict=True)):
+            whole = next(whole_ids)
+            context, ids = (ctx_ids, whole[len(ctx_ids):]) if item.context else (empty, whole)
+            if not context or not ids or len(ids) > max_len:
+                raise ScalevecError(f"task {name!r}", f"item {i}'s choice {c}: {_unscorable(context, ids, max_len)}.",
+                                    "fix or drop the item (or raise model.max_seq_len).")
+            row = (context + ids)[-(max_len + 1):]
+            rows.append(row)
+            starts.append(len(row) - len(ids))
             owners.append(i)
             cells.append(i * width + c)
-            choice_bytes[i, c] = len(text.encode())
+            choice_chars[i, c] = len(choice)
+            if c == item.label:
+                right_bytes += len(cont.encode())
     labels = torch.tensor([item.label for item in items])
     chance = sum(1 / len(item.choices) for item in items) / len(items)
-    return EncodedTask(name, rows, starts, owners, cells, labels, choice_bytes, chance)
+    return EncodedTask(name, rows, starts, owners, cells, labels, choice_chars, right_bytes, chance)
+
+
+def _unscorable(context: list[int], ids: list[int], max_len: int) -> str:
+    if not context:
+        return "its context has no tokens (it is whitespace, or empty with no EOS to stand for it)"
+    if not ids:
+        return "context + choice encode to no more tokens than the context alone"
+    return f"the choice is {len(ids)} tokens; the model reads at most {max_len} (model.max_seq_len)"
 
 
 @torch.no_grad()
@@ -108,19 +130,18 @@ def choice_logprobs(model: torch.nn.Module, task: EncodedTask, device: torch.dev
         sums[torch.tensor([task.cells[r] for r in chunk], device=device)] = -nll.view(len(chunk), -1).double().sum(1)
     model.train(training)
     scores = all_reduce_sum(sums).view(-1, task.width)
-    return scores.masked_fill(task.choice_bytes.to(device) == 0, -math.inf)
+    return scores.masked_fill(task.choice_chars.to(device) == 0, -math.inf)
 
 
 def task_metrics(scores: torch.Tensor, task: EncodedTask) -> dict[str, torch.Tensor | float]:
     """acc, acc_norm and bpb (0-dim device tensors: nothing is read back) and chance, from the
     per-choice log-probabilities (choice_logprobs)."""
     labels = task.labels.to(scores.device)
-    per_byte = scores / task.choice_bytes.to(scores.device).clamp(min=1)
+    per_char = scores / task.choice_chars.to(scores.device).clamp(min=1)
     right = scores.gather(1, labels[:, None]).squeeze(1)
-    right_bytes = float(task.choice_bytes.gather(1, task.labels[:, None]).sum())
     return {"acc": (scores.argmax(1) == labels).double().mean(),
-            "acc_norm": (per_byte.argmax(1) == labels).double().mean(),
-            "bpb": -right.sum() / math.log(2) / right_bytes,
+            "acc_norm": (per_char.argmax(1) == labels).double().mean(),
+            "bpb": -right.sum() / math.log(2) / task.right_bytes,
             "chance": task.chance}
 
 

@@ -146,6 +146,10 @@ class CheckpointConfig:
     keep_last: int = 2
     # write checkpoints in the background while training goes on (torch.distributed.checkpoint.async_save)
     async_save: bool = False
+    # check every file of the checkpoint a run resumes or branches from against the checksums recorded when
+    # it was written, before reading it (the ranks share the reading); a mismatch refuses the run, naming
+    # the file and the newest earlier checkpoint that verifies. false: read it unchecked (one you trust)
+    verify: bool = True
 
     def validate(self) -> None:
         if self.every < 0 or self.keep_last < 1:

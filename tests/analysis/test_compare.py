@@ -30,7 +30,7 @@ from scalevec_analysis import (
 )
 from scalevec_analysis.groups import summary_markdown, write_summary_csv
 from scalevec_train.errors import ScalevecError
-from tests.helpers import REPO, load_script, run_main, run_script, write_run
+from tests.helpers import REPO, hide_package, load_script, run_main, run_script, write_run
 
 # The plots need matplotlib (an optional package): the tests that write them skip without it.
 needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
@@ -330,14 +330,14 @@ def test_parse_wandb_filter():
         parse_wandb_filter("proj:{}")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
-def test_wandb_missing_is_a_clear_error():
+def test_wandb_missing_is_a_clear_error(monkeypatch):
+    hide_package(monkeypatch, "wandb")
     with pytest.raises(ScalevecError, match="wandb is not installed"):
         load_wandb(["e/p/abc"])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed")
-def test_matplotlib_missing_is_a_clear_error(run_dirs, tmp_path):
+def test_matplotlib_missing_is_a_clear_error(run_dirs, tmp_path, monkeypatch):
+    hide_package(monkeypatch, "matplotlib")
     with pytest.raises(ScalevecError, match="plots need matplotlib"):
         write_comparison([load_run_dir(d) for d in run_dirs], "scale=baseline", tmp_path / "out")
 

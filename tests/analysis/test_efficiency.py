@@ -63,11 +63,11 @@ def test_a_known_multiplier_is_recovered_within_its_interval(tmp_path, multiplie
     assert fits[reference.label].alpha == pytest.approx(ALPHA, rel=1e-6)
     assert [r.point for r in rows] == [f"model={m}" for m, _, _ in LADDER] + [SUMMARY]
     for row in rows:
-        for m in (row.measured, row.fitted):
+        for m in (row.law_at_loss, row.law_at_fit):
             # the seeds average to the law, so the estimate is the true multiplier; the interval holds it
             assert m.value == pytest.approx(multiplier, rel=1e-6), row.point
             assert m.low < multiplier < m.high, row.point
-    summary = rows[-1].fitted
+    summary = rows[-1].law_at_fit
     # seed noise of +-0.004 resolves a multiplier of 1.25 from 1: a wrong one falls outside
     assert summary.high - summary.low < 0.2
     assert not summary.low < (1.0 if multiplier != 1.0 else 1.25) < summary.high
@@ -90,7 +90,7 @@ def test_compare_runs_efficiency_writes_plot_and_tables(tmp_path):
     assert (out / "efficiency.png").stat().st_size > 10_000
     rows = list(csv.DictReader((out / "efficiency.csv").open()))
     assert [r["point"] for r in rows][-1] == SUMMARY
-    assert float(rows[-1]["fitted"]) == pytest.approx(1.25, rel=1e-6)
+    assert float(rows[-1]["law_at_fit"]) == pytest.approx(1.25, rel=1e-6)
     assert "| scale=unified | all points (geometric mean) | 15 |" in (out / "efficiency.md").read_text()
 
 
@@ -113,7 +113,7 @@ def test_val_bpb_is_a_metric_of_the_fit(tmp_path):
     for metric, multiplier in (("val_loss", 1.0), ("val_bpb", 1.25)):
         series = efficiency_series(runs, metric)
         rows, _ = compute_efficiency(series, find_reference(series, "scale=baseline"), bootstrap=50)
-        assert rows[-1].fitted.value == pytest.approx(multiplier, rel=1e-6), metric
+        assert rows[-1].law_at_fit.value == pytest.approx(multiplier, rel=1e-6), metric
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
@@ -124,7 +124,8 @@ def test_compare_runs_takes_val_bpb_as_the_metric(tmp_path):
     out = tmp_path / "out"
     assert cli.main([*map(str, dirs), "--efficiency", "--reference", "scale=baseline", "--out", str(out),
                      "--bootstrap", "50", "--metric", "val_bpb"]) == 0
-    assert float(list(csv.DictReader((out / "efficiency.csv").open()))[-1]["fitted"]) == pytest.approx(1.25, rel=1e-6)
+    summary = list(csv.DictReader((out / "efficiency.csv").open()))[-1]
+    assert float(summary["law_at_fit"]) == pytest.approx(1.25, rel=1e-6)
     assert cli.main([*map(str, dirs[:3]), "--reference", "scale=baseline", "--out", str(out / "summary"),
                      "--metric", "val_bpb"]) == 0
     assert "terminal val_bpb" in (out / "summary" / "summary.md").read_text()

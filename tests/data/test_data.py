@@ -7,7 +7,6 @@ that directly read stream.
 
 import json
 import shutil
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from scalevec_train.data.permutation import permute
 from scalevec_train.data.shards import ShardWriter
 from scalevec_train.errors import ScalevecError
 from tests.data.corpora import VOCAB, folder_bytes, split_texts, split_tokens, text_cfg, write_corpus
-from tests.helpers import REPO
+from tests.helpers import REPO, hide_package
 
 CONFIGS = REPO / "configs"
 
@@ -365,7 +364,7 @@ def test_python_env_is_the_stdlib_then_the_installed_packages():
 
 
 def test_hf_without_datasets_says_how_to_install(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "datasets", None)
+    hide_package(monkeypatch, "datasets")
     (tmp_path / "rows.jsonl").write_text('{"text": "a"}\n')
     with pytest.raises(ScalevecError, match="datasets"):
         prepare_data(DataConfig(source="hf", path=str(tmp_path / "rows.jsonl"), cache_dir=str(tmp_path / "c"),

@@ -42,8 +42,11 @@ TINY = [*TINY_MODEL, *SHORT_RUN, "train.steps=30", "train.log_every=30", "optim.
 RANDOM_LLAMA = [*TINY_MODEL, "model.ffn_dim=48", "model.vocab_size=300", "model.max_seq_len=128", "model.norm_eps=1e-5",
                 "model.rope_theta=5000", "model.tie_embeddings=false", "train.seq_len=64"]
 MOE = ["model=moe-tiny", "model.moe.num_experts=4", "model.moe.expert_dim=32", "model.ffn_dim=32"]
+# mup with a base half as wide, one block deep and half the head width: every multiplier is not 1
+MUP = ["model.parameterization=mup", "model.base_dim=16", "model.base_layers=1", "model.base_head_dim=4"]
 RUNS = {"baseline": ["scale=baseline"], "unified": ["scale=unified"], "none": ["scale=none"],
-        "moe-unified": [*MOE, "scale=unified"]}
+        "moe-unified": [*MOE, "scale=unified"], "mup-baseline": [*MUP, "scale=baseline"],
+        "mup-moe-unified": [*MOE, *MUP, "scale=unified"]}
 SAMPLE = ("def f(x):\n\tif x:\n        return x  +  12345  # größer als 日本語 🙂\r\n\n"
           "    </s> <unk> trailing spaces   \n\u00a0\u2581x")
 UNIFIED = ScaleConfig(name="unified", heterogeneity="per_branch", placement="dual_norm", reparam="or",
@@ -111,13 +114,13 @@ def test_load_from_a_checkpoint_dir_and_folded(runs):
 
 # --- export --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["baseline", "unified", "none"])
+@pytest.mark.parametrize("name", ["baseline", "unified", "none", "mup-baseline", "mup-moe-unified"])
 def test_export_loads_in_transformers_with_the_same_logits(runs, tmp_path, transformers, name):
     out = tmp_path / "hf"
     assert export_cli.main([str(runs[name]), f"out={out}"]) == 0
     model, tokenizer = load(runs[name])
     config = json.loads((out / "config.json").read_text())
-    stock = name != "unified"  # none and baseline fold into a plain Llama
+    stock = name in ("baseline", "none", "mup-baseline")  # these fold into a plain Llama, mup's multipliers too
     assert config["architectures"] == (["LlamaForCausalLM"] if stock else ["ScalevecForCausalLM"])
     assert (out / export.MODELING_FILE).exists() != stock
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=not stock).eval()
@@ -434,8 +437,11 @@ def test_checkpoint_metadata_cannot_run_code(run_copy, tmp_path):
             return (shutil.copyfile, (str(step / checkpoint_files.COMPLETE), str(marker)))
 
     (step / ".metadata").write_bytes(pickle.dumps(Exploit()))
-    with pytest.raises(ScalevecError, match="unexpected object shutil.copyfile"):
+    with pytest.raises(ScalevecError, match=r"\.metadata: is truncated: \d+ bytes, \d+ when it was written"):
         load(run_dir)
+    # read without its checksums (a checkpoint one trusts): the metadata's unpickler refuses the object
+    with pytest.raises(ScalevecError, match="unexpected object shutil.copyfile"):
+        load(run_dir, verify=False)
     assert not marker.exists()
 
 

@@ -335,11 +335,13 @@ def test_moe_tiny_trains(strategy):
     cfg = load_preset(PRESETS / "moe-tiny.yaml")
     model = Transformer(cfg, STRATEGIES[strategy])
     model.init_weights(seed=0)
-    # A few fixed sequences seen again and again: learnable in a handful of steps.
+    # A few fixed sequences seen again and again: learnable in a handful of steps. 20 steps: on torch 2.13
+    # (2-core CPU, 2026-11-28) the last 5 losses averaged 2.2 (baseline) and 0.7 (unified) nats from a first
+    # loss of 8.4, far under the 6.4 asserted; 50 steps cost 2.5 times the CPU and checked nothing more.
     data = torch.randint(0, cfg.vocab_size, (4, 25))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     losses = []
-    for _ in range(50):
+    for _ in range(20):
         logits = model(data[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), data[:, 1:].flatten())
         (loss + model.auxiliary_loss()).backward()

@@ -85,8 +85,9 @@ def test_scale_lr_sets_the_first_step_of_every_scale_parameter(optim, scale_lr, 
         for name in matrices:
             moved = (after[name].detach() - before[name]).abs()
             torch.testing.assert_close(moved, torch.full_like(moved, multiplier * LR), rtol=1e-3, atol=0, msg=name)
-    else:  # Muon's matrices take the same step whatever the scale sites' LR
-        _, reference, reference_optimizer = built(*options)
+    else:  # Muon's matrices take the same step whatever the scale sites' LR: against another one's
+        other = [f"optim.scale_lr={SCALE_LR}"] if scale_lr is None else []
+        _, reference, reference_optimizer = built(*options, *other)
         step(reference, reference_optimizer, multiplier, zero_grads=False)
         expected = dict(reference.named_parameters())
         for name in matrices:

@@ -1,6 +1,8 @@
-"""The multiple-choice scorer against a direct computation (each context + choice through the model on its
-own, log-softmax, the choice's log-probabilities summed), on 1 process and on 2 gloo ranks under FSDP2
-(the same scores); and a run that scores tasks trains exactly as the same run without them."""
+"""The multiple-choice scorer against lm-evaluation-harness's definitions written out here (each request
+through the model on its own, log-softmax, the continuation's log-probabilities summed; acc_norm on
+hand-set log-likelihoods), on 1 process and on 2 gloo ranks under FSDP2 (the same scores); and a run
+that scores tasks trains exactly as the same run without them. tests/tasks/test_harness.py runs the
+harness itself where it is installed."""
 
 import json
 import math
@@ -13,27 +15,33 @@ from torch._dynamo.utils import counters
 
 from scalevec_train import evaluate as evaluate_cli
 from scalevec_train.data import tokenizer
+from scalevec_train.errors import ScalevecError
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.tasks.formats import Item
-from scalevec_train.tasks.scoring import choice_logprobs, encode_task, score
+from scalevec_train.tasks.scoring import choice_logprobs, encode_task, score, task_metrics
 from scalevec_train.train import run
 from tests.helpers import SHORT_RUN, make_config
 from tests.launch import gloo_group, records, spawn
 from tests.presets import TINY_MODEL, TINY_MOE
 
 MAX_LEN = 24
-# 7 items of 2 to 4 choices; the last context is longer than MAX_LEN tokens, so it loses its beginning
+# 10 items of 2 to 4 choices: choices joined by a delimiter or written with their space, contexts that end
+# in whitespace (it moves to the continuation) or inside a word, an empty context, non-ASCII choices; the
+# 8th context is longer than MAX_LEN tokens, so it loses its beginning
 ITEMS = [
     Item("def add(a, b):\n    return", (" a + b", " a - b", " None"), 0),
-    Item("The cat sat on the", (" mat.", " moon, said the dog loudly.", " roof", " größer ≠"), 2),
+    Item("The cat sat on the ", ("mat.", "moon, said the dog loudly.", "roof", "größer ≠"), 2),
     Item("for i in range(10):\n", ("    print(i)\n", "print\n"), 1),
     Item("import os\n", ("import sys\n", "x = 1\n", "    pass\n"), 0),
-    Item("Question: what is 2 + 2?\nAnswer:", (" 4", " four", " 22", " fish"), 1),
+    Item("Question: what is 2 + 2?\nAnswer:", ("4", "four", "22", "fish"), 1, " "),
     Item("class A:\n", ("    pass\n", "    def f(self):\n"), 0),
+    Item("", ("def f():\n", "class A:\n"), 1),
     Item("x = 1\n" * 20, ("y = 2\n", "x = 1\n", "return x\n"), 1),
+    Item("Question: is größer ≠ groß?\nAnswer:", ("Ja, größer.", "no"), 0, " "),
+    Item("The ca", ("t sat on the mat.", "r goes.", "ke"), 0),
 ]
-TEXT = "".join(item.context + "".join(item.choices) for item in ITEMS) * 3
+TEXT = "".join(item.context + item.delimiter + "".join(item.choices) for item in ITEMS) * 3
 
 
 @pytest.fixture(scope="module")
@@ -51,46 +59,79 @@ def tiny_model(vocab: int, *extra: str) -> Transformer:
     return model
 
 
-def direct(model: torch.nn.Module, tok: tokenizer.Tokenizer) -> list[list[float]]:
-    """Each choice's summed log-probability: [EOS] + context + choice on its own, the context cut from
-    the left to fit MAX_LEN inputs."""
-    out = []
+def harness_tokens(tok: tokenizer.Tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-evaluation-harness 0.4's (context tokens, continuation tokens) for a causal model
+    (TemplateLM.loglikelihood and _encode_pair): an empty context is EOS (the prefix token of a tokenizer
+    without BOS); trailing whitespace of the context moves to the continuation; context and context +
+    continuation are encoded whole, the continuation is the second past the first's length."""
+    if not context:
+        return [tok.eos_id()], tok.encode(continuation)
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    context_ids = tok.encode(context)
+    return context_ids, tok.encode(context + continuation)[len(context_ids):]
+
+
+def harness_loglikelihood(model: torch.nn.Module, tok: tokenizer.Tokenizer, context: str, continuation: str) -> float:
+    """HFLM._loglikelihood_tokens on one request: (context + continuation)[-(max_length + 1):][:-1] through
+    the model, log-softmax, the continuation tokens' log-probabilities summed."""
+    context_ids, ids = harness_tokens(tok, context, continuation)
+    seq = torch.tensor((context_ids + ids)[-(MAX_LEN + 1):])
     with torch.no_grad():
-        for item in ITEMS:
-            sums = []
-            for choice in item.choices:
-                ids = tok.encode(choice)
-                context = ([tok.eos_id()] + tok.encode(item.context))[-(MAX_LEN + 1 - len(ids)):]
-                seq = torch.tensor(context + ids)
-                logp = torch.log_softmax(model(seq[None, :-1])[0].double(), -1)
-                sums.append(sum(logp[len(context) - 1 + j, t].item() for j, t in enumerate(ids)))
-            out.append(sums)
-    return out
+        logp = torch.log_softmax(model(seq[None, :-1])[0].double(), -1)[-len(ids):]
+    return logp.gather(1, seq[-len(ids):, None]).sum().item()
 
 
-def test_scores_match_a_direct_computation(tok):
+def test_scores_are_the_harness_loglikelihoods(tok):
     model = tiny_model(tok.get_piece_size())
     model.train()
     task = encode_task("t", ITEMS, tok, MAX_LEN)
     assert max(len(r) for r in task.rows) == MAX_LEN + 1  # the long item was cut to fit
+    # the items tell splitting the whole string from encoding context and choice apart
+    assert tok.encode("The cat sat on the mat.")[:len(tok.encode("The ca"))] != tok.encode("The ca")
     scores = choice_logprobs(model, task, torch.device("cpu"), nullcontext, batch_size=3)
     assert model.training  # left in the mode it was found in
-    want = direct(model, tok)
+    want = [[harness_loglikelihood(model, tok, item.context, item.delimiter + c) for c in item.choices]
+            for item in ITEMS]
     for i, item in enumerate(ITEMS):
         torch.testing.assert_close(scores[i, :len(item.choices)], torch.tensor(want[i], dtype=torch.float64),
                                    rtol=1e-5, atol=1e-5)
         assert torch.isinf(scores[i, len(item.choices):]).all()
     metrics = score(model, task, torch.device("cpu"), nullcontext, batch_size=2)
-    n_bytes = [[len(c.encode()) for c in item.choices] for item in ITEMS]
+    # the harness's process_results: argmax of the log-likelihoods, and of them over len(choice)
     acc = sum(max(range(len(w)), key=w.__getitem__) == item.label for w, item in zip(want, ITEMS)) / len(ITEMS)
-    acc_norm = sum(max(range(len(w)), key=lambda c: w[c] / b[c]) == item.label
-                   for w, b, item in zip(want, n_bytes, ITEMS)) / len(ITEMS)
-    bpb = -sum(w[item.label] for w, item in zip(want, ITEMS)) / math.log(2) / sum(
-        b[item.label] for b, item in zip(n_bytes, ITEMS))
+    acc_norm = sum(max(range(len(w)), key=lambda c: w[c] / len(item.choices[c])) == item.label
+                   for w, item in zip(want, ITEMS)) / len(ITEMS)
+    # bits per byte of the right continuations: the context's moved whitespace, the delimiter, the choice
+    right = [item.context[len(item.context.rstrip()):] + item.delimiter + item.choices[item.label] for item in ITEMS]
+    bpb = -sum(w[item.label] for w, item in zip(want, ITEMS)) / math.log(2) / sum(len(r.encode()) for r in right)
     assert metrics["acc"].item() == pytest.approx(acc)
     assert metrics["acc_norm"].item() == pytest.approx(acc_norm)
     assert metrics["bpb"].item() == pytest.approx(bpb, rel=1e-6)
     assert metrics["chance"] == pytest.approx(sum(1 / len(item.choices) for item in ITEMS) / len(ITEMS))
+
+
+def test_acc_norm_divides_by_the_choice_characters(tok):
+    """Hand-set log-likelihoods where the harness's acc_norm (per character of the choice, the delimiter
+    not counted; the first of equal scores) picks the right choice of all three items, and dividing by
+    bytes (item 0), or by characters with the delimiter (item 1), would not; acc picks none of them
+    but the tie (item 2)."""
+    items = [Item("Q:", ("aaaa", "éé"), 0, " "), Item("Q:", ("a", "bbbbbbbbb"), 1, " "),
+             Item("Q:", ("ab", "cd"), 0, " ")]
+    task = encode_task("t", items, tok, MAX_LEN)
+    lls = torch.tensor([[-4.4, -2.4], [-1.0, -5.5], [-3.0, -3.0]], dtype=torch.float64)
+    # per character: -1.1 > -1.2; -1.0 < -0.61; a tie. Per byte: -1.1 < -0.6. With the delimiter: -0.5 > -0.55
+    metrics = task_metrics(lls, task)
+    assert metrics["acc_norm"].item() == 1.0
+    assert metrics["acc"].item() == pytest.approx(1 / 3)
+
+
+def test_unscorable_items_are_named(tok):
+    with pytest.raises(ScalevecError, match="choice 1: the choice is [0-9]+ tokens; the model reads at most 4 "):
+        encode_task("t", [Item("x", ("a", "a b c d e f g h i j"), 0)], tok, 4)
+    with pytest.raises(ScalevecError, match="item 0's choice 0: its context has no tokens"):
+        encode_task("t", [Item("  \n", ("a", "b"), 0)], tok, MAX_LEN)
 
 
 def _rank(rank: int, world: int, store: str, out: str, model_file: str, tok_file: str) -> None:
@@ -110,8 +151,8 @@ def _rank(rank: int, world: int, store: str, out: str, model_file: str, tok_file
 
 
 def test_two_ranks_give_the_scores_of_one(tok, tmp_path):
-    """7 items over 2 ranks in batches of 2 rows: rank 0 scores 4 items (12 rows), rank 1 3 (9 rows), so
-    rank 1 runs a forward of no item while rank 0 finishes."""
+    """10 items over 2 ranks in batches of 2 rows: rank 0 scores 5 items (13 rows), rank 1 5 (15 rows), so
+    rank 0 runs a forward of no item while rank 1 finishes."""
     model = tiny_model(tok.get_piece_size())
     torch.save(model.state_dict(), tmp_path / "model.pt")
     tok_file = tmp_path / "tokenizer.model"
@@ -164,12 +205,15 @@ def test_scoring_under_compile_compiles_nothing(tmp_path, data_overrides, monkey
     """Under distributed.compile the items' shapes (other batch sizes and lengths than training's) stay out
     of the compiled blocks, so training keeps its graphs for static shapes: a run scoring a task every 2
     steps compiles exactly as many graphs as the run without. Dynamo's eager backend: the same guards,
-    recompiles and dynamic-shape decisions as inductor, without generating code."""
+    recompiles and dynamic-shape decisions as inductor, without generating code. 2 steps: tasks scored at
+    step 0, before training compiles anything, and at step 2, after its graphs exist (a third scoring
+    at step 4 met the same graphs again)."""
     monkeypatch.setattr(torch, "compile", partial(torch.compile, backend="eager"))
     graphs = {}
     for name, extra in (("plain", []), ("tasks", task_overrides(tmp_path))):
         torch._dynamo.reset()
         counters.clear()
-        run(make_config(*data_overrides, *RUN, "distributed.compile=true", *extra, f"run_dir={tmp_path / name}"))
+        run(make_config(*data_overrides, *RUN, "train.steps=2", "distributed.compile=true", *extra,
+                        f"run_dir={tmp_path / name}"))
         graphs[name] = counters["stats"]["unique_graphs"]
     assert graphs["tasks"] == graphs["plain"] > 0

@@ -70,17 +70,16 @@ def test_hellaswag_and_arc_files_score_through_the_configured_loader(tmp_path, d
     hs, arc, _ = [task_items(t, Path(cfg.tasks.dir), cfg.data) for t in cfg.tasks.items]
     assert hs[0] == Item("Removing ice from car: Then, the man writes over the snow covering the window of a car, "
                          "and a woman wearing winter clothes smiles. Then",
-                         tuple(" " + e for e in HELLASWAG[0]["endings"]), 3)
+                         tuple(HELLASWAG[0]["endings"]), 3, " ")
     assert hs[1].label == 3
     # WikiHow markup: " [title]" ends a sentence, other brackets go, double spaces close up
     assert hs[2].context == "Personal Care and Style: How to dye your hair. Buy the dye."
-    assert hs[2].choices[0] == "  Mix it well."  # as lm-evaluation-harness: the markup's space stays
-    assert arc == [Item(f"Question: {ARC[0]['question']}\nAnswer:",
-                        tuple(" " + t for t in ARC[0]["choices"]["text"]), 2),
+    assert hs[2].choices[0] == " Mix it well."  # as lm-evaluation-harness: the markup's space stays
+    assert arc == [Item(f"Question: {ARC[0]['question']}\nAnswer:", tuple(ARC[0]["choices"]["text"]), 2, " "),
                    Item("Question: Which technology was developed most recently?\nAnswer:",
-                        (" cellular telephone", " television", " refrigerator"), 0)]
+                        ("cellular telephone", "television", "refrigerator"), 0, " ")]
     data = prepare_data(cfg.data)
-    tasks = load_tasks(cfg.tasks, cfg.data, data.load_tokenizer(), cfg.train.seq_len)
+    tasks = load_tasks(cfg.tasks, cfg.data, data.load_tokenizer(), cfg.model.max_seq_len)
     assert [(t.name, t.labels.tolist(), t.width) for t in tasks] == [("hs", [3, 3, 0], 4), ("arc", [2, 0], 4),
                                                                       ("arc2", [2], 4)]
     model = Transformer(cfg.model, cfg.scale)
@@ -98,7 +97,8 @@ def test_piqa_labels_from_a_field_or_a_separate_file(tmp_path):
     cfg = configured(tmp_path, "{name:p,format:piqa,path:piqa.jsonl,labels:piqa-labels.lst}",
                      "{name:q,format:piqa,path:piqa_hf.jsonl}")
     separate, field = [task_items(t, Path(cfg.tasks.dir), cfg.data) for t in cfg.tasks.items]
-    assert separate[1] == Item("Question: dresser\nAnswer:", (" replace drawer with bobby pin", " finish, woodwork"), 1)
+    assert separate[1] == Item("Question: dresser\nAnswer:", ("replace drawer with bobby pin", "finish, woodwork"),
+                               1, " ")
     assert [i.label for i in separate] == [0, 1] and [i.label for i in field] == [1, 0]
 
 

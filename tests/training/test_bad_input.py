@@ -123,13 +123,18 @@ def existing_run(*overrides: str):
     return lambda ctx: [f"run_dir={ctx.existing}", "resume=auto", *overrides]
 
 
-def on_copy(damage):
-    """The existing run copied, one file of its newest checkpoint damaged, resumed with resume=auto."""
+def on_copy(damage, *overrides: str):
+    """The existing run copied, one file of its newest checkpoint damaged, resumed with resume=auto and
+    `overrides`."""
     def setup(ctx: Ctx) -> list[str]:
         ckpt = ctx.checkpoint()
         damage(ckpt)
-        return [f"run_dir={ckpt.parent.parent}", "resume=auto"]
+        return [f"run_dir={ckpt.parent.parent}", "resume=auto", *overrides]
     return setup
+
+
+# The checks behind the checksums, for a checkpoint read without them (trusted, or written before them).
+UNVERIFIED = "checkpoint.verify=false"
 
 
 def shards_with(ctx: Ctx, damage) -> Path:
@@ -182,9 +187,9 @@ IN_PROCESS = [
          "scale.heterogeneity: 'shared' there, 'per_branch' here"),
     Case("truncated_checkpoint", "before_data", on_copy(lambda c: truncate(c / "__0_0.distcp")),
          "__0_0.distcp: is truncated"),
-    Case("corrupt_metadata", "before_data", on_copy(corrupt_metadata), ".metadata: cannot be read"),
-    Case("code_in_metadata", "before_data", on_copy(code_in_metadata), "unexpected object posix.getcwd"),
-    Case("corrupt_train_state", "before_data", on_copy(lambda c: truncate(c / "train_state.json", 10)),
+    Case("corrupt_metadata", "before_data", on_copy(corrupt_metadata, UNVERIFIED), ".metadata: cannot be read"),
+    Case("code_in_metadata", "before_data", on_copy(code_in_metadata, UNVERIFIED), "unexpected object posix.getcwd"),
+    Case("corrupt_train_state", "before_data", on_copy(lambda c: truncate(c / "train_state.json", 10), UNVERIFIED),
          "train_state.json: cannot be read"),
     Case("other_seq_len", "before_data", existing_run("train.seq_len=16"), "train.seq_len: 32 there, 16 here"),
     Case("foreign_shard", "before_model",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scalevec_analysis import group_runs, load_run_dir
+from scalevec_analysis import efficiency_series, group_runs, load_run_dir
 from scalevec_train.branch import shared_steps
 from scalevec_train.errors import ScalevecError
 from scalevec_train.train import run
@@ -82,6 +82,10 @@ def test_branches_read_as_runs_of_their_own_length(trunk, tmp_path):
     assert {g.label for g in groups} == {"train.steps=10", "train.steps=20"}
     curve = load_run_dir(short).records
     assert curve[0]["step"] == 0 and "val_loss" in curve[0] and curve[-1]["step"] == 10
+    # compute efficiency reads a trunk and its branch as two budgets of one rung, the reference's curves there
+    (series,) = efficiency_series([load_run_dir(d) for d in (trunk_dir, short)])
+    assert [p.label for p in series.points] == ["train.steps=10", "train.steps=20"]
+    assert series.points[0].rung == series.points[1].rung
 
 
 @pytest.mark.parametrize("overrides,message", [

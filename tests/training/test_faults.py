@@ -18,17 +18,22 @@ untouched, the partial folder is gone, and resume=auto continues from that check
 uninterrupted run. On 1 rank (in this process) and 2 ranks, synchronous and asynchronous.
 """
 
+import hashlib
+import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
 
 from scalevec_train.checkpoint import files as checkpoint_files
 from scalevec_train.data import prepare_data
-from scalevec_train.errors import CheckpointWriteError
+from scalevec_train.errors import CheckpointWriteError, ScalevecError
 from scalevec_train.faults import FAULT_AT_ENV
+from scalevec_train.lock import DirLock
 from scalevec_train.train import run
 from tests.helpers import make_config
-from tests.launch import Attempts, assert_same_checkpoint, newest_whole, records
+from tests.launch import Attempts, _state, assert_same_checkpoint, newest_whole, records
 from tests.presets import TINY_MODEL
 
 STEPS, EVERY = 6, 2
@@ -99,11 +104,69 @@ def test_kills_at_every_phase_of_steps_and_saves_lose_nothing(mode, common, atte
         codes = attempts.run(overrides, fault, kill)
         assert -9 in codes and 0 not in codes, (fault, codes)
         assert newest_whole(run_dir) == newest, fault
+        # the run directory's lock names the dead rank 0 (unless rank 0 outlived a killed rank 1 and
+        # released it on its way out): the next attempt takes it over at once
+        rank0 = attempts.pids_of(attempts.count - 1)[0]
+        assert lock_holder(run_dir) == rank0 if codes[0] == -9 else lock_holder(run_dir) is None, (fault, codes)
     assert attempts.run(overrides) == [0, 0]
     assert newest_whole(run_dir) == STEPS
     assert sorted(p.name for p in checkpoint_files.checkpoint_root(run_dir).iterdir()) == [f"step_{STEPS:06d}"]
     assert_same_checkpoint(checkpoint_files.step_dir(run_dir, STEPS), checkpoint_files.step_dir(reference, STEPS),
                            tmp_path)
+
+
+def lock_holder(run_dir: Path) -> int | None:
+    text = (run_dir / ".lock").read_text()
+    return json.loads(text)["pid"] if text else None
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def test_a_live_two_rank_run_holds_its_run_dir_and_a_killed_one_is_continued_at_once(common, attempts, reference,
+                                                                                     tmp_path):
+    """While a 2-rank run lives (rank 0 stopped mid-run, rank 1 waiting for it), a second launch and a
+    branch into its run_dir refuse, naming rank 0, and write nothing; a run in another run_dir sharing the
+    data cache trains meanwhile. Once every rank is killed, resume=auto continues at once to the end of
+    the uninterrupted run, bit for bit."""
+    run_dir = tmp_path / "held"
+    overrides = [*common, f"run_dir={run_dir}", "resume=auto"]
+    pids = attempts.start(overrides, "step.start:3@0")
+    try:
+        attempts.started.wait_until(lambda: _state(pids[0]) == "T", "rank 0 stopped at step 3")
+        before = tree_digest(run_dir)
+        for second in ([], [f"branch_from={reference}", "resume=none"]):
+            with pytest.raises(ScalevecError, match=f"run_dir: {run_dir} is in use by a live run \\(host .*, pid "
+                               f"{pids[0]}, started .* UTC; its lock {run_dir}/.lock\\)") as info:
+                run(make_config(*overrides, *second))
+            assert " Fix: wait for that run to end or stop it" in str(info.value)
+            assert tree_digest(run_dir) == before
+        other = run(make_config(*common, "train.steps=2", f"run_dir={tmp_path / 'other'}"))
+        assert newest_whole(other) == 2
+    finally:  # the stopped run ends whatever happened: the attempts' workers wait for it
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+    assert attempts.wait() == [-9, -9]
+    assert attempts.run(overrides) == [0, 0]
+    assert_same_checkpoint(checkpoint_files.step_dir(run_dir, STEPS), checkpoint_files.step_dir(reference, STEPS),
+                           tmp_path)
+
+
+def test_a_second_launch_on_two_ranks_refuses_on_both_naming_the_holder(common, attempts, tmp_path):
+    run_dir = tmp_path / "held"
+    with DirLock(run_dir) as lock:  # held by this process, as by a run
+        lock.acquire()
+        assert attempts.run([*common, f"run_dir={run_dir}"]) == [2, 2]
+    errors = [line for line in attempts.started.output().splitlines()
+              if line.startswith(("[rank 0] error:", "[rank 1] error:")) and f"pid {os.getpid()}," in line]
+    assert len(errors) == 2 and errors[0][9:] == errors[1][9:], errors
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]
 
 
 # Failed writes.

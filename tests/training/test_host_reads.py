@@ -2,7 +2,8 @@
 TorchDispatchMode (tests/host_reads.py) over the steps between logs, for dense and MoE, AdamW and Muon
 (and document masking with the z-loss, and the weight EMA), on 1 process and on 2 gloo ranks. Reads of the optimizer's
 host-side step counters (torch's for-loop AdamW on CPU) are counted apart and not held against the
-framework; Muon keeps its counters on the device and makes none."""
+framework; Muon keeps its counters on the device and makes none. A deliberate item() or tolist() in
+every forward is counted, read for read: a read the framework made would not go unseen."""
 
 import json
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from scalevec_train.data import prepare_data
+from scalevec_train.model import Transformer
 from tests.helpers import make_config
 from tests.host_reads import ReadCounter, count_reads
 from tests.launch import assert_identical, gloo_group, spawn, trained_state
@@ -33,7 +35,7 @@ def overrides(data_overrides, model: str, optim: str, run_dir) -> list[str]:
     return [*data_overrides, *MODELS[model], *SHAPE, f"optim={optim}", "scale=unified", f"run_dir={run_dir}"]
 
 
-def test_the_counter_sees_item_and_tolist():
+def test_the_counter_sees_item_and_bool():
     counter = ReadCounter(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
     counter.start()
     try:
@@ -42,6 +44,26 @@ def test_the_counter_sees_item_and_tolist():
     finally:
         counter.stop()
     assert counter.reads == 2
+
+
+@pytest.mark.parametrize("read", ["item", "tolist"])
+def test_a_read_between_logs_is_counted(data_overrides, tmp_path, monkeypatch, read):
+    """What the no-reads tests would see of a read the framework made: a deliberate `read` of one logit
+    in every forward is 2 reads a step (2 micro-batches), 8 over the 4 steps that do not log. item()
+    reaches the counter as an aten call; tolist() on the CPU reads without one (count_reads' own patch
+    counts it), and counted once."""
+    forward = Transformer.forward
+
+    def reading(self, *args, **kwargs):
+        logits = forward(self, *args, **kwargs)
+        getattr(logits[0, 0, 0].detach(), read)()
+        return logits
+
+    monkeypatch.setattr(Transformer, "forward", reading)
+    out = tmp_path / "reads.json"
+    count_reads(overrides(data_overrides, "dense", "adamw", tmp_path / "run"), out)
+    counts = json.loads(out.read_text())
+    assert counts["steps"] == 4 and counts["reads"] == 4 * 2, counts
 
 
 @pytest.mark.parametrize("model,optim", CASES)
