@@ -105,6 +105,8 @@ def precision(cfg: Config, device: str, world: int) -> Precision:
     if device == "cpu":
         return Precision.cpu(bf16=cfg.train.dtype == "bf16")
     bf16 = cfg.train.dtype in ("auto", "bf16")
+    # kernels=auto runs the reference only inside torch.compile (scalevec_kernels/choice.py), whose graph
+    # keeps what the kernels keep: the norm's input and 1/rms (inductor's partitioner; measured on CPU)
     return Precision.gpu(sharded=world > 1, bf16=bf16, fused=cfg.model.kernels != "torch")
 
 

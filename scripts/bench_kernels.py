@@ -32,6 +32,7 @@ issue's targets that the fused RMSNorm kernels miss and the shapes where fused S
 import argparse
 import datetime
 import importlib.util
+import sys
 import time
 
 import torch
@@ -147,7 +148,7 @@ def time_impl(make, m: int, n: int, k: int, profiled: list | None = None) -> tup
 def byte_model(m: int, n: int, k: int) -> tuple[int, int]:
     """(forward bytes, backward bytes) of the fused kernels."""
     b = torch.finfo(DTYPE).bits // 8
-    partials = 2 * backward_grid(n, m, 1, torch.device("cuda"))[3] * k * n * 4
+    partials = 2 * backward_grid(n, m, 1, (k + 1) * b, False, torch.device("cuda"))[3] * k * n * 4
     return m * ((1 + k) * n * b + 4), m * ((k + 2) * n * b + 4) + partials
 
 
@@ -184,8 +185,22 @@ def swiglu_byte_model(m: int, f: int, experts: int) -> tuple[int, int]:
     """(forward bytes, backward bytes) of the fused SwiGLU kernels."""
     b = torch.finfo(DTYPE).bits // 8
     groups = max(1, experts)
-    partials = 2 * 2 * swiglu_backward_grid(f, m, groups, torch.device("cuda"))[3] * groups * f * 4
+    partials = 2 * 2 * swiglu_backward_grid(f, m, groups, 3 * b, torch.device("cuda"))[3] * groups * f * 4
     return m * (3 * f * b + 8), m * (5 * f * b + 8) + partials
+
+
+def _measured(args, shape: dict, m: int, times: dict, device: dict) -> None:
+    """Keep the fused and compiled forward + backward of a shape for --table: device time (torch.profiler)
+    with --profile, else wall time; at the largest M only (the table has one row count)."""
+    if args.table is None or "compile" not in times or m != max(args.m):
+        return
+    kind = "device" if args.profile else "wall"
+    us = {name: round(device[name] if args.profile else sum(times[name]) * 1e3, 1) for name in ("fused", "compile")}
+    MEASURED.append({**shape, **us, "time": kind})
+
+
+# The rows --table writes (scalevec_kernels/measured/ holds them for model.kernels=auto)
+MEASURED: list[dict] = []
 
 
 def _row(cells) -> str:
@@ -232,11 +247,13 @@ def bench_rms_norm(args, copy_bw: float) -> None:
         for k in args.k:
             torch._dynamo.reset()  # one group's graphs at a time: never dynamo's recompile limit
             for m in args.m:
-                times = {}
+                times, device = {}, {}
                 for name, make in impls.items():
                     profiled = [] if args.profile else None
                     times[name] = time_impl(make, m, n, k, profiled)
                     profiles += _profile_rows([m, n, k], name, times[name], profiled)
+                    device[name] = profiled and sum(p[1] for p in profiled)
+                _measured(args, {"op": "rms_norm", "n": n, "k": k}, m, times, device)
                 print("\n".join(_rows([m, n, k], byte_model(m, n, k), times, copy_bw)), flush=True)
                 for p, (label, nbytes) in enumerate(zip(("fwd", "bwd"), byte_model(m, n, k), strict=True)):
                     misses += _missed_targets(m, n, k, label, nbytes, times, p, copy_bw)
@@ -256,11 +273,13 @@ def bench_swiglu_norm(args, copy_bw: float) -> None:
             torch._dynamo.reset()
             for m in args.m:
                 scales = f"{experts} experts" if experts else "shared"
-                times = {}
+                times, device = {}, {}
                 for name, make in impls.items():
                     profiled = [] if args.profile else None
                     times[name] = time_swiglu(make, m, f, experts, profiled)
                     profiles += _profile_rows([m, f, scales], name, times[name], profiled)
+                    device[name] = profiled and sum(p[1] for p in profiled)
+                _measured(args, {"op": "swiglu_norm", "n": f, "experts": experts}, m, times, device)
                 print("\n".join(_rows([m, f, scales], swiglu_byte_model(m, f, experts), times, copy_bw)),
                       flush=True)
                 for p, label in enumerate(("fwd", "bwd")):
@@ -288,6 +307,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="swiglu_norm: experts E of per-expert scales (0: scales shared by every row)")
     parser.add_argument("--profile", action="store_true",
                         help="also a table per op of host and device time per call, and the kernels run")
+    parser.add_argument("--table", metavar="PATH",
+                        help="write the fused and compiled times (forward + backward, at the largest M; device "
+                             "time with --profile) as the JSON that model.kernels=auto reads: commit it as "
+                             "kernels/scalevec_kernels/measured/<date>-<device>.json")
     args = parser.parse_args(argv)
     has_liger = importlib.util.find_spec("liger_kernel") is not None
     if args.against is None:
@@ -317,6 +340,24 @@ def main() -> None:
         if "rms_norm" in args.ops:
             print()
         bench_swiglu_norm(args, copy_bw)
+    if args.table:
+        _write_table(args)
+
+
+def _write_table(args) -> None:
+    import json
+    import subprocess
+
+    import triton
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    table = {"device": torch.cuda.get_device_name(), "date": str(datetime.date.today()), "torch": torch.__version__,
+             "triton": triton.__version__, "kernels": f"commit {commit or 'unknown'}",
+             "source": f"scripts/bench_kernels.py {' '.join(sys.argv[1:])}", "rows": max(args.m),
+             "dtype": "bf16", "us": "forward + backward, microseconds per call", "measurements": MEASURED}
+    with open(args.table, "w") as f:
+        json.dump(table, f, indent=1)
+    print(f"\nwrote {len(MEASURED)} measurements to {args.table}")
 
 
 def _missed_targets(m, n, k, label, nbytes, times, p, copy_bw) -> list[str]:

@@ -24,19 +24,21 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-PLAN=(kernels train-1b gpu-tests torchtitan train-1b-eager muon train-2b)
+PLAN=(kernels train-1b train-1b-kernels moe-2b gpu-tests torchtitan)
 # Per phase: the estimate (s), the limit (s), the least time worth starting it with (s), its log in $OUT.
 # The estimates are the walls measured on an H200 on 2026-11-26 (docs/benchmarks.md), rounded up by a
-# quarter or more; the limits leave room for a slower compile.
-declare -A EST=([kernels]=60 [train-1b]=90 [gpu-tests]=70 [torchtitan]=80 [train-1b-eager]=35 [muon]=35
-                [train-2b]=100 [suite]=90)
-declare -A LIMIT=([kernels]=100 [train-1b]=180 [gpu-tests]=150 [torchtitan]=170 [train-1b-eager]=70 [muon]=80
-                  [train-2b]=200 [suite]=150)
-declare -A MIN=([kernels]=30 [train-1b]=60 [gpu-tests]=45 [torchtitan]=60 [train-1b-eager]=25 [muon]=30
-                [train-2b]=60 [suite]=60)
-declare -A LOG=([kernels]=kernels.md [train-1b]=train_1b.md [gpu-tests]=gpu_tests.log
-                [torchtitan]=torchtitan.md [train-1b-eager]=train_1b_eager.md [train-2b]=train_2b.md
-                [muon]=muon.md [suite]=cpu_suite.log)
+# quarter or more, and scaled by the work a phase added since; the limits leave room for a slower compile.
+declare -A EST=([kernels]=100 [train-1b]=90 [train-1b-kernels]=60 [moe-2b]=90 [gpu-tests]=70 [torchtitan]=80
+                [train-1b-eager]=35 [muon]=35 [train-2b]=100 [suite]=90)
+declare -A LIMIT=([kernels]=160 [train-1b]=180 [train-1b-kernels]=120 [moe-2b]=160 [gpu-tests]=150
+                  [torchtitan]=170 [train-1b-eager]=70 [muon]=80 [train-2b]=200 [suite]=150)
+declare -A MIN=([kernels]=40 [train-1b]=60 [train-1b-kernels]=40 [moe-2b]=50 [gpu-tests]=45 [torchtitan]=60
+                [train-1b-eager]=25 [muon]=30 [train-2b]=60 [suite]=60)
+declare -A LOG=([kernels]=kernels.md [train-1b]=train_1b.md [train-1b-kernels]=train_1b_kernels.md
+                [moe-2b]=moe_2b.md [gpu-tests]=gpu_tests.log [torchtitan]=torchtitan.md
+                [train-1b-eager]=train_1b_eager.md [train-2b]=train_2b.md [muon]=muon.md [suite]=cpu_suite.log)
+# Files a phase writes into $OUT besides its log
+declare -A EXTRA_FILES=([kernels]=1)
 # The device tool's limits and the costs around the phases: a machine's start (a minute or two), the tree
 # and $OUT copied, the hand-back, the setup of the command (pip-installing .whl, session.txt's torch
 # import), and the grace a phase gets to die at its limit.
@@ -51,15 +53,29 @@ HOST_LACKS="datasets wandb hydra_plugins.hydra_submitit_launcher"
 cmd() {
   if [ -n "$dry" ]; then printf '%q ' "$@" >> "$checks" && echo >> "$checks"; else "$@"; fi
 }
-# RMSNorm+scale with K=1 (a stock norm) and K=3 (unified's q/k/v), and the unified FFN's norm+SwiGLU at
-# dense-1b's width, shared and per-expert scales, against eager and torch.compile, at one M
+# The fused kernels at the presets' widths (RMSNorm+scale: K = 1, a stock norm, and K = 3, unified's q/k/v,
+# at 128 (a head), 1024 (moe-2b), 2048 (dense-1b), 4096; norm+SwiGLU at moe-2b's expert width, dense-0.5b's
+# and dense-1b's FFN, shared and per-expert scales) against eager and torch.compile, with the table that
+# model.kernels=auto reads (commit it as kernels/scalevec_kernels/measured/<date>-<device>.json)
 phase_kernels() {  # --profile: each call's host time and its kernels' device time beside the wall time
-  cmd "$py" scripts/bench_kernels.py --against eager compile --m 16384 --n 1024 2048 4096 --k 1 3 \
-    --f 8192 --experts 0 8 --profile
+  cmd "$py" scripts/bench_kernels.py --against eager compile --m 16384 --n 128 1024 2048 4096 --k 1 3 \
+    --f 512 4096 8192 --experts 0 8 --profile --table "$out/kernels_table.json"
 }
-phase_train_1b() {  # --profile: then the GPU kernels of a step, longest first
+phase_train_1b() {  # model.kernels=auto (the default); --profile: then the GPU kernels of a step, longest first
   cmd "$py" scripts/bench_train.py --presets dense-1b --scales baseline,unified --seq-len 4096 --micro-batch 4 \
     --profile
+}
+phase_train_1b_kernels() {  # unified on the fused kernels alone, then on torch.compile's code alone
+  [ -n "$dry" ] || echo "model.kernels=triton"
+  cmd "$py" scripts/bench_train.py --presets dense-1b --scales unified --seq-len 4096 --micro-batch 4 \
+    -- model.kernels=triton
+  local rc=$?
+  [ -n "$dry" ] || echo "model.kernels=torch"
+  cmd "$py" scripts/bench_train.py --presets dense-1b --scales unified --seq-len 4096 --micro-batch 4 \
+    -- model.kernels=torch && return "$rc"
+}
+phase_moe_2b() {  # where moe-2b's step goes: the GPU kernels of a step, longest first
+  cmd "$py" scripts/bench_train.py --presets moe-2b --scales baseline,unified --profile
 }
 phase_gpu_tests() {  # eight workers share the GPU: their Triton JIT and compilation run side by side
   cmd env SCALEVEC_GPU_TESTS=1 "$py" -m pytest -q -p no:cacheprovider -n 8 tests/gpu
@@ -114,7 +130,7 @@ hand-back take up to $session_worst s, over the session's $SESSION_S s of device
 files=1
 estimate=$SETUP_S
 for name in "${phases[@]}"; do
-  files=$((files + 1))
+  files=$((files + 1 + ${EXTRA_FILES[$name]:-0}))
   estimate=$((estimate + EST[$name]))
 done
 [ "$files" -le "$FILES_BACK" ] || error "these phases write $files files into \$OUT; the device tool brings back \

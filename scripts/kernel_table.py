@@ -9,10 +9,12 @@ same widths launch the same variants and run once. Each distinct variant is then
 local venv's Triton for sm_80 and sm_90 (scalevec_kernels.aot.compile_variant). Beside the presets,
 LIMITS lists the widest calls the kernel library takes (not launched by any preset).
 
-    python scripts/kernel_table.py [--cc 80 90] [--presets dense-1b moe-2b]
+    python scripts/kernel_table.py [--cc 80 90] [--presets dense-1b moe-2b] [--traffic]
 
 Prints a markdown table for docs/benchmarks.md ("Kernels compiled, not yet timed") and exits 1 when a
-preset's variant spills or needs more shared memory than a block may have.
+preset's variant spills or needs more shared memory than a block may have; with --traffic, also when a
+GPU preset's bf16 variant breaks a traffic bound other than as KNOWN_SHORT lists (each one disassembled:
+tests/kernels/test_compile_ahead.py reads one SASS per code path, see code_paths).
 """
 
 import argparse
@@ -23,12 +25,13 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import sys
 from pathlib import Path
 
 import torch
 
-from scalevec_kernels import aot, rms_norm_scales, swiglu_norm
+from scalevec_kernels import aot, rms_norm_scales, swiglu_norm, traffic
 from scalevec_train.config import compose_config
 from scalevec_train.errors import ScalevecError
 from scalevec_train.model.transformer import Transformer
@@ -52,6 +55,19 @@ STRATEGIES = {
 }
 CHEAP = ["model.n_layers=1", "model.vocab_size=128", "model.kernels=triton"]
 TOKENS = 16
+# The presets sized for a GPU (dense-0.12b ... moe-2b): the traffic bounds are about an H200
+GPU_PRESET = re.compile(r"\d(\.\d+)?b$")
+# The variants below the in-flight bound today, by describe() with the bytes an SM keeps in flight (70-88%
+# of the bound): rows of 2560 features in tiles of 4096 (dense-2b: 5/8 of the lanes fetch) and of 384 in
+# 512 (moe-0.5b: 3/4). The list stays true both ways: a listed variant that meets the bound fails too.
+KNOWN_SHORT: dict[tuple[str, str, str, str], int] = {
+    ('rms_norm bwd', '1x4096 chunked', 'K=1 scaled=0', 'bf16'): 20480,  # dense-2b
+    ('rms_norm bwd', '1x4096 chunked', 'K=1 scaled=0 residual', 'bf16'): 20480,  # dense-2b
+    ('rms_norm bwd', '1x4096 chunked', 'K=1 scaled=1', 'bf16/fp32'): 20480,  # dense-2b
+    ('rms_norm bwd', '1x4096 chunked', 'K=1 scaled=1 residual', 'bf16/fp32'): 20480,  # dense-2b
+    ('rms_norm fwd', '1x4096', 'K=3 scaled=111', 'bf16/fp32'): 25600,  # dense-2b
+    ('swiglu_norm fwd', '8x512', 'scaled=11 per_expert=11', 'bf16/fp32'): 24576,  # moe-0.5b
+}
 # The widest calls the library takes, in bf16 and fp32: K = 4 outputs with a residual, and SwiGLU.
 LIMIT_WIDTHS = (8192, 16384)
 
@@ -62,8 +78,8 @@ def _shape(model_cfg) -> tuple:
     return tuple((k, repr(v)) for k, v in sorted(vars(model_cfg).items()) if k not in skip)
 
 
-def _capture_model(model_cfg, scale_cfg, weight_grads: bool = False) -> list[aot.Variant]:
-    """The variants one model makes, forward and backward in fp32 and under bf16 autocast; [] for a
+def _capture_model(model_cfg, scale_cfg, weight_grads: bool = False) -> aot.Launches:
+    """The launches one model makes, forward and backward in fp32 and under bf16 autocast; none for a
     combination the framework refuses (e.g. dp on a preset with QK-norm). The weights stay uninitialized:
     the kernels write nothing under capture, so no value matters. The maps' weights take no gradient
     unless `weight_grads`: no kernel reads one, and writing them was half the capture's time; the scale
@@ -71,7 +87,7 @@ def _capture_model(model_cfg, scale_cfg, weight_grads: bool = False) -> list[aot
     try:
         model = Transformer(model_cfg, scale_cfg)
     except ScalevecError:
-        return []
+        return aot.Launches()
     if not weight_grads:
         keep = set(model.plan.site_parameters()) | {"tok_emb.weight"}
         for name, p in model.named_parameters():
@@ -83,17 +99,19 @@ def _capture_model(model_cfg, scale_cfg, weight_grads: bool = False) -> list[aot
                 logits = model(tokens)
                 aux = model.auxiliary_loss()
             (logits.float().sum() + (0 if aux is None else aux)).backward()
-    return launches.variants
+    return launches
 
 
-def preset_launches(presets=PRESETS) -> dict[aot.Variant, list[str]]:
-    """Every distinct variant the presets launch, with the presets that launch it."""
+def preset_launches(presets=PRESETS) -> tuple[dict[aot.Variant, list[str]], dict[aot.Variant, set[int]]]:
+    """Every distinct variant the presets launch, with the presets that launch it, and the row widths
+    (the kernels' N) it is launched with."""
     # Composed once each: a preset's model and a strategy's scales are independent parts of the config.
     models = {p: compose_config([f"model={p}", *CHEAP], 1).model for p in presets}
     scales = {name: compose_config(["model=moe-tiny", *overrides, *CHEAP], 1).scale
               for name, overrides in STRATEGIES.items()}
     users: dict[aot.Variant, list[str]] = {}
-    done: dict[tuple, list[aot.Variant]] = {}
+    widths: dict[aot.Variant, set[int]] = {}
+    done: dict[tuple, aot.Launches] = {}
     for preset, model_cfg in models.items():
         for name, scale_cfg in scales.items():
             if scale_cfg.per_expert and model_cfg.moe is None:
@@ -101,11 +119,12 @@ def preset_launches(presets=PRESETS) -> dict[aot.Variant, list[str]]:
             key = (_shape(model_cfg), name)
             if key not in done:
                 done[key] = _capture_model(model_cfg, scale_cfg)
-            for variant in done[key]:
+            for variant in done[key].variants:
                 users.setdefault(variant, [])
+                widths.setdefault(variant, set()).update(done[key].widths[variant])
                 if preset not in users[variant]:
                     users[variant].append(preset)
-    return users
+    return users, widths
 
 
 def _sources_hash() -> str:
@@ -121,15 +140,15 @@ def _sources_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def cached_preset_launches(cache: Path = CACHE) -> dict[aot.Variant, list[str]]:
+def cached_preset_launches(cache: Path = CACHE) -> tuple[dict[aot.Variant, list[str]], dict[aot.Variant, set[int]]]:
     """preset_launches() of all presets, read from `cache` when nothing it depends on changed."""
     path = cache / f"launches-{_sources_hash()}.pkl"
     if path.exists():
         return pickle.loads(path.read_bytes())
-    users = preset_launches()
+    found = preset_launches()
     cache.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(pickle.dumps(users))
-    return users
+    path.write_bytes(pickle.dumps(found))
+    return found
 
 
 def limit_launches() -> list[aot.Variant]:
@@ -150,6 +169,9 @@ def describe(variant: aot.Variant) -> tuple[str, str, str, str]:
     """(kernel, tile, flags, dtypes) of a variant, for the table."""
     module, name = variant.kernel.split(".")
     c = dict(variant.constexprs)
+    if module == "partials":
+        flags = f"K={c['K']} slots={c['SLOTS']:b} sum_e={c['SUM_E']:b}"
+        return "partials reduce", f"{c['BLOCK_C']}x{c['BLOCK_L']}", flags, variant.dtype("O0")
     tile = f"{c['BLOCK_M']}x{c['BLOCK_N']}" + (" chunked" if c.get("CHUNKED") else "")
     if module == "rms_norm":
         flags = [f"K={c['K']}", f"scaled={c['SCALED']:b}"] + ["residual"] * bool(c.get("HAS_RES") or c.get("HAS_DH"))
@@ -162,20 +184,23 @@ def describe(variant: aot.Variant) -> tuple[str, str, str, str]:
     return f"{module} {'bwd' if 'bwd' in name else 'fwd'}", tile, " ".join(flags), dtypes
 
 
-def compile_all(variants, ccs, cache: Path = CACHE) -> dict[tuple[aot.Variant, int], aot.Usage]:
-    """Each variant's usage per architecture; compiled results are kept in `cache` by the variant's
-    cache key (which changes with the kernel's source), on top of Triton's own compile cache."""
-    path = cache / "usage.json"
+def compile_all(variants, ccs, code=(), cache: Path = CACHE) -> dict[tuple[aot.Variant, int], aot.Usage]:
+    """Each variant's usage per architecture, with the global accesses of its SASS for the variants in
+    `code` (what the traffic model reads; disassembling costs more than compiling); compiled results
+    are kept in `cache` by the variant's cache key (which changes with the kernel's source), on top of
+    Triton's own compile cache."""
+    path = cache / "usage-sass.json"
     known = json.loads(path.read_text()) if path.exists() else {}
+    code = set(code)
     out = {}
     for v in variants:
         for cc in ccs:
             key = v.cache_key(cc)
-            if key not in known:
-                known[key] = dataclasses.asdict(aot.compile_variant(v, cc))
+            if key not in known or (v in code and not known[key].get("accesses")):
+                known[key] = dataclasses.asdict(aot.compile_variant(v, cc, code=v in code))
                 cache.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(known))  # each result kept at once: compiling all takes minutes
-            out[v, cc] = aot.Usage(**known[key])
+            out[v, cc] = aot.Usage.from_json(known[key])
     return out
 
 
@@ -203,6 +228,81 @@ def table(users: dict[aot.Variant, list[str]], usage, ccs) -> list[str]:
     return lines
 
 
+def gpu_row_variants(users: dict[aot.Variant, list[str]]) -> list[aot.Variant]:
+    """The row kernels' variants that the GPU-sized presets launch in bf16 (their recipes train under bf16
+    autocast): what the traffic bounds are about. The partial sums' reduction moves no rows."""
+    out = []
+    for v, presets in users.items():
+        if v.kernel.startswith("partials") or not any(GPU_PRESET.search(p) for p in presets):
+            continue
+        if v.dtype(traffic.row_args(v)[0 if v.kernel.startswith("rms") else 1]) == "bf16":
+            out.append(v)
+    return out
+
+
+def code_paths(variants, widths) -> dict[aot.Variant, aot.Variant]:
+    """Each variant with the one that stands for its code path (kernel, flags, whole rows or chunked): the
+    variant of that path launched with the widest rows. A path's variants hold the same elements a thread
+    and differ in the tile's shape, which leaves what the traffic model reads from their SASS the same (the
+    large tensors' reads and writes per tile, access widths, the bytes a warp has in flight before it
+    waits; `--traffic` disassembles every one and fails where it differs); registers and width stay each
+    one's."""
+    paths: dict[tuple, list[aot.Variant]] = {}
+    for v in variants:
+        kernel, _, flags, _ = describe(v)
+        paths.setdefault((kernel, flags, bool(dict(v.constexprs).get("CHUNKED"))), []).append(v)
+    return {v: max(vs, key=lambda u: (max(widths[u]), repr(u))) for vs in paths.values() for v in vs}
+
+
+def audit(variants, widths, usage, cc: int = 90) -> dict[aot.Variant, traffic.Traffic]:
+    """The memory traffic of each variant at the widest width it is launched with, from its own usage and
+    its code path's SASS (code_paths: only those need disassembling)."""
+    rep = code_paths(variants, widths)
+    return {v: traffic.traffic(v, dataclasses.replace(usage[v, cc], accesses=usage[rep[v], cc].accesses,
+                                                      batches=usage[rep[v], cc].batches), max(widths[v]))
+            for v in variants}
+
+
+def traffic_problems(users, widths, usage) -> list[str]:
+    """The bounds broken other than as KNOWN_SHORT lists, a listed variant that meets them, and a variant
+    whose own SASS gives other traffic than its code path's (which the CI test's reading of one a path assumes)."""
+    audited = gpu_row_variants(users)
+    rep, found = code_paths(audited, widths), audit(audited, widths, usage)
+    out = [f"{' '.join(describe(v))}: its own SASS gives other traffic than {' '.join(describe(rep[v]))}'s"
+           for v in audited if traffic.traffic(v, usage[v, 90], max(widths[v])) != found[v]]
+    short = {}
+    for v, t in found.items():
+        problems = t.problems()
+        if problems and (describe(v) not in KNOWN_SHORT or problems != [_short(t.in_flight)]):
+            out += [f"{' '.join(describe(v))}: {p}" for p in problems]
+        if problems:
+            short[describe(v)] = t.in_flight
+    out += [f"{' '.join(what)}: listed in KNOWN_SHORT with {n} B, keeps {short.get(what, 'enough')}"
+            for what, n in KNOWN_SHORT.items() if short.get(what) != n]
+    return out
+
+
+def _short(in_flight: int) -> str:
+    return f"keeps {in_flight} B in flight per SM, under the {traffic.IN_FLIGHT_NEEDED} B an H200 needs"
+
+
+def traffic_table(users, widths, usage) -> list[str]:
+    """One row per bf16 variant of the GPU-sized presets: its memory traffic on an H200 (scalevec_kernels.
+    traffic, from the sm_90 SASS) at the widest width it is launched with."""
+    head = ["kernel", "tile", "warps", "flags", "width", "regs", "programs / SM", "reads off chip", "bytes / floor",
+            "access B / lane", "B a warp in flight", "B an SM in flight", "bounds"]
+    lines = ["| " + " | ".join(head + ["launched by"]) + " |", "|" + "---|" * (len(head) + 1)]
+    rows = []
+    for v, t in audit(gpu_row_variants(users), widths, usage).items():
+        gpu = [p for p in users[v] if GPU_PRESET.search(p)]
+        kernel, tile, flags, _ = describe(v)
+        reads = ", ".join(f"{a} {n:g}" for a, n in sorted(t.off_chip_reads.items()))
+        rows.append([kernel, tile, str(v.num_warps), flags, str(max(widths[v])), str(usage[v, 90].registers),
+                     str(t.programs_per_sm), reads, f"{t.bytes_over_floor:.2f}", str(t.vector_bytes), str(t.warp_bytes),
+                     str(t.in_flight), "; ".join(t.problems()) or "met", _summary(sorted(gpu))])
+    return lines + ["| " + " | ".join(r) + " |" for r in sorted(rows)]
+
+
 def _summary(presets: list[str]) -> str:
     if len(presets) <= 3:
         return ", ".join(presets) or "library limit"
@@ -214,19 +314,29 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cc", type=int, nargs="+", default=[80, 90], choices=sorted(aot.SHARED_PER_BLOCK))
     parser.add_argument("--presets", nargs="+", default=PRESETS, choices=PRESETS)
+    parser.add_argument("--traffic", action="store_true",
+                        help="then the memory traffic of the GPU presets' bf16 variants on an H200 (sm_90)")
     args = parser.parse_args(argv)
     import triton
 
-    users = cached_preset_launches() if args.presets == PRESETS else preset_launches(args.presets)
+    users, widths = cached_preset_launches() if args.presets == PRESETS else preset_launches(args.presets)
     limits = {v: [] for v in limit_launches() if v not in users}
-    usage = compile_all(list(users) + list(limits), args.cc)
+    audited = gpu_row_variants(users) if args.traffic else []
+    usage = compile_all(list(users) + list(limits), args.cc, code=audited)
     print(f"Triton {triton.__version__}, compiled for {', '.join(f'sm_{cc}' for cc in args.cc)}, "
           f"{datetime.date.today()}: {len(users)} variants launched by {len(args.presets)} presets, "
           f"{len(limits)} more at the library's limits (launched by none).\n")
     print("\n".join(table(users | limits, usage, args.cc)))
-    bad = [(describe(v), p) for v in users for cc in args.cc for p in usage[v, cc].problems()]
-    for what, problem in bad:
-        print(f"FAIL {' '.join(what)}: {problem}", file=sys.stderr)
+    if args.traffic:
+        if 90 not in args.cc:
+            usage |= compile_all(audited, [90], code=audited)
+        print(f"\nMemory traffic on an H200 (sm_90 SASS; {traffic.IN_FLIGHT_NEEDED} B in flight an SM needed):\n")
+        print("\n".join(traffic_table(users, widths, usage)))
+    bad = [f"{' '.join(describe(v))}: {p}" for v in users for cc in args.cc for p in usage[v, cc].problems()]
+    if args.traffic:
+        bad += traffic_problems(users, widths, usage)
+    for problem in bad:
+        print(f"FAIL {problem}", file=sys.stderr)
     return 1 if bad else 0
 
 

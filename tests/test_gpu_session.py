@@ -48,23 +48,25 @@ def test_the_default_plan_is_one_command_in_the_issues_order_that_fits_the_sessi
         assert "wheels: .whl/ lacks" in done.stdout
         assert "bash ../shared/tools/gpu-wheels.sh $(cat scripts/gpu_wheels.txt)" in done.stdout
     p = plan(done.stdout)
-    # the issue's order (kernels, dense-1b compiled, tests/gpu, torchtitan), then what time is left for
-    assert list(p["phases"]) == ["kernels", "train-1b", "gpu-tests", "torchtitan", "train-1b-eager", "muon",
-                                 "train-2b"]
+    # issue 49's order: the kernels, dense-1b compiled with kernels auto, then triton and torch alone,
+    # moe-2b with a profile, tests/gpu, torchtitan
+    assert list(p["phases"]) == ["kernels", "train-1b", "train-1b-kernels", "moe-2b", "gpu-tests", "torchtitan"]
     assert p["setup"] + sum(est for est, _, _ in p["phases"].values()) <= p["deadline"]
     assert all(minimum <= est <= limit for est, limit, minimum in p["phases"].values())
     assert p["deadline"] + p["setup"] <= p["command"] <= 600 and p["worst"] <= SESSION_S
     assert p["files"] <= FILES_BACK
     checked = done.stdout.split("commands:")[1]
-    assert checked.count("  ok  ") == 8 and "FAIL" not in checked  # train-2b: dense-2b, then moe-2b
+    assert checked.count("  ok  ") == 7 and "FAIL" not in checked  # train-1b-kernels: triton, then torch
     assert "2 run config(s) compose: dense-1b baseline, dense-1b unified" in checked
+    assert "model.kernels=triton" in checked and "model.kernels=torch" in checked
+    assert "2 run config(s) compose: moe-2b baseline, moe-2b unified" in checked
 
 
 @pytest.mark.parametrize("args,env,problem", [
     (["kernels"], {"GPU_SESSION_DEADLINE": "530"}, "exceed the device command's 540 s"),
     (["kernels", "train-1b", "gpu-tests"], {"GPU_SESSION_DEADLINE": "200"},
-     "the phases' estimates add up to 240 s with the setup, over the deadline of 200 s"),
-    (["kernels", "train-1b", "gpu-tests", "torchtitan", "train-1b-eager", "muon", "train-2b", "suite"], {},
+     "the phases' estimates add up to 280 s with the setup, over the deadline of 200 s"),
+    (["kernels", "train-1b", "gpu-tests", "torchtitan", "train-1b-eager", "muon", "train-2b"], {},
      "these phases write 9 files"),
     (["kernels"], {"GPU_SESSION_LIMIT_KERNELS": "2m"}, "the limit of kernels is '2m'"),
     (["kernels", "no-such-phase"], {}, "unknown phase 'no-such-phase'")])

@@ -12,7 +12,8 @@ constexprs and num_warps. The kernels' outputs under capture are left unwritten 
 workload's numbers are meaningless but its shapes, dtypes, and so its launches, are the real ones.
 
 Registers and the per-thread local frame (bytes a thread spills to local memory) come from the cubin
-(cuobjdump -res-usage, bundled with triton), shared memory from the compiled kernel's metadata.
+(cuobjdump -res-usage, bundled with triton), shared memory from the compiled kernel's metadata, and the
+global loads and stores with the batches of loads a warp keeps in flight from its SASS (sass.py).
 """
 
 import contextlib
@@ -26,7 +27,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 
-from . import backend
+from . import backend, sass
 from .errors import KernelError
 
 # Per architecture (compute capability): shared memory one block may use, and per SM.
@@ -35,9 +36,12 @@ SHARED_PER_SM = {80: 164 * 1024, 90: 228 * 1024}
 REGISTERS_PER_SM, MAX_WARPS_PER_SM, MAX_BLOCKS_PER_SM = 65536, 64, 32
 # Registers are handed to warps in units of 256 (8 per thread).
 _REGISTER_UNIT = 256
-# By module, not attribute: the package's names rms_norm etc. are the functions (see __init__.py).
-_KERNEL_MODULES = tuple(importlib.import_module(f"{__package__}.{m}") for m in ("rms_norm", "swiglu_norm"))
-_ROUTING_MODULES = _KERNEL_MODULES + (importlib.import_module(f"{__package__}.head_rms_norm"),)
+# The kernels by module (imported by name: the package's names rms_norm etc. are the functions, see
+# __init__.py), and the modules that route a call to them or to the reference.
+_KERNELS = {"rms_norm": ("_fwd_kernel", "_bwd_kernel"), "swiglu_norm": ("_fwd_kernel", "_bwd_kernel"),
+            "partials": ("_reduce_kernel",)}
+_ROUTING_MODULES = tuple(importlib.import_module(f"{__package__}.{m}")
+                         for m in ("rms_norm", "swiglu_norm", "head_rms_norm"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +57,15 @@ class Variant:
     maxnreg: int | None
     # triton.compile's arguments: signature, constexprs and attrs by argument index
     packed: tuple = dataclasses.field(compare=False, repr=False)
+
+    @property
+    def params(self) -> list[str | None]:
+        """The compiled kernel's parameters in order (the arguments that are not compile-time constants),
+        by name for pointers, None for scalars: what sass.analyze takes."""
+        return [name if kind.startswith("*") else None for name, kind in self.signature if kind != "constexpr"]
+
+    def constexpr(self, name: str):
+        return dict(self.constexprs)[name]
 
     @property
     def fn(self):
@@ -76,6 +89,17 @@ class Usage:
     registers: int
     spill_bytes: int
     shared_bytes: int
+    # From the SASS (empty unless compile_variant read it): each global access as (kind, argument, bytes
+    # per lane), in program order, and the batches of loads in flight together as indices into `accesses`
+    accesses: tuple[tuple[str, str | None, int], ...] = ()
+    batches: tuple[tuple[int, ...], ...] = ()
+
+    @classmethod
+    def from_json(cls, fields: dict) -> "Usage":
+        fields = dict(fields)
+        fields["accesses"] = tuple(tuple(a) for a in fields.get("accesses", ()))
+        fields["batches"] = tuple(tuple(b) for b in fields.get("batches", ()))
+        return cls(**fields)
 
     def blocks_per_sm(self, num_warps: int) -> int:
         per_warp = -(-self.registers * 32 // _REGISTER_UNIT) * _REGISTER_UNIT
@@ -103,6 +127,10 @@ class Launches:
 
     def __init__(self):
         self._seen: dict[Variant, None] = {}
+        # The row widths (the kernel's N argument) each variant was launched with
+        self.widths: dict[Variant, set[int]] = {}
+        # Every launch's kernel (module.function), in order
+        self.calls: list[str] = []
 
     @property
     def variants(self) -> list[Variant]:
@@ -121,6 +149,8 @@ class Launches:
             maxnreg=options.maxnreg,
             packed=(signature, constexprs, attrs))
         self._seen.setdefault(variant)
+        self.calls.append(variant.kernel)
+        self.widths.setdefault(variant, set()).add(bound["N"])
 
 
 class _Recorder:
@@ -163,8 +193,9 @@ def capture(sm_count: int = 132) -> Iterator[Launches]:
         setattr(module, name, value)
 
     try:
-        for module in _KERNEL_MODULES:
-            for name in ("_fwd_kernel", "_bwd_kernel"):
+        for module, names in _KERNELS.items():
+            module = importlib.import_module(f"{__package__}.{module}")
+            for name in names:
                 patch(module, name, _Recorder(getattr(module, name), launches))
         patch(backend, "sm_count", lambda device: sm_count)
         for module in _ROUTING_MODULES:
@@ -184,9 +215,11 @@ def _cuobjdump() -> str:
     return path
 
 
-def compile_variant(variant: Variant, cc: int) -> Usage:
-    """Compile with Triton's compiler for sm_<cc> (80, 90) and read the binary's resource usage.
-    Triton's compile cache (TRITON_CACHE_DIR) makes a repeated compile a cache read."""
+def compile_variant(variant: Variant, cc: int, code: bool = True) -> Usage:
+    """Compile with Triton's compiler for sm_<cc> (80, 90) and read the binary's resource usage, and with
+    `code` its global accesses from the SASS (sass.py: disassembling takes about 0.4 s of CPU a variant,
+    more than the compile). Triton's compile cache (TRITON_CACHE_DIR) makes a repeated compile a cache
+    read."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -205,5 +238,11 @@ def compile_variant(variant: Variant, cc: int) -> Usage:
         report = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True,
                                 check=True).stdout
     fields = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", report))
-    return Usage(cc=cc, registers=int(fields["REG"]), spill_bytes=int(fields["STACK"]) + int(fields["LOCAL"]),
-                 shared_bytes=kernel.metadata.shared)
+    usage = Usage(cc=cc, registers=int(fields["REG"]), spill_bytes=int(fields["STACK"]) + int(fields["LOCAL"]),
+                  shared_bytes=kernel.metadata.shared)
+    if not code:
+        return usage
+    found = sass.analyze(kernel.asm["cubin"], variant.params, cc, _cuobjdump())
+    index = {id(a): i for i, a in enumerate(found.accesses)}
+    return dataclasses.replace(usage, accesses=tuple((a.kind, a.arg, a.width) for a in found.accesses),
+                               batches=tuple(tuple(index[id(a)] for a in batch) for batch in found.batches))

@@ -1,11 +1,14 @@
-"""Which implementation runs a call (the Triton kernels or the PyTorch reference), and what the kernel
-files share: the optional triton import, whether triton interprets the kernels, and tile sizes."""
+"""Which implementation runs a call (the Triton kernels or the PyTorch reference: choice.py for `auto` under
+torch.compile), and what the kernel files share: the optional triton import, whether triton interprets
+the kernels, tile sizes, and the device figures they are sized for."""
 
 import functools
+import math
 
 import torch
 from torch import Tensor
 
+from . import choice
 from .errors import KernelError
 
 try:
@@ -48,16 +51,21 @@ def check_backend(backend: str, device_type: str) -> None:
                           "triton's interpreter.")
 
 
-def use_triton(backend: str, x: Tensor, misfit: str | None, device_type: str | None = None) -> bool:
-    """Whether a call on x runs the kernels: `auto` takes them when they can, `triton` insists on them.
-    `misfit` says why the call does not fit the kernels, None when it does. `device_type` decides as if x
-    were on that device (aot.capture answers for CUDA on CPU tensors)."""
+def use_triton(backend: str, x: Tensor, misfit: str | None, device_type: str | None = None,
+               shape: tuple | None = None) -> bool:
+    """Whether a call on x runs the kernels: `auto` takes them when they can, except inside torch.compile
+    where the latest GPU visit measured torch.compile's code of the reference faster for the op and
+    `shape` (choice.pick's arguments); `triton` insists on them. `misfit` says why the call does not fit
+    the kernels, None when it does. `device_type` decides as if x were on that device (aot.capture
+    answers for CUDA on CPU tensors)."""
     device_type = (device_type or x.device.type).split(":")[0]
     check_backend(backend, device_type)
     if backend == "torch":
         return False
     if backend == "auto":
-        return misfit is None and device_type == "cuda" and triton is not None
+        if misfit is not None or device_type != "cuda" or triton is None:
+            return False
+        return shape is None or not torch.compiler.is_compiling() or choice.pick(*shape)[0] == "fused"
     if misfit is not None:
         raise KernelError(misfit, f"{_USE_OTHER}.")
     return True
@@ -70,22 +78,38 @@ def tile(n: int, budget: int) -> tuple[int, int, int]:
     return block_m, block_n, min(16, max(1, block_m * block_n // 512))
 
 
-def backward_tile(n: int, budget: int, chunk: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) of a backward: whole rows when they fit in `chunk` features, else
-    rows walked in chunks of `chunk` features. Each thread holds BACKWARD_PER_THREAD elements of a tile,
-    so that the K fp32 scale-gradient accumulators and the working rows fit in 128 registers a thread,
-    which lets 16 warps stay resident per SM (see resident_programs)."""
-    block_n = min(triton.next_power_of_2(n), chunk)
+def chunked_tile(n: int, budget: int, per_thread: int, chunk: int | None = None) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of tiles of at most `budget` elements, `per_thread` a thread: whole rows
+    when they fit (several rows of narrow ones), else chunks of `chunk` (default: `budget`) features that
+    the kernel walks twice, the second time from L2."""
+    block_n = min(triton.next_power_of_2(n), chunk or budget, budget)
     block_m = max(1, min(64, budget // block_n))
-    return block_m, block_n, min(MAX_WARPS, max(1, block_m * block_n // (32 * BACKWARD_PER_THREAD)))
+    return block_m, block_n, min(MAX_WARPS, max(1, block_m * block_n // (32 * per_thread)))
 
 
-MAX_WARPS, BACKWARD_PER_THREAD = 16, 8
+def backward_per_thread(row_bytes: int) -> int:
+    """Elements a thread of a backward holds: BACKWARD_PER_THREAD, twice that when the large tensors it
+    loads (`row_bytes` per element, all of them together) would leave less than IN_FLIGHT_NEEDED in
+    flight on an SM of WARPS_PER_SM warps. Each K's fp32 scale-gradient accumulator and the working rows
+    must fit in MAX_REGISTERS, so only few tensors get the wider tile."""
+    short = row_bytes * BACKWARD_PER_THREAD * 32 * WARPS_PER_SM < IN_FLIGHT_NEEDED
+    return BACKWARD_PER_THREAD * (2 if short else 1)
+
+
+# Warps per program at most: 8, so that an SM of WARPS_PER_SM warps holds two programs and one loads while
+# the other reduces and stores. 8 elements a thread keep the K fp32 accumulators and the working rows of a
+# backward within MAX_REGISTERS.
+MAX_WARPS, BACKWARD_PER_THREAD = 8, 8
 # The warps per SM a backward's persistent grid fills: at <= 128 registers a thread, 16 warps fit in an
 # SM's 65536 registers. Every launch passes the cap to ptxas (maxnreg): without one, ptxas spilled a
 # register now and then with registers to spare; tests/kernels/test_compile_ahead.py checks that no
 # variant the presets launch spills under it.
 WARPS_PER_SM, MAX_REGISTERS = 16, 128
+# The device the tiles are sized for, an H200 (the H100 SXM needs less): Little's law asks each SM to keep
+# bandwidth x latency / SMs bytes in flight. 4.8 TB/s: H200's HBM3e (NVIDIA's datasheet; 3.35 TB/s on an
+# H100 SXM); 800 ns: the upper end of 600-800 ns for a loaded HBM access on Hopper; 132 SMs.
+SMS, BANDWIDTH, LATENCY = 132, 4.8e12, 800e-9
+IN_FLIGHT_NEEDED = math.ceil(BANDWIDTH * LATENCY / SMS)
 
 
 def resident_programs(device: torch.device, num_warps: int) -> int:

@@ -38,8 +38,8 @@ def head_rms_norm(x: Tensor, scale: Tensor | None, eps: float, backend: str = "a
             raise KernelError(f"head_rms_norm: scale has shape {tuple(scale.shape)}; expected ({d},), "
                               f"({heads}, {d}) or ({heads * d},) for x of shape {tuple(x.shape)}.",
                               "Pass a scale shared across heads, one row per head, or None.")
-    if not use_triton(backend, x, misfit(x, 1)):
+    if not use_triton(backend, x, misfit(x, 1), shape=("rms_norm", d, 1)):
         return head_rms_norm_reference(x, scale, eps)
-    flat = None if scale is None else scale.reshape(groups * d)
-    (y,), _ = fused_forward(x, None, [flat], groups, eps)
+    # The kernels index a full-width scale as [H, D] contiguous rows, whatever its shape
+    (y,), _ = fused_forward(x, None, [scale], groups, eps)
     return y

@@ -15,13 +15,29 @@ in head_rms_norm.py indexes a full-width [H, D] scale.
 import torch
 from torch import Tensor
 
-from .backend import INTERPRETED, MAX_REGISTERS, backward_tile, resident_programs, tile, tl, triton, use_triton
+from .backend import (
+    BACKWARD_PER_THREAD,
+    INTERPRETED,
+    MAX_REGISTERS,
+    MAX_WARPS,
+    backward_per_thread,
+    chunked_tile,
+    resident_programs,
+    tile,
+    tl,
+    triton,
+    use_triton,
+)
 from .errors import KernelError
+from .partials import reduce_partials
 
 # One pointer argument per output/scale slot in the kernels; the forward holds whole rows in registers.
 MAX_SCALES = 4
 MAX_FEATURES = 16384
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The kernels' [rows, N] arguments: the large tensors the memory model counts (traffic.py)
+ROW_ARGS = {"_fwd_kernel": ("X", "R", "H", "Y0", "Y1", "Y2", "Y3"),
+            "_bwd_kernel": ("X", "DH", "DX", "DY0", "DY1", "DY2", "DY3")}
 
 
 def rms_norm_scales_reference(x: Tensor, scales: list[Tensor | None], eps: float,
@@ -48,7 +64,7 @@ def rms_norm_scales(x: Tensor, scales: list[Tensor | None] | None, eps: float,
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise KernelError(f"rms_norm_scales: residual {tuple(residual.shape)} {residual.dtype} must match "
                           f"x {tuple(x.shape)} {x.dtype}.", "Pass a residual shaped and typed like x.")
-    if not use_triton(backend, x, misfit(x, len(scales))):
+    if not use_triton(backend, x, misfit(x, len(scales)), shape=("rms_norm", n, len(scales))):
         return rms_norm_scales_reference(x, scales, eps, residual)
     ys, h = fused_forward(x, residual, scales, 1, eps)
     return tuple(ys) if residual is None else (*ys, h)
@@ -108,7 +124,8 @@ if triton is not None:
         if CHUNKED:
             # Rows longer than a tile: per tile of rows, one pass over the column chunks for the row
             # reduction, a second (re-reading the chunks, mostly from cache) for dx, adding each chunk's
-            # scale-gradient sums into the program's own partials (zeroed by the caller).
+            # scale-gradient sums into the program's own partials (written by its first tile: every
+            # program has one, the caller launches at most a program per tile).
             for t0 in range(c * BLOCK_M, T, C * BLOCK_M):
                 tokens = (t0 + tl.arange(0, BLOCK_M)).to(tl.int64)
                 row_ok = tokens < T
@@ -122,19 +139,25 @@ if triton is not None:
                 proj = proj / N
                 for n0 in range(0, N, BLOCK_N):
                     chunk = n0 + cols
-                    normed, dn, dy0, dy1, dy2, dy3 = _bwd_chunk(X, DY0, DY1, DY2, DY3, S0, S1, S2, S3, rows,
-                                                                row_ok, rstd, chunk, N, g, K, SCALED)
                     mask = row_ok[:, None] & (chunk < N)[None, :]
                     offs = rows[:, None] * N + chunk[None, :]
+                    # Issued with the chunk's other loads (before any arithmetic waits for them).
+                    if HAS_DH:
+                        dh = tl.load(DH + offs, mask=mask, other=0.0)
+                    normed, dn, dy0, dy1, dy2, dy3 = _bwd_chunk(X, DY0, DY1, DY2, DY3, S0, S1, S2, S3, rows,
+                                                                row_ok, rstd, chunk, N, g, K, SCALED)
                     dx = (dn - normed * proj[:, None]) * rstd[:, None]
                     if HAS_DH:
-                        dx += tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
+                        dx += dh.to(tl.float32)
                     tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
                     dys = (dy0, dy1, dy2, dy3)
+                    # The partials an earlier tile wrote (a mask of the chunk's shape: triton's interpreter
+                    # takes no scalar in one)
+                    earlier = (chunk < N) & (t0 + 0 * chunk > c * BLOCK_M)
                     for k in tl.static_range(K):
                         if (SCALED >> k) & 1:
                             p = part + k * G * N + chunk
-                            total = tl.load(p, mask=chunk < N, other=0.0) + tl.sum(dys[k] * normed, axis=0)
+                            total = tl.load(p, mask=earlier, other=0.0) + tl.sum(dys[k] * normed, axis=0)
                             tl.store(p, total, mask=chunk < N)
                 # The next tile's threads may read partials other threads of this program wrote.
                 tl.debug_barrier()
@@ -164,27 +187,39 @@ if triton is not None:
                 rows = tokens * G + g
                 mask = row_ok[:, None] & col_ok[None, :]
                 offs = rows[:, None] * N + cols[None, :]
+                # Every large load of the tile first, then the arithmetic: the warp has them all in flight
+                # before it first waits (traffic.py counts what it has).
                 rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-                normed = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
-                dy = tl.load(DY0 + offs, mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(X + offs, mask=mask, other=0.0)
+                dy0 = tl.load(DY0 + offs, mask=mask, other=0.0)
+                if K > 1:
+                    dy1 = tl.load(DY1 + offs, mask=mask, other=0.0)
+                if K > 2:
+                    dy2 = tl.load(DY2 + offs, mask=mask, other=0.0)
+                if K > 3:
+                    dy3 = tl.load(DY3 + offs, mask=mask, other=0.0)
+                if HAS_DH:
+                    dh = tl.load(DH + offs, mask=mask, other=0.0)
+                normed = x.to(tl.float32) * rstd[:, None]
+                dy = dy0.to(tl.float32)
                 dn = dy * s0[None, :]
                 acc0 += dy * normed
                 if K > 1:
-                    dy = tl.load(DY1 + offs, mask=mask, other=0.0).to(tl.float32)
+                    dy = dy1.to(tl.float32)
                     dn += dy * s1[None, :]
                     acc1 += dy * normed
                 if K > 2:
-                    dy = tl.load(DY2 + offs, mask=mask, other=0.0).to(tl.float32)
+                    dy = dy2.to(tl.float32)
                     dn += dy * s2[None, :]
                     acc2 += dy * normed
                 if K > 3:
-                    dy = tl.load(DY3 + offs, mask=mask, other=0.0).to(tl.float32)
+                    dy = dy3.to(tl.float32)
                     dn += dy * s3[None, :]
                     acc3 += dy * normed
                 proj = tl.sum(dn * normed, axis=1) / N
                 dx = (dn - normed * proj[:, None]) * rstd[:, None]
                 if HAS_DH:
-                    dx += tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
+                    dx += dh.to(tl.float32)
                 tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
             accs = (acc0, acc1, acc2, acc3)
             for k in tl.static_range(K):
@@ -198,42 +233,53 @@ if triton is not None:
         col_ok = chunk < N
         mask = row_ok[:, None] & col_ok[None, :]
         offs = rows[:, None] * N + chunk[None, :]
-        normed = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
-        dn = tl.zeros_like(normed)
-        dys = (DY0, DY1, DY2, DY3)
+        # The chunk's large loads first, then the arithmetic (as in the whole-row path).
+        x = tl.load(X + offs, mask=mask, other=0.0)
+        dy0 = tl.load(DY0 + offs, mask=mask, other=0.0).to(tl.float32)
+        normed = tl.zeros_like(dy0)
+        dy1 = normed
+        dy2 = normed
+        dy3 = normed
+        if K > 1:
+            dy1 = tl.load(DY1 + offs, mask=mask, other=0.0).to(tl.float32)
+        if K > 2:
+            dy2 = tl.load(DY2 + offs, mask=mask, other=0.0).to(tl.float32)
+        if K > 3:
+            dy3 = tl.load(DY3 + offs, mask=mask, other=0.0).to(tl.float32)
+        normed = x.to(tl.float32) * rstd[:, None]
+        dys = (dy0, dy1, dy2, dy3)
         ss = (S0, S1, S2, S3)
-        dy0 = dn
-        dy1 = dn
-        dy2 = dn
-        dy3 = dn
+        dn = tl.zeros_like(normed)
         for k in tl.static_range(K):
-            dy = tl.load(dys[k] + offs, mask=mask, other=0.0).to(tl.float32)
-            if k == 0:
-                dy0 = dy
-            if k == 1:
-                dy1 = dy
-            if k == 2:
-                dy2 = dy
-            if k == 3:
-                dy3 = dy
+            dy = dys[k]
             if (SCALED >> k) & 1:
                 dy = dy * tl.load(ss[k] + g * N + chunk, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             dn += dy
         return normed, dn, dy0, dy1, dy2, dy3
 
 
-# Elements per tile, forward (whole rows) and backward, and the widest backward tile: longer rows are
-# walked in chunks. The interpreter pays per operation, not per element: larger tiles keep the CPU tests
-# fast (and tests force small chunks to run the chunked path).
-_FWD_TILE, _BWD_TILE, _BWD_CHUNK = (65536, 65536, MAX_FEATURES) if INTERPRETED else (4096, 2048, 4096)
+# Elements per forward tile (whole rows); a backward's tile and widest chunk (None: by the in-flight rule,
+# backend.backward_per_thread; longer rows are walked in chunks). The interpreter pays per operation, not
+# per element: larger tiles keep the CPU tests fast (and tests force small chunks to run the chunked path).
+_FWD_TILE, _BWD_TILE = (65536, 65536) if INTERPRETED else (4096, None)
+_BWD_CHUNK = None
 
 
-def backward_grid(n: int, tokens: int, groups: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, programs per scale row) of the backward; each program writes one
-    fp32 partial per scale gradient."""
-    block_m, block_n, warps = backward_tile(n, _BWD_TILE, _BWD_CHUNK)
+def backward_grid(n: int, tokens: int, groups: int, row_bytes: int, residual: bool,
+                  device: torch.device) -> tuple[int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, num_warps, programs per scale row, chunked) of the backward, whose loads of x and
+    the K output gradients take `row_bytes` per element (the residual's gradient is left out: the
+    chunked path every backward with one takes reads it in its second pass only, so the first pass's
+    loads are the fewer); each program writes one fp32 partial per scale gradient. Tiles of 16 elements
+    a thread, and every backward with a residual's gradient, take the chunked path even when one chunk
+    holds the row: without the K [BLOCK_M, BLOCK_N] accumulators ptxas issues all of a tile's loads
+    before it waits (with them, it left the residual's load behind the arithmetic: a warp then had one
+    tensor in flight)."""
+    per_thread = backward_per_thread(row_bytes)
+    block_m, block_n, warps = chunked_tile(n, _BWD_TILE or MAX_WARPS * 32 * per_thread, per_thread, _BWD_CHUNK)
     programs = triton.cdiv(resident_programs(device, warps), groups)
-    return block_m, block_n, warps, max(1, min(triton.cdiv(tokens, block_m), programs))
+    chunked = block_n < n or per_thread > BACKWARD_PER_THREAD or residual
+    return block_m, block_n, warps, max(1, min(triton.cdiv(tokens, block_m), programs)), chunked
 
 
 def _slots(tensors: list[Tensor | None], fill: Tensor) -> list[Tensor]:
@@ -292,7 +338,7 @@ def _fwd_fake(x, residual, scales, scaled, groups, eps):
     def like_x():
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
-    h = like_x() if residual is not None else x.new_empty(0)
+    h = like_x() if residual is not None else torch.empty(0, dtype=x.dtype, device=x.device)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     return [like_x() for _ in scaled], h, rstd
 
@@ -306,19 +352,17 @@ def _bwd_op(grad_ys, grad_h, x, rstd, scales, scaled, groups):
     tokens = x.numel() // n // groups
     if tokens == 0:
         return dx, [d.zero_() for d in ds]
-    block_m, block_n, warps, programs = backward_grid(n, tokens, groups, x.device)
-    chunked = block_n < n
-    partials = (torch.zeros if chunked else torch.empty)((programs, len(grad_ys), groups, n),
-                                                         dtype=torch.float32, device=x.device)
+    row_bytes = x.element_size() + sum(g.element_size() for g in grad_ys)
+    block_m, block_n, warps, programs, chunked = backward_grid(n, tokens, groups, row_bytes, grad_h is not None,
+                                                               x.device)
+    partials = torch.empty((programs, len(grad_ys), groups, n), dtype=torch.float32, device=x.device)
     dh = x if grad_h is None else grad_h.contiguous()
     _bwd_kernel[(programs * groups,)](
         x.contiguous(), rstd.contiguous(), dh, dx, *_slots([g.contiguous() for g in grad_ys], x),
         *_slots(_by_slot(scales, scaled), x), partials, tokens, n, groups, programs, K=len(scaled),
         SCALED=_mask(scaled), HAS_DH=grad_h is not None, BLOCK_M=block_m, BLOCK_N=block_n, CHUNKED=chunked,
         num_warps=warps, maxnreg=MAX_REGISTERS)
-    # Summing the per-program partials in a fixed order keeps the scale gradients deterministic.
-    slots = [k for k, on in enumerate(scaled) if on]
-    ds = [partials[:, k].sum(0).reshape(s.shape).to(s.dtype) for k, s in zip(slots, scales, strict=True)]
+    reduce_partials(partials, _by_slot(ds, scaled), [False] * len(scaled))
     return dx, ds
 
 
@@ -332,6 +376,8 @@ def _setup_context(ctx, inputs, output):
     x, residual, scales, scaled, groups, _ = inputs
     _, h, rstd = output
     ctx.has_residual, ctx.scaled, ctx.groups = residual is not None, scaled, groups
+    # rstd's gradient (and an unused output's) stays None: no zeros are made for it
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(x if residual is None else h, rstd, *scales)
 
 

@@ -21,12 +21,26 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .backend import INTERPRETED, MAX_REGISTERS, backward_tile, resident_programs, tile, tl, triton, use_triton
+from .backend import (
+    BACKWARD_PER_THREAD,
+    INTERPRETED,
+    MAX_REGISTERS,
+    MAX_WARPS,
+    backward_per_thread,
+    chunked_tile,
+    resident_programs,
+    tl,
+    triton,
+    use_triton,
+)
 from .errors import KernelError
+from .partials import reduce_partials
 
-# The forward holds whole rows of G and U in registers.
-MAX_FEATURES = 16384
+# The widest rows the kernels take; the forward holds FORWARD_PER_THREAD elements of G and of U a thread
+MAX_FEATURES, FORWARD_PER_THREAD = 16384, 16
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The kernels' [rows, F] arguments: the large tensors the memory model counts (traffic.py)
+ROW_ARGS = {"_fwd_kernel": ("G", "U", "OUT"), "_bwd_kernel": ("DOUT", "G", "U", "DG", "DU")}
 
 
 def swiglu_norm_reference(gate: Tensor, up: Tensor, gate_scale: Tensor | None, up_scale: Tensor | None,
@@ -59,9 +73,10 @@ def swiglu_norm(gate: Tensor, up: Tensor, gate_scale: Tensor | None, up_scale: T
                 expert_offsets: Tensor | None = None, backend: str = "auto") -> Tensor:
     """silu(u_g * N(gate)) * (u_u * N(up)) over the last dim, in gate's dtype (see the module docstring)."""
     _check(gate, up, gate_scale, up_scale, expert_offsets)
-    if not use_triton(backend, gate, _misfit(gate, gate_scale, up_scale)):
-        return swiglu_norm_reference(gate, up, gate_scale, up_scale, eps, expert_offsets)
     per_expert = any(s is not None and s.dim() == 2 for s in (gate_scale, up_scale))
+    shape = ("swiglu_norm", gate.shape[-1], 1, expert_offsets.numel() if per_expert else 0)
+    if not use_triton(backend, gate, _misfit(gate, gate_scale, up_scale), shape=shape):
+        return swiglu_norm_reference(gate, up, gate_scale, up_scale, eps, expert_offsets)
     out, _ = torch.ops.scalevec.swiglu_norm_fwd(gate, up, gate_scale, up_scale,
                                                 expert_offsets if per_expert else None, eps)
     return out
@@ -101,32 +116,69 @@ if triton is not None:
     @triton.jit
     def _fwd_kernel(G, U, OUT, RSTD, SG, SU, OFFS, M, N, E, eps,
                     SCALED: tl.constexpr, PER_EXPERT: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
-        # One tile of BLOCK_M whole rows: G and U read once, statistics in fp32, one write of the output.
-        # Bit 0 of SCALED / PER_EXPERT stands for the gate's scale, bit 1 for the up's. RSTD is [2, M].
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, CHUNKED: tl.constexpr):
+        # One tile of BLOCK_M rows: G and U read once, statistics in fp32, one write of the output. Rows
+        # wider than a tile (CHUNKED) are walked twice, chunk by chunk: the sums of squares, then the output,
+        # re-reading the chunks from L2. Bit 0 of SCALED / PER_EXPERT stands for the gate's scale, bit 1 for
+        # the up's. RSTD is [2, M].
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
         row_ok = rows < M
-        col_ok = cols < N
-        mask = row_ok[:, None] & col_ok[None, :]
-        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
-        rstd_g = tl.rsqrt(tl.sum(g * g, axis=1) / N + eps)
-        rstd_u = tl.rsqrt(tl.sum(u * u, axis=1) / N + eps)
-        tl.store(RSTD + rows, rstd_g, mask=row_ok)
-        tl.store(RSTD + M + rows, rstd_u, mask=row_ok)
-        a = g * rstd_g[:, None]
-        b = u * rstd_u[:, None]
+        row_offs = rows.to(tl.int64)[:, None] * N
+        scale_row = tl.zeros([BLOCK_M], tl.int32)
         if PER_EXPERT:
             # A row's expert is the number of offsets at or below it; rows past the last offset (a bad
             # argument) take the last expert's scale rather than read out of bounds.
-            expert = tl.zeros([BLOCK_M], tl.int32)
             for e0 in range(0, E, BLOCK_E):
                 es = e0 + tl.arange(0, BLOCK_E)
                 ends = tl.load(OFFS + es, mask=es < E, other=M)
-                expert += tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
-            s_offs = (tl.minimum(expert, E - 1) * N)[:, None] + cols[None, :]
+                scale_row += tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
+            scale_row = tl.minimum(scale_row, E - 1) * N
+        if CHUNKED:
+            sum_g = tl.zeros([BLOCK_M], tl.float32)
+            sum_u = tl.zeros([BLOCK_M], tl.float32)
+            for n0 in range(0, N, BLOCK_N):
+                mask = row_ok[:, None] & (n0 + cols < N)[None, :]
+                g = tl.load(G + row_offs + n0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                u = tl.load(U + row_offs + n0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                sum_g += tl.sum(g * g, axis=1)
+                sum_u += tl.sum(u * u, axis=1)
+            rstd_g = tl.rsqrt(sum_g / N + eps)
+            rstd_u = tl.rsqrt(sum_u / N + eps)
+            for n0 in range(0, N, BLOCK_N):
+                _fwd_chunk(G, U, OUT, SG, SU, rows, row_ok, row_offs, scale_row, n0 + cols, N, rstd_g, rstd_u,
+                           SCALED, PER_EXPERT)
+        else:
+            mask = row_ok[:, None] & (cols < N)[None, :]
+            g = tl.load(G + row_offs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(U + row_offs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            rstd_g = tl.rsqrt(tl.sum(g * g, axis=1) / N + eps)
+            rstd_u = tl.rsqrt(tl.sum(u * u, axis=1) / N + eps)
+            tl.store(OUT + row_offs + cols[None, :],
+                     _swiglu(g, u, rstd_g, rstd_u, SG, SU, scale_row, cols, N, mask, SCALED, PER_EXPERT)
+                     .to(OUT.dtype.element_ty), mask=mask)
+        tl.store(RSTD + rows, rstd_g, mask=row_ok)
+        tl.store(RSTD + M + rows, rstd_u, mask=row_ok)
+
+    @triton.jit
+    def _fwd_chunk(G, U, OUT, SG, SU, rows, row_ok, row_offs, scale_row, chunk, N, rstd_g, rstd_u,
+                   SCALED: tl.constexpr, PER_EXPERT: tl.constexpr):
+        """The output of one chunk of columns, from G and U read again."""
+        mask = row_ok[:, None] & (chunk < N)[None, :]
+        g = tl.load(G + row_offs + chunk[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + row_offs + chunk[None, :], mask=mask, other=0.0).to(tl.float32)
+        out = _swiglu(g, u, rstd_g, rstd_u, SG, SU, scale_row, chunk, N, mask, SCALED, PER_EXPERT)
+        tl.store(OUT + row_offs + chunk[None, :], out.to(OUT.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu(g, u, rstd_g, rstd_u, SG, SU, scale_row, cols, N, mask,
+                SCALED: tl.constexpr, PER_EXPERT: tl.constexpr):
+        """silu(s_g N(g)) * s_u N(u) in fp32, for the columns `cols` of rows whose scale row starts at
+        `scale_row` (per expert) or of the shared scales."""
+        a = g * rstd_g[:, None]
+        b = u * rstd_u[:, None]
+        col_ok = cols < N
+        s_offs = scale_row[:, None] + cols[None, :]
         if SCALED & 1:
             if PER_EXPERT & 1:
                 a = a * tl.load(SG + s_offs, mask=mask, other=0.0).to(tl.float32)
@@ -138,7 +190,7 @@ if triton is not None:
             else:
                 b = b * tl.load(SU + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         # Rounded once, from fp32: the reference rounds the scaled norms and the silu as well.
-        tl.store(OUT + offs, (a * tl.sigmoid(a) * b).to(OUT.dtype.element_ty), mask=mask)
+        return a * tl.sigmoid(a) * b
 
     @triton.jit
     def _bwd_kernel(DOUT, G, U, RSTD, SG, SU, OFFS, DG, DU, DS, M, N, E, C,
@@ -162,8 +214,17 @@ if triton is not None:
         if CHUNKED:
             # Rows longer than a tile: per tile of rows, one pass over the column chunks for the two row
             # reductions, a second (re-reading the chunks, mostly from cache) for dG and dU, adding each
-            # chunk's scale-gradient sums into the program's own partials (zeroed by the caller).
-            for t0 in range(start + c * BLOCK_M, end, C * BLOCK_M):
+            # chunk's scale-gradient sums into the program's own partials, which its first tile writes (a
+            # program of an expert with fewer tiles than programs has none: it writes zeros).
+            first = start + c * BLOCK_M
+            if first >= end:
+                for n0 in range(0, N, BLOCK_N):
+                    chunk = n0 + cols
+                    if SCALED & 1:
+                        tl.store(part + chunk, tl.zeros([BLOCK_N], tl.float32), mask=chunk < N)
+                    if SCALED & 2:
+                        tl.store(part + E * N + chunk, tl.zeros([BLOCK_N], tl.float32), mask=chunk < N)
+            for t0 in range(first, end, C * BLOCK_M):
                 rows = t0 + tl.arange(0, BLOCK_M)
                 row_ok = rows < end
                 rstd_g = tl.load(RSTD + rows, mask=row_ok, other=0.0)
@@ -187,12 +248,20 @@ if triton is not None:
                     du = (db * s_u[None, :] - n_u * proj_u[:, None]) * rstd_u[:, None]
                     tl.store(DG + offs, dg.to(DG.dtype.element_ty), mask=mask)
                     tl.store(DU + offs, du.to(DU.dtype.element_ty), mask=mask)
+                    # Onto the partials an earlier tile wrote: a branch, not a mask of the chunk's shape,
+                    # whose predicates made ptxas spill at 4096 features
                     if SCALED & 1:
                         p = part + chunk
-                        tl.store(p, tl.load(p, mask=chunk < N, other=0.0) + tl.sum(da * n_g, axis=0), mask=chunk < N)
+                        s = tl.sum(da * n_g, axis=0)
+                        if t0 > first:
+                            s += tl.load(p, mask=chunk < N, other=0.0)
+                        tl.store(p, s, mask=chunk < N)
                     if SCALED & 2:
                         p = part + E * N + chunk
-                        tl.store(p, tl.load(p, mask=chunk < N, other=0.0) + tl.sum(db * n_u, axis=0), mask=chunk < N)
+                        s = tl.sum(db * n_u, axis=0)
+                        if t0 > first:
+                            s += tl.load(p, mask=chunk < N, other=0.0)
+                        tl.store(p, s, mask=chunk < N)
                 # The next tile's threads may read partials other threads of this program wrote.
                 tl.debug_barrier()
         else:
@@ -211,14 +280,17 @@ if triton is not None:
                 row_ok = rows < end
                 mask = row_ok[:, None] & col_ok[None, :]
                 offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+                # The tile's large loads first, then the arithmetic (traffic.py counts what is in flight).
                 rstd_g = tl.load(RSTD + rows, mask=row_ok, other=0.0)
                 rstd_u = tl.load(RSTD + M + rows, mask=row_ok, other=0.0)
-                n_g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) * rstd_g[:, None]
-                n_u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32) * rstd_u[:, None]
+                g = tl.load(G + offs, mask=mask, other=0.0)
+                u = tl.load(U + offs, mask=mask, other=0.0)
+                dout = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
+                n_g = g.to(tl.float32) * rstd_g[:, None]
+                n_u = u.to(tl.float32) * rstd_u[:, None]
                 a = n_g * s_g[None, :]
                 b = n_u * s_u[None, :]
                 sig = tl.sigmoid(a)
-                dout = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
                 # silu'(a) = sig(a) (1 + a (1 - sig(a)))
                 da = dout * b * sig * (1.0 + a * (1.0 - sig))
                 db = dout * a * sig
@@ -252,33 +324,49 @@ if triton is not None:
             s_g = tl.load(SG + chunk, mask=col_ok, other=0.0).to(tl.float32)
         if SCALED & 2:
             s_u = tl.load(SU + chunk, mask=col_ok, other=0.0).to(tl.float32)
-        n_g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) * rstd_g[:, None]
-        n_u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32) * rstd_u[:, None]
+        g = tl.load(G + offs, mask=mask, other=0.0)
+        u = tl.load(U + offs, mask=mask, other=0.0)
+        dout = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
+        n_g = g.to(tl.float32) * rstd_g[:, None]
+        n_u = u.to(tl.float32) * rstd_u[:, None]
         a = n_g * s_g[None, :]
         b = n_u * s_u[None, :]
         sig = tl.sigmoid(a)
-        dout = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
         # silu'(a) = sig(a) (1 + a (1 - sig(a)))
         da = dout * b * sig * (1.0 + a * (1.0 - sig))
         db = dout * a * sig
         return n_g, n_u, da, db, s_g, s_u
 
 
-# Elements per tile, forward (whole rows) and backward, and the widest backward tile: longer rows are
-# walked in chunks. The interpreter pays per operation, not per element: larger tiles keep the CPU tests
-# fast (and tests force small chunks to run the chunked path).
-_FWD_TILE, _BWD_TILE, _BWD_CHUNK = (65536, 65536, MAX_FEATURES) if INTERPRETED else (4096, 2048, 4096)
+# Elements per tile, forward and backward (None: by the in-flight rule, backend.backward_per_thread), and
+# the widest chunk (None: the tile's): rows wider are walked in chunks. The interpreter pays per operation,
+# not per element: larger tiles keep the CPU tests fast (and tests force small chunks to run the chunked
+# paths).
+_FWD_TILE, _BWD_TILE = (65536, 65536) if INTERPRETED else (MAX_WARPS * 32 * FORWARD_PER_THREAD, None)
+_CHUNK = None
 
 
-def backward_grid(n: int, rows: int, experts: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, programs per expert) of the backward; each program writes one fp32
-    partial per scale gradient.
+def forward_tile(n: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the forward: whole rows up to _FWD_TILE features, chunks beyond."""
+    return chunked_tile(n, _FWD_TILE, FORWARD_PER_THREAD, _CHUNK)
+
+
+def backward_grid(n: int, rows: int, experts: int, row_bytes: int,
+                  device: torch.device) -> tuple[int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, num_warps, programs per expert, chunked) of the backward, whose large loads take
+    `row_bytes` per element (G, U and the output's gradient); each program writes one fp32 partial per
+    scale gradient. Tiles of 16 elements a thread take the chunked path even when one chunk holds the row:
+    it keeps no [BLOCK_M, BLOCK_N] scale-gradient accumulators, which spilled at 16 a thread.
 
     An expert's rows are spread over this many programs whatever its share of the rows, so a very uneven
     routing leaves part of the device idle in the backward."""
-    block_m, block_n, warps = backward_tile(n, _BWD_TILE, _BWD_CHUNK)
+    # A width that is no multiple of 16 (Triton then cannot assume aligned rows) takes more registers for
+    # its addresses: at 16 elements a thread, 344 features spilled 48 B.
+    per_thread = backward_per_thread(row_bytes) if n % 16 == 0 else BACKWARD_PER_THREAD
+    block_m, block_n, warps = chunked_tile(n, _BWD_TILE or MAX_WARPS * 32 * per_thread, per_thread, _CHUNK)
     programs = triton.cdiv(resident_programs(device, warps), experts)
-    return block_m, block_n, warps, max(1, min(triton.cdiv(rows, block_m), programs))
+    chunked = block_n < n or per_thread > BACKWARD_PER_THREAD
+    return block_m, block_n, warps, max(1, min(triton.cdiv(rows, block_m), programs)), chunked
 
 
 def _flags(gate_scale: Tensor | None, up_scale: Tensor | None) -> tuple[int, int]:
@@ -309,12 +397,13 @@ def _fwd_op(gate, up, gate_scale, up_scale, expert_offsets, eps):
         return out, rstd
     scaled, per_expert = _flags(gate_scale, up_scale)
     experts = _experts(expert_offsets, per_expert)
-    block_m, block_n, warps = tile(n, _FWD_TILE)
+    block_m, block_n, warps = forward_tile(n)
     gate = gate.contiguous()
     _fwd_kernel[(triton.cdiv(m, block_m),)](
         gate, up.contiguous(), out, rstd, *_pointers(gate_scale, up_scale, expert_offsets, gate), m, n, experts,
         eps, SCALED=scaled, PER_EXPERT=per_expert, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_E=min(128, triton.next_power_of_2(experts)), num_warps=warps, maxnreg=MAX_REGISTERS)
+        BLOCK_E=min(128, triton.next_power_of_2(experts)), CHUNKED=block_n < n, num_warps=warps,
+        maxnreg=MAX_REGISTERS)
     return out, rstd
 
 
@@ -340,22 +429,18 @@ def _bwd_op(grad, gate, up, rstd, gate_scale, up_scale, expert_offsets):
         return dg, du, [d.zero_() for d in ds]
     scaled, per_expert = _flags(gate_scale, up_scale)
     experts = _experts(expert_offsets, per_expert)
-    block_m, block_n, warps, programs = backward_grid(n, m, experts, gate.device)
-    chunked = block_n < n
-    partials = (torch.zeros if chunked else torch.empty)((programs, 2, experts, n), dtype=torch.float32,
-                                                         device=gate.device)
+    row_bytes = gate.element_size() + up.element_size() + grad.element_size()
+    block_m, block_n, warps, programs, chunked = backward_grid(n, m, experts, row_bytes, gate.device)
+    partials = torch.empty((programs, 2, experts, n), dtype=torch.float32, device=gate.device)
     gate = gate.contiguous()
     _bwd_kernel[(programs * experts,)](
         grad.contiguous(), gate, up.contiguous(), rstd, *_pointers(gate_scale, up_scale, expert_offsets, gate),
         dg, du, partials, m, n, experts, programs, SCALED=scaled, PER_EXPERT=per_expert, BLOCK_M=block_m,
         BLOCK_N=block_n, CHUNKED=chunked, num_warps=warps, maxnreg=MAX_REGISTERS)
-    # Summing the per-program partials in a fixed order keeps the scale gradients deterministic; a shared
-    # scale also sums over the experts.
-    ds = []
-    for k, s in enumerate((gate_scale, up_scale)):
-        if s is not None:
-            d = partials[:, k].sum(0)
-            ds.append((d if s.dim() == 2 else d.sum(0)).to(s.dtype))
+    # A shared scale's gradient also sums over the experts.
+    present = iter(ds)
+    slots = [None if s is None else next(present) for s in (gate_scale, up_scale)]
+    reduce_partials(partials, slots, [s is not None and s.dim() == 1 for s in (gate_scale, up_scale)])
     return dg, du, ds
 
 
@@ -370,6 +455,7 @@ def _bwd_fake(grad, gate, up, rstd, gate_scale, up_scale, expert_offsets):
 def _setup_context(ctx, inputs, output):
     gate, up, gate_scale, up_scale, expert_offsets, _ = inputs
     ctx.save_for_backward(gate, up, output[1], gate_scale, up_scale, expert_offsets)
+    ctx.set_materialize_grads(False)  # rstd's gradient stays None: no zeros are made for it
 
 
 def _backward(ctx, grad, _grad_rstd):

@@ -8,6 +8,7 @@ its test_interp_ tests only in such a process (`TRITON_INTERPRET=1 pytest tests/
 directly).
 """
 
+import collections
 import os
 import subprocess
 import sys
@@ -59,3 +60,24 @@ def run_interpreted(test_file: str) -> None:
     child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     # Exit code 5 (nothing collected) would mean the child's kernels were not interpreted either.
     assert child.returncode == 0, child.stdout[-8000:] + child.stderr[-4000:]
+
+
+def host_ops(call) -> tuple[collections.Counter, list[str]]:
+    """The torch ops `call` dispatches on the host, by name (an op's own inner ops, e.g. zeros' fill_,
+    not counted again), and the kernel launches it issues, in order: `call` runs under aot.capture (the
+    kernel path on CPU tensors, each launch recorded instead of run) and torch's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from scalevec_kernels import aot
+
+    with aot.capture() as launches, profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+
+    def inside_op(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        return parent is not None
+
+    ops = collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::") and not inside_op(e))
+    return ops, launches.calls

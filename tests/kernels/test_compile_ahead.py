@@ -1,18 +1,38 @@
-"""The Triton kernels compiled ahead of time, on CPU (issue 27): every launch variant the model presets
-make, captured from the real launch code (scripts/kernel_table.py drives each preset under each
+"""The Triton kernels compiled ahead of time, on CPU (issues 27 and 49): every launch variant the model
+presets make, captured from the real launch code (scripts/kernel_table.py drives each preset under each
 strategy inside scalevec_kernels.aot.capture), compiles with the local Triton for sm_90 without a
 register spill, within a block's shared memory, and with a backward whose persistent grid (sized to
 one wave of the SMs) fits. sm_90 only here (the GPU host's architecture; the tiles are sized by a
 register model that holds on sm_80 too): `python scripts/kernel_table.py` compiles sm_80 as well.
 
-The captured launches and the compiled usage are cached (kernel_table.CACHE) by what they depend on, on
-top of Triton's compile cache: a fresh clone captures and compiles everything once.
+The same compile's SASS bounds the memory traffic of every row kernel variant the GPU-sized presets
+launch in bf16 (their recipes train under bf16 autocast; scalevec_kernels.traffic):
+
+- every large tensor leaves the chip once: bytes per call at their floor (a chunked row's second read
+  is served by L2);
+- an SM keeps at least backend.IN_FLIGHT_NEEDED bytes in flight (an H200's bandwidth x latency / SMs)
+  with at least two programs resident, 128-bit accesses, except the variants kernel_table.KNOWN_SHORT
+  lists with what they keep: the list must stay true both ways (a listed variant that meets the bound
+  fails the test too, so that it leaves the list).
+
+Every such variant is checked, but only one SASS per code path is read (kernel_table.code_paths: kernel,
+flags, whole rows or chunked; 24 paths for 59 variants, 2026-11-28): disassembling costs 0.4 s of CPU a
+variant, more than CI can spare. That suffices because what the bounds take from the SASS (which large
+tensors each access touches, its width, the loads a warp has in flight before it waits) is the same for
+every variant of a path: they hold the same elements a thread and differ in the tile's shape only; each
+variant's own registers (programs per SM) and row width (idle lanes, the L2 working set) are its own.
+`python scripts/kernel_table.py --traffic` disassembles every variant and exits 1 where one's SASS
+gives other traffic than its path's or a bound breaks other than as KNOWN_SHORT lists.
+
+One capture and one compile of each variant serve every test (the module fixture `compiled`, one file so
+that one test worker does it), cached (kernel_table.CACHE) by what they depend on on top of Triton's
+compile cache: a fresh clone captures and compiles everything once.
 """
 
 import pytest
 import torch
 
-from scalevec_kernels import aot, backend, rms_norm, rms_norm_scales
+from scalevec_kernels import aot, backend, rms_norm, rms_norm_scales, swiglu_norm, traffic
 from scalevec_train.config import compose_config
 from tests.helpers import REPO, load_script
 
@@ -24,21 +44,36 @@ CC = 90
 
 
 @pytest.fixture(scope="module")
-def launches():
-    return kernel_table.cached_preset_launches()
+def compiled():
+    """(the variants with the presets launching each, their row widths, their sm_90 usage)."""
+    users, widths = kernel_table.cached_preset_launches()
+    paths = set(kernel_table.code_paths(kernel_table.gpu_row_variants(users), widths).values())
+    return users, widths, kernel_table.compile_all(users, [CC], code=paths)
+
+
+@pytest.fixture(scope="module")
+def launches(compiled):
+    return compiled[0]
+
+
+@pytest.fixture(scope="module")
+def audited(compiled):
+    users, widths, usage = compiled
+    found = kernel_table.audit(kernel_table.gpu_row_variants(users), widths, usage, CC)
+    return {v: (max(widths[v]), t) for v, t in found.items()}
 
 
 def test_presets_launch_every_kernel_and_the_chunked_backward(launches):
     kinds = {kernel_table.describe(v)[0] for v in launches}
-    assert kinds == {"rms_norm fwd", "rms_norm bwd", "swiglu_norm fwd", "swiglu_norm bwd"}
-    # dense-1b's FFN is 8192 wide: under unified its fused SwiGLU backward walks rows in chunks.
+    assert kinds == {"rms_norm fwd", "rms_norm bwd", "swiglu_norm fwd", "swiglu_norm bwd", "partials reduce"}
+    # dense-1b's FFN is 8192 wide: under unified its fused SwiGLU forward and backward walk rows in chunks.
     chunked = {v.kernel for v, presets in launches.items() if "dense-1b" in presets
                and dict(v.constexprs).get("CHUNKED")}
-    assert chunked == {"swiglu_norm._bwd_kernel"}
+    assert {"swiglu_norm._fwd_kernel", "swiglu_norm._bwd_kernel"} <= chunked
 
 
-def test_every_preset_variant_compiles_without_spills(launches):
-    usage = kernel_table.compile_all(launches, [CC])
+def test_every_preset_variant_compiles_without_spills(compiled):
+    launches, _, usage = compiled
     problems = [f"{' '.join(kernel_table.describe(v))} ({', '.join(launches[v][:3])}): {p}"
                 for v in launches for p in usage[v, CC].problems()]
     assert not problems, "\n".join(problems)
@@ -56,7 +91,8 @@ def test_the_capture_without_weight_gradients_launches_what_training_launches(pr
     model = compose_config([f"model={preset}", *kernel_table.CHEAP], 1).model
     scale = compose_config(["model=moe-tiny", *kernel_table.STRATEGIES[strategy], *kernel_table.CHEAP], 1).scale
     frozen = kernel_table._capture_model(model, scale)
-    assert frozen and frozen == kernel_table._capture_model(model, scale, weight_grads=True)
+    trained = kernel_table._capture_model(model, scale, weight_grads=True)
+    assert frozen.variants and frozen.variants == trained.variants and frozen.widths == trained.widths
 
 
 def _rms_norm_variants(n: int, k: int) -> list[aot.Variant]:
@@ -73,17 +109,18 @@ def test_widest_rows_do_not_spill_in_the_backward():
     """16384 features (the library's limit, wider than any preset) with K = 4: the chunked backward."""
     (bwd,) = [v for v in _rms_norm_variants(16384, 4) if v.kernel == "rms_norm._bwd_kernel"]
     assert dict(bwd.constexprs)["CHUNKED"]
-    assert aot.compile_variant(bwd, CC).problems() == []
+    assert aot.compile_variant(bwd, CC, code=False).problems() == []
 
 
 def test_a_spilling_tile_is_caught(monkeypatch):
     """The tiling before issue 27: whole rows of 8192 in one tile of 16 warps (16 elements a thread)
     holding K = 4 accumulators spills, and the check says so."""
-    monkeypatch.setattr(rms_norm, "_BWD_CHUNK", 16384)
+    monkeypatch.setattr(rms_norm, "_BWD_TILE", 8192)
+    monkeypatch.setattr(backend, "MAX_WARPS", 16)
     monkeypatch.setattr(backend, "BACKWARD_PER_THREAD", 16)
     (bwd,) = [v for v in _rms_norm_variants(8192, 4) if v.kernel == "rms_norm._bwd_kernel"]
     assert dict(bwd.constexprs)["BLOCK_N"] == 8192 and bwd.num_warps == 16
-    usage = aot.compile_variant(bwd, CC)
+    usage = aot.compile_variant(bwd, CC, code=False)
     assert usage.spill_bytes > 0
     assert usage.problems() == [f"spills {usage.spill_bytes} B per thread to local memory (sm_90)"]
 
@@ -99,3 +136,50 @@ def test_occupancy_and_shared_memory_limits():
     assert aot.Usage(90, 32, 0, 200 * 1024).problems() == []
     assert aot.Usage(80, 32, 0, 200 * 1024).problems() == [
         f"needs {200 * 1024} B of shared memory, over sm_80's {163 * 1024} B per block"]
+
+
+def test_every_large_tensor_leaves_the_chip_once(audited):
+    over = {kernel_table.describe(v): (t.off_chip_reads, t.writes) for v, (_, t) in audited.items()
+            if t.bytes_over_floor != 1.0}
+    assert not over, over
+    # dense-1b's FFN (8192 wide): both SwiGLU kernels read their rows twice, the second time from L2
+    wide = [t for v, (width, t) in audited.items() if "swiglu" in v.kernel and width == 8192]
+    assert len(wide) == 2 and all(max(t.reads.values()) == 2 and 0 < t.working_set <= traffic.L2_BYTES // 2
+                                  for t in wide)
+
+
+def test_each_sm_keeps_enough_in_flight(audited):
+    short = {kernel_table.describe(v): t.in_flight for v, (_, t) in audited.items() if t.problems()}
+    assert short == kernel_table.KNOWN_SHORT
+    assert all(t.vector_bytes == 16 for _, t in audited.values())  # 128-bit loads and stores of every row
+
+
+def _swiglu_variants(f: int, dtype: torch.dtype) -> list[aot.Variant]:
+    with aot.capture() as captured:
+        g, u = (torch.randn(16, f, dtype=dtype, requires_grad=True) for _ in range(2))
+        scales = [torch.ones(f, requires_grad=True) for _ in range(2)]
+        out = swiglu_norm(g, u, *scales, 1e-6, backend="triton")
+        torch.autograd.grad(out, [g, u, *scales], torch.ones_like(out))
+    return captured.variants
+
+
+def test_a_second_pass_the_l2_cannot_hold_is_caught(compiled):
+    """fp32 rows of 16384 features (the library's widest) walked twice by the forward, which launches the
+    binary dense-1b's fp32 rows of 8192 do: what the device reads between a chunk's two reads is over half
+    the L2, so the second read leaves the chip and the call moves more than its floor."""
+    users = compiled[0]
+    (fwd,) = [v for v in _swiglu_variants(16384, torch.float32) if v.kernel == "swiglu_norm._fwd_kernel"]
+    assert fwd.constexpr("CHUNKED") and "dense-1b" in users[fwd]
+    t = traffic.traffic(fwd, aot.compile_variant(fwd, CC), 16384)  # its SASS: the fixture reads bf16's
+    assert t.working_set > traffic.L2_BYTES // 2 and t.bytes_over_floor > 1.5
+    assert "reads G 2 times off the chip" in t.problems()
+
+
+def test_a_launch_with_too_little_in_flight_is_caught(monkeypatch):
+    """The SwiGLU backward of dense-1b at 4 elements a thread: a quarter of what its loads keep in flight."""
+    monkeypatch.setattr(backend, "BACKWARD_PER_THREAD", 2)
+    (bwd,) = [v for v in _swiglu_variants(8192, torch.bfloat16) if v.kernel == "swiglu_norm._bwd_kernel"]
+    t = traffic.traffic(bwd, aot.compile_variant(bwd, CC), 8192)
+    assert t.in_flight < backend.IN_FLIGHT_NEEDED
+    want = f"keeps {t.in_flight} B in flight per SM, under the {backend.IN_FLIGHT_NEEDED} B an H200 needs"
+    assert want in t.problems()

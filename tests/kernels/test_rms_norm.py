@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from scalevec_kernels import KernelError, head_rms_norm, rms_norm, rms_norm_scales
 from scalevec_kernels.backend import INTERPRETED
-from tests.kernels.helpers import EPS, assert_scale_grad_close, grads, run_interpreted, scale_site
+from tests.kernels.helpers import EPS, assert_scale_grad_close, grads, host_ops, run_interpreted, scale_site
 
 
 def test_torch_backend_matches_functional_rms_norm():
@@ -86,7 +86,30 @@ def test_compile_traces_the_ops_in_one_graph():
     # the pre-norm with q, k and the residual, and the per-head norm: two fused ops each way
     assert graphs["fwd"].count("scalevec.rms_norm_fwd.default") == 2, graphs["fwd"]
     assert graphs["bwd"].count("scalevec.rms_norm_bwd.default") == 2, graphs["bwd"]
-    assert {v.kernel for v in launches.variants} == {"rms_norm._fwd_kernel", "rms_norm._bwd_kernel"}
+    assert {v.kernel for v in launches.variants} == {"rms_norm._fwd_kernel", "rms_norm._bwd_kernel",
+                                                     "partials._reduce_kernel"}
+
+
+@pytest.mark.skipif(INTERPRETED, reason="aot.capture records the compiled kernels' launches")
+def test_a_call_issues_its_launches_and_allocations_alone():
+    """Forward and backward of K = 3 outputs (one unscaled) with a residual, and of a per-head norm with a
+    full-width scale, on the kernel path: the host issues the kernel launches (the scale gradients summed
+    from the backward's partials by a kernel) and allocates what they write, and runs no other torch op."""
+    pytest.importorskip("triton")
+    x, r = (torch.randn(64, 256, requires_grad=True) for _ in range(2))
+    scales = [torch.ones(256, requires_grad=True), None, torch.ones(256, requires_grad=True)]
+    upstream = [torch.ones(64, 256) for _ in range(4)]
+    ops, calls = host_ops(lambda: grads(rms_norm_scales(x, scales, EPS, residual=r, backend="triton"),
+                                        [x, r, scales[0], scales[2]], upstream))
+    assert calls == ["rms_norm._fwd_kernel", "rms_norm._bwd_kernel", "partials._reduce_kernel"]
+    # forward: 3 outputs, h, rstd; backward: dx, 2 scale gradients, the partials
+    assert ops == {"aten::empty": 5 + 4}
+    heads, scale = torch.randn(64, 4, 32, requires_grad=True), torch.ones(4, 32, requires_grad=True)
+    upstream = torch.ones(64, 4, 32)
+    ops, calls = host_ops(lambda: grads(head_rms_norm(heads, scale, EPS, backend="triton"), [heads, scale],
+                                        upstream))
+    assert calls == ["rms_norm._fwd_kernel", "rms_norm._bwd_kernel", "partials._reduce_kernel"]
+    assert ops == {"aten::empty": 3 + 3}  # y, the empty h, rstd; dx, the scale's gradient, the partials
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this process runs the test_interp_ tests itself")
@@ -135,7 +158,8 @@ if INTERPRETED:
         per-head norm with a full-width scale (one partial per head)."""
         monkeypatch.setattr(rms_norm, "_BWD_CHUNK", 32 if groups > 1 else 64)
         monkeypatch.setattr(rms_norm, "_BWD_TILE", 128)
-        assert rms_norm.backward_grid(n, m, groups, torch.device("cpu"))[1] < n  # the chunked path runs
+        grid = rms_norm.backward_grid(n, m, groups, 4 * (k + 2), True, torch.device("cpu"))
+        assert grid[1] < n  # several chunks a row
         gen = torch.Generator().manual_seed(n + k)
         x = torch.randn(m, n, generator=gen).requires_grad_()
         r = torch.randn(m, n, generator=gen).requires_grad_()

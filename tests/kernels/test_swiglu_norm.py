@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from scalevec_kernels import KernelError, rms_norm_scales_reference, swiglu_norm, swiglu_norm_reference
 from scalevec_kernels.backend import INTERPRETED
-from tests.kernels.helpers import EPS, grads, run_interpreted
+from tests.kernels.helpers import EPS, grads, host_ops, run_interpreted
 
 # The module (the package's name swiglu_norm is the function).
 swiglu_kernels = importlib.import_module("scalevec_kernels.swiglu_norm")
@@ -81,6 +81,21 @@ def test_triton_backend_on_cpu_raises():
         swiglu_norm(g, g, torch.ones(16), None, EPS, backend="triton")
 
 
+@pytest.mark.skipif(INTERPRETED, reason="aot.capture records the compiled kernels' launches")
+def test_a_call_issues_its_launches_and_allocations_alone():
+    """Forward and backward with a per-expert gate scale and a shared up scale (summed over the experts by
+    the reduction kernel): the host issues the kernel launches and allocates what they write, no more."""
+    pytest.importorskip("triton")
+    gen = torch.Generator().manual_seed(3)
+    g, u = (torch.randn(8, 64, generator=gen).requires_grad_() for _ in range(2))
+    gate_scale, up_scale, offsets = _scale((4, 64), gen), _scale(64, gen), _offsets(COUNTS)
+    upstream = torch.ones(8, 64)
+    ops, calls = host_ops(lambda: grads(swiglu_norm(g, u, gate_scale, up_scale, EPS, offsets, backend="triton"),
+                                        [g, u, gate_scale, up_scale], upstream))
+    assert calls == ["swiglu_norm._fwd_kernel", "swiglu_norm._bwd_kernel", "partials._reduce_kernel"]
+    assert ops == {"aten::empty": 2 + 5}  # out, rstd; dgate, dup, two scale gradients, the partials
+
+
 @pytest.mark.skipif(INTERPRETED, reason="this process runs the test_interp_ tests itself")
 def test_triton_kernels_in_interpreter():
     run_interpreted(__file__)
@@ -124,19 +139,23 @@ if INTERPRETED:
 
     @pytest.mark.parametrize("f,counts,kind", [(200, [40], "shared"), (96, [7, 0, 13, 4], "experts_and_shared"),
                                                (130, [11], "none")])
-    def test_interp_chunked_backward_matches_reference(monkeypatch, f, counts, kind):
+    def test_interp_chunked_rows_match_reference(monkeypatch, f, counts, kind):
         """Rows walked in chunks of 32 features (several per row, the last one partial) by tiles of two
-        rows over several programs: the path that rows wider than the GPU's chunk take."""
-        monkeypatch.setattr(swiglu_kernels, "_BWD_CHUNK", 32)
+        rows, forward and backward over several programs: the path that rows wider than the GPU's tile
+        take (8192 features: dense-1b's FFN)."""
+        monkeypatch.setattr(swiglu_kernels, "_CHUNK", 32)
+        monkeypatch.setattr(swiglu_kernels, "_FWD_TILE", 64)
         monkeypatch.setattr(swiglu_kernels, "_BWD_TILE", 64)
         rows = sum(counts)
-        assert swiglu_kernels.backward_grid(f, rows, len(counts), torch.device("cpu"))[1] < f
+        assert swiglu_kernels.backward_grid(f, rows, len(counts), 12, torch.device("cpu"))[1] < f
+        assert swiglu_kernels.forward_tile(f)[:2] == (2, 32)
         gen = torch.Generator().manual_seed(f + rows)
         g, u = (torch.randn(rows, f, generator=gen).requires_grad_() for _ in range(2))
         gate_scale, up_scale, offsets = _case(kind, f, counts, gen)
         leaves = [t for t in (g, u, gate_scale, up_scale) if t is not None]
         got = swiglu_norm(g, u, gate_scale, up_scale, EPS, offsets, backend="triton")
         want = swiglu_norm(g, u, gate_scale, up_scale, EPS, offsets, backend="torch")
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         upstream = torch.randn(got.shape, generator=gen)
         for a, b in zip(grads(got, leaves, upstream), grads(want, leaves, upstream), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
