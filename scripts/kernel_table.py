@@ -39,6 +39,11 @@ from scalevec_train.model.transformer import Transformer
 REPO = Path(__file__).resolve().parents[1]
 # Captured launches and compiled usage, by what they depend on (a fresh clone starts empty).
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "scalevec" / "kernel_aot"
+# The sm_90 compile of every preset variant (with the SASS of each code path), as `--record` wrote it from
+# a real compile: read where an entry's key (the kernel's source, the variant, the target) and the Triton
+# version match, so that a fresh clone does not compile them all again (minutes of CI) and a changed kernel
+# still compiles anew. tests/kernels/test_compile_ahead.py checks it against the compiler.
+RECORD = REPO / "scripts" / "kernel_record.json"
 PRESETS = sorted(p.stem for p in (REPO / "configs" / "model").glob("*.yaml"))
 # The strategies whose kernel launches differ (K outputs and scaled slots, residual, per-head and output
 # norms, per-expert scales); or/er/iwd/wd_all launch what baseline or unified launch.
@@ -184,13 +189,31 @@ def describe(variant: aot.Variant) -> tuple[str, str, str, str]:
     return f"{module} {'bwd' if 'bwd' in name else 'fwd'}", tile, " ".join(flags), dtypes
 
 
+def recorded() -> dict[str, dict]:
+    """RECORD's entries by cache key, if it was written under this Triton."""
+    import triton
+
+    record = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+    return record["usage"] if record.get("triton") == triton.__version__ else {}
+
+
+def record(users, widths) -> None:
+    """Write RECORD: what the tests compile (every preset variant for sm_90, the SASS of each code path)."""
+    import triton
+
+    paths = set(code_paths(gpu_row_variants(users), widths).values())
+    usage = compile_all(users, [90], code=paths)
+    entries = {v.cache_key(90): dataclasses.asdict(usage[v, 90]) for v in sorted(users, key=repr)}
+    RECORD.write_text(json.dumps({"triton": triton.__version__, "usage": entries}, indent=0) + "\n")
+
+
 def compile_all(variants, ccs, code=(), cache: Path = CACHE) -> dict[tuple[aot.Variant, int], aot.Usage]:
     """Each variant's usage per architecture, with the global accesses of its SASS for the variants in
     `code` (what the traffic model reads; disassembling costs more than compiling); compiled results
     are kept in `cache` by the variant's cache key (which changes with the kernel's source), on top of
     Triton's own compile cache."""
     path = cache / "usage-sass.json"
-    known = json.loads(path.read_text()) if path.exists() else {}
+    known = recorded() | (json.loads(path.read_text()) if path.exists() else {})
     code = set(code)
     out = {}
     for v in variants:
@@ -316,10 +339,15 @@ def main(argv=None) -> int:
     parser.add_argument("--presets", nargs="+", default=PRESETS, choices=PRESETS)
     parser.add_argument("--traffic", action="store_true",
                         help="then the memory traffic of the GPU presets' bf16 variants on an H200 (sm_90)")
+    parser.add_argument("--record", action="store_true",
+                        help=f"only write scripts/{RECORD.name}, the compile the tests read (after a kernel changed)")
     args = parser.parse_args(argv)
     import triton
 
     users, widths = cached_preset_launches() if args.presets == PRESETS else preset_launches(args.presets)
+    if args.record:
+        record(users, widths)
+        return 0
     limits = {v: [] for v in limit_launches() if v not in users}
     audited = gpu_row_variants(users) if args.traffic else []
     usage = compile_all(list(users) + list(limits), args.cc, code=audited)

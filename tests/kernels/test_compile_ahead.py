@@ -26,7 +26,11 @@ gives other traffic than its path's or a bound breaks other than as KNOWN_SHORT 
 
 One capture and one compile of each variant serve every test (the module fixture `compiled`, one file so
 that one test worker does it), cached (kernel_table.CACHE) by what they depend on on top of Triton's
-compile cache: a fresh clone captures and compiles everything once.
+compile cache. A fresh clone reads the compile from kernel_table.RECORD, written by a real compile with
+`python scripts/kernel_table.py --record`, where an entry's key (the kernel's source, the variant, the
+target) and the Triton version match: compiling all of them took 150 s of a cold CI run (2026-11-28).
+A changed kernel compiles anew, and test_the_record_is_up_to_date_and_what_the_compiler_gives recompiles
+one variant of every kernel and checks the record against it.
 """
 
 import pytest
@@ -61,6 +65,24 @@ def audited(compiled):
     users, widths, usage = compiled
     found = kernel_table.audit(kernel_table.gpu_row_variants(users), widths, usage, CC)
     return {v: (max(widths[v]), t) for v, t in found.items()}
+
+
+def test_the_record_is_up_to_date_and_what_the_compiler_gives(compiled):
+    import triton
+
+    users, widths, _ = compiled
+    record = kernel_table.recorded()
+    if not record:
+        pytest.skip(f"{kernel_table.RECORD.name} was written under another Triton than {triton.__version__}: "
+                    "every variant compiled here")
+    missing = [v for v in users if v.cache_key(CC) not in record]
+    assert not missing, (f"{len(missing)} variants not in {kernel_table.RECORD.name} (a kernel or launch changed). "
+                         "Fix: python scripts/kernel_table.py --record")
+    paths = set(kernel_table.code_paths(kernel_table.gpu_row_variants(users), widths).values())
+    for kernel in sorted({v.kernel for v in users}):  # one of each kernel, with its SASS where it has one
+        variant = min((v for v in users if v.kernel == kernel), key=lambda v: (v not in paths, repr(v)))
+        assert aot.compile_variant(variant, CC, code=variant in paths) == aot.Usage.from_json(
+            record[variant.cache_key(CC)]), kernel
 
 
 def test_presets_launch_every_kernel_and_the_chunked_backward(launches):
