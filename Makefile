@@ -12,14 +12,17 @@ STAMP := $(VENV)/.setup-$(shell printf '%s' '$(TORCH_SPEC)' | tr -c 'A-Za-z0-9._
 setup: $(STAMP)
 
 # pip byte-compiles what it installs on one core; compileall does it on all of them (the bytecode is written
-# here because PYTHONDONTWRITEBYTECODE may forbid it later). A file pip too leaves uncompiled (one written
-# for a newer Python) does not fail the setup. The package builds in the venv, whose first install brings
+# here because PYTHONDONTWRITEBYTECODE may forbid it later), but for the packages' own test suites and
+# transformers' model files other than Llama's, which nothing here imports (a third of the source; one
+# imported anyway compiles when imported). A file pip too leaves uncompiled (one written for a newer
+# Python) does not fail the setup. The package builds in the venv, whose first install brings
 # pyproject.toml's build requirements, not in an isolated build environment that pip would fill first.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile --disable-pip-version-check "$(TORCH_SPEC)" "setuptools>=68" wheel
 	$(PY) -m pip install -q --no-compile --disable-pip-version-check --no-build-isolation -e ".[dev]"
-	$(PY) -c "import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()['purelib'], quiet=2, workers=0)"
+	$(PY) -c "import compileall, re, sysconfig; compileall.compile_dir(sysconfig.get_paths()['purelib'], quiet=2, \
+	  workers=0, rx=re.compile(r'/(tests?|testing/_internal)/|/transformers/models/(?!llama/|auto/)'))"
 	rm -f $(VENV)/.setup-*
 	touch $@
 
