@@ -33,7 +33,7 @@ from .errors import KernelError
 # Per architecture (compute capability): shared memory one block may use, and per SM.
 SHARED_PER_BLOCK = {80: 163 * 1024, 90: 227 * 1024}
 SHARED_PER_SM = {80: 164 * 1024, 90: 228 * 1024}
-REGISTERS_PER_SM, MAX_WARPS_PER_SM, MAX_BLOCKS_PER_SM = 65536, 64, 32
+MAX_WARPS_PER_SM, MAX_BLOCKS_PER_SM = 64, 32
 # Registers are handed to warps in units of 256 (8 per thread).
 _REGISTER_UNIT = 256
 # The kernels by module (imported by name: the package's names rms_norm etc. are the functions, see
@@ -103,7 +103,7 @@ class Usage:
 
     def blocks_per_sm(self, num_warps: int) -> int:
         per_warp = -(-self.registers * 32 // _REGISTER_UNIT) * _REGISTER_UNIT
-        by_regs = REGISTERS_PER_SM // (per_warp * num_warps)
+        by_regs = backend.REGISTERS_PER_SM // (per_warp * num_warps)
         by_shared = SHARED_PER_SM[self.cc] // self.shared_bytes if self.shared_bytes else MAX_BLOCKS_PER_SM
         return min(by_regs, by_shared, MAX_WARPS_PER_SM // num_warps, MAX_BLOCKS_PER_SM)
 

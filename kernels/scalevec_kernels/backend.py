@@ -87,13 +87,39 @@ def chunked_tile(n: int, budget: int, per_thread: int, chunk: int | None = None)
     return block_m, block_n, min(MAX_WARPS, max(1, block_m * block_n // (32 * per_thread)))
 
 
-def backward_per_thread(row_bytes: int) -> int:
-    """Elements a thread of a backward holds: BACKWARD_PER_THREAD, twice that when the large tensors it
-    loads (`row_bytes` per element, all of them together) would leave less than IN_FLIGHT_NEEDED in
-    flight on an SM of WARPS_PER_SM warps. Each K's fp32 scale-gradient accumulator and the working rows
-    must fit in MAX_REGISTERS, so only few tensors get the wider tile."""
-    short = row_bytes * BACKWARD_PER_THREAD * 32 * WARPS_PER_SM < IN_FLIGHT_NEEDED
-    return BACKWARD_PER_THREAD * (2 if short else 1)
+def active_share(n: int, block_n: int) -> float:
+    """The share of a row's tile lanes that its n features keep busy: past the row's end (a row narrower
+    than its tile, or a partial last chunk) lanes fetch nothing, yet each pass over a chunk takes a
+    memory latency all the same."""
+    return n / (triton.cdiv(n, block_n) * block_n)
+
+
+def backward_per_thread(n: int, row_bytes: int, widest: int, chunk: int | None = None) -> int:
+    """Elements a thread of a backward holds on rows of n features: BACKWARD_PER_THREAD, or twice or four
+    times that up to `widest`, the fewest whose tile keeps IN_FLIGHT_NEEDED in flight on an SM of
+    WARPS_PER_SM warps with the large tensors it loads (`row_bytes` per element, all of them together),
+    counting only the lanes the row keeps busy. `widest` is what the kernel holds within MAX_REGISTERS
+    without a spill (each K's fp32 scale-gradient accumulator and the working rows), so only few tensors
+    get the wider tiles."""
+    for per_thread in (BACKWARD_PER_THREAD, 2 * BACKWARD_PER_THREAD, 4 * BACKWARD_PER_THREAD):
+        block_n = chunked_tile(n, MAX_WARPS * 32 * per_thread, per_thread, chunk)[1]
+        if (per_thread == widest
+                or row_bytes * per_thread * 32 * WARPS_PER_SM * active_share(n, block_n) >= IN_FLIGHT_NEEDED):
+            break
+    return per_thread
+
+
+def forward_registers(n: int, block_m: int, block_n: int, num_warps: int, row_bytes: int, least: int) -> int:
+    """The register cap (maxnreg) of a forward launch, whose programs of `num_warps` warps each load a tile
+    of BLOCK_M x BLOCK_N elements of `row_bytes` bytes (its large tensors together) before they first
+    wait: as many registers a thread as leave room for the programs that keep IN_FLIGHT_NEEDED in flight
+    on an SM (at least MIN_PROGRAMS_PER_SM), counting only the lanes the row keeps busy; at most
+    MAX_REGISTERS, and at least `least`, what the kernel needs on any tile without a spill. A forward's
+    grid gives each SM many programs, so registers decide how many reside: on rows narrower than their
+    tile the idle lanes' registers would otherwise crowd a program out."""
+    per_program = block_m * block_n * row_bytes * active_share(n, block_n)
+    programs = max(MIN_PROGRAMS_PER_SM, math.ceil(IN_FLIGHT_NEEDED / per_program))
+    return max(least, min(MAX_REGISTERS, REGISTERS_PER_SM // (programs * num_warps * 32) // 8 * 8))
 
 
 # Warps per program at most: 8, so that an SM of WARPS_PER_SM warps holds two programs and one loads while
@@ -105,6 +131,9 @@ MAX_WARPS, BACKWARD_PER_THREAD = 8, 8
 # register now and then with registers to spare; tests/kernels/test_compile_ahead.py checks that no
 # variant the presets launch spills under it.
 WARPS_PER_SM, MAX_REGISTERS = 16, 128
+# An SM's registers, handed to warps in units of 8 a thread; at least two resident programs, so that one
+# loads while another reduces and stores.
+REGISTERS_PER_SM, MIN_PROGRAMS_PER_SM = 65536, 2
 # The device the tiles are sized for, an H200 (the H100 SXM needs less): Little's law asks each SM to keep
 # bandwidth x latency / SMs bytes in flight. 4.8 TB/s: H200's HBM3e (NVIDIA's datasheet; 3.35 TB/s on an
 # H100 SXM); 800 ns: the upper end of 600-800 ns for a loaded HBM access on Hopper; 132 SMs.

@@ -22,6 +22,7 @@ from .backend import (
     MAX_WARPS,
     backward_per_thread,
     chunked_tile,
+    forward_registers,
     resident_programs,
     tile,
     tl,
@@ -263,6 +264,10 @@ if triton is not None:
 # per element: larger tiles keep the CPU tests fast (and tests force small chunks to run the chunked path).
 _FWD_TILE, _BWD_TILE = (65536, 65536) if INTERPRETED else (4096, None)
 _BWD_CHUNK = None
+# Registers within which the kernels compile without a spill on every tile the presets launch (sm_90,
+# scripts/kernel_table.py): the forward on at least 48 (a tile of 4 rows with K = 3 outputs spilled at 40),
+# the backward at up to 32 elements a thread
+FORWARD_LEAST_REGISTERS, BACKWARD_WIDEST = 48, 4 * BACKWARD_PER_THREAD
 
 
 def backward_grid(n: int, tokens: int, groups: int, row_bytes: int, residual: bool,
@@ -270,12 +275,12 @@ def backward_grid(n: int, tokens: int, groups: int, row_bytes: int, residual: bo
     """(BLOCK_M, BLOCK_N, num_warps, programs per scale row, chunked) of the backward, whose loads of x and
     the K output gradients take `row_bytes` per element (the residual's gradient is left out: the
     chunked path every backward with one takes reads it in its second pass only, so the first pass's
-    loads are the fewer); each program writes one fp32 partial per scale gradient. Tiles of 16 elements
-    a thread, and every backward with a residual's gradient, take the chunked path even when one chunk
-    holds the row: without the K [BLOCK_M, BLOCK_N] accumulators ptxas issues all of a tile's loads
-    before it waits (with them, it left the residual's load behind the arithmetic: a warp then had one
-    tensor in flight)."""
-    per_thread = backward_per_thread(row_bytes)
+    loads are the fewer); each program writes one fp32 partial per scale gradient. Tiles of more than
+    BACKWARD_PER_THREAD elements a thread, and every backward with a residual's gradient, take the
+    chunked path even when one chunk holds the row: without the K [BLOCK_M, BLOCK_N] accumulators ptxas
+    issues all of a tile's loads before it waits (with them, it left the residual's load behind the
+    arithmetic: a warp then had one tensor in flight)."""
+    per_thread = backward_per_thread(n, row_bytes, BACKWARD_WIDEST, _BWD_CHUNK)
     block_m, block_n, warps = chunked_tile(n, _BWD_TILE or MAX_WARPS * 32 * per_thread, per_thread, _BWD_CHUNK)
     programs = triton.cdiv(resident_programs(device, warps), groups)
     chunked = block_n < n or per_thread > BACKWARD_PER_THREAD or residual
@@ -325,11 +330,13 @@ def _fwd_op(x, residual, scales, scaled, groups, eps):
     if m == 0:
         return ys, h, rstd
     block_m, block_n, warps = tile(n, _FWD_TILE)
+    row_bytes = x.element_size() * (1 if residual is None else 2)
     res = x if residual is None else residual.contiguous()
     _fwd_kernel[(triton.cdiv(m, block_m),)](
         x, res, h if residual is not None else x, rstd, *_slots(ys, ys[0]),
         *_slots(_by_slot(scales, scaled), x), m, n, groups, eps, K=len(scaled), SCALED=_mask(scaled),
-        HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, maxnreg=MAX_REGISTERS)
+        HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        maxnreg=forward_registers(n, block_m, block_n, warps, row_bytes, FORWARD_LEAST_REGISTERS))
     return ys, h, rstd
 
 

@@ -28,6 +28,7 @@ from .backend import (
     MAX_WARPS,
     backward_per_thread,
     chunked_tile,
+    forward_registers,
     resident_programs,
     tl,
     triton,
@@ -344,6 +345,10 @@ if triton is not None:
 # paths).
 _FWD_TILE, _BWD_TILE = (65536, 65536) if INTERPRETED else (MAX_WARPS * 32 * FORWARD_PER_THREAD, None)
 _CHUNK = None
+# Registers within which the kernels compile without a spill on every tile the presets launch (sm_90,
+# scripts/kernel_table.py): the forward on at least 64, 80 with per-expert scales (their expert lookup;
+# they spilled at 64), the backward at up to 16 elements a thread (32 spilled 264-392 B)
+FORWARD_LEAST_REGISTERS, FORWARD_LEAST_REGISTERS_PER_EXPERT, BACKWARD_WIDEST = 64, 80, 2 * BACKWARD_PER_THREAD
 
 
 def forward_tile(n: int) -> tuple[int, int, int]:
@@ -355,14 +360,15 @@ def backward_grid(n: int, rows: int, experts: int, row_bytes: int,
                   device: torch.device) -> tuple[int, int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, num_warps, programs per expert, chunked) of the backward, whose large loads take
     `row_bytes` per element (G, U and the output's gradient); each program writes one fp32 partial per
-    scale gradient. Tiles of 16 elements a thread take the chunked path even when one chunk holds the row:
-    it keeps no [BLOCK_M, BLOCK_N] scale-gradient accumulators, which spilled at 16 a thread.
+    scale gradient. Tiles of more than BACKWARD_PER_THREAD elements a thread take the chunked path even
+    when one chunk holds the row: it keeps no [BLOCK_M, BLOCK_N] scale-gradient accumulators, which
+    spilled at 16 a thread.
 
     An expert's rows are spread over this many programs whatever its share of the rows, so a very uneven
     routing leaves part of the device idle in the backward."""
     # A width that is no multiple of 16 (Triton then cannot assume aligned rows) takes more registers for
     # its addresses: at 16 elements a thread, 344 features spilled 48 B.
-    per_thread = backward_per_thread(row_bytes) if n % 16 == 0 else BACKWARD_PER_THREAD
+    per_thread = backward_per_thread(n, row_bytes, BACKWARD_WIDEST, _CHUNK) if n % 16 == 0 else BACKWARD_PER_THREAD
     block_m, block_n, warps = chunked_tile(n, _BWD_TILE or MAX_WARPS * 32 * per_thread, per_thread, _CHUNK)
     programs = triton.cdiv(resident_programs(device, warps), experts)
     chunked = block_n < n or per_thread > BACKWARD_PER_THREAD
@@ -403,7 +409,8 @@ def _fwd_op(gate, up, gate_scale, up_scale, expert_offsets, eps):
         gate, up.contiguous(), out, rstd, *_pointers(gate_scale, up_scale, expert_offsets, gate), m, n, experts,
         eps, SCALED=scaled, PER_EXPERT=per_expert, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_E=min(128, triton.next_power_of_2(experts)), CHUNKED=block_n < n, num_warps=warps,
-        maxnreg=MAX_REGISTERS)
+        maxnreg=forward_registers(n, block_m, block_n, warps, gate.element_size() + up.element_size(),
+                                 FORWARD_LEAST_REGISTERS_PER_EXPERT if per_expert else FORWARD_LEAST_REGISTERS))
     return out, rstd
 
 

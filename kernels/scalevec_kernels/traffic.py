@@ -16,7 +16,8 @@ In flight: a warp issues its loads and waits at the first instruction that needs
 the large tensors' bytes of the smallest such batch, times the warps resident on an SM (the programs an
 SM holds at once by registers and shared memory, at most what the grid gives it: a forward's grid of one
 program per tile of rows has many per SM at the presets' micro-batches of 16384 tokens and more), is
-what an SM keeps in flight; a row narrower than its tile leaves lanes idle, so it counts its share.
+what an SM keeps in flight; a row narrower than its tile, or whose last chunk is partial, leaves lanes
+idle, so it counts the share it keeps busy (backend.active_share) at the narrowest width launched.
 Little's law asks for backend.IN_FLIGHT_NEEDED (bandwidth x latency / SMs, the figures and their source
 are there: 29,091 bytes for an H200). One resident program per SM cannot overlap its own reduction and
 stores with loads, so at least two are asked for as well.
@@ -26,10 +27,9 @@ import dataclasses
 import importlib
 
 from . import backend
-from .backend import IN_FLIGHT_NEEDED, SMS
+from .backend import IN_FLIGHT_NEEDED, MIN_PROGRAMS_PER_SM, SMS, active_share
 
 L2_BYTES = 50 * 2**20  # H100 SXM and H200
-MIN_PROGRAMS_PER_SM = 2
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -76,8 +76,9 @@ def programs_per_sm(variant, usage) -> int:
     return fits
 
 
-def traffic(variant, usage, width: int) -> Traffic:
-    """The memory model of `variant` compiled as `usage` (with its SASS), launched on rows of `width`."""
+def traffic(variant, usage, widths: set[int]) -> Traffic:
+    """The memory model of `variant` compiled as `usage` (with its SASS), launched on rows of `widths`:
+    in flight at the width that keeps the fewest lanes busy, the L2's working set at the widest."""
     large = row_args(variant)
     lanes = 32 * variant.num_warps
     tile = variant.constexpr("BLOCK_M") * variant.constexpr("BLOCK_N")
@@ -90,17 +91,16 @@ def traffic(variant, usage, width: int) -> Traffic:
     resident = programs_per_sm(variant, usage)
     touched = sum(size[a] for a in set(reads) | set(writes))
     twice = any(n > 1 for n in reads.values())
-    working_set = SMS * resident * variant.constexpr("BLOCK_M") * width * touched if twice else 0
+    working_set = SMS * resident * variant.constexpr("BLOCK_M") * max(widths) * touched if twice else 0
     on_chip = working_set <= L2_BYTES // 2
     off_chip = {a: (1 if on_chip else n) for a, n in reads.items()}
     moved = sum(off_chip[a] * size[a] for a in reads) + sum(n * size[a] for a, n in writes.items())
     floor = sum(size[a] for a in reads) + sum(size[a] for a in writes)
     batches = [sum(usage.accesses[i][2] for i in batch if usage.accesses[i][1] in size) for batch in usage.batches]
-    # A row narrower than its (power-of-two) tile: the masked lanes fetch nothing.
-    active = 1.0 if variant.constexpr("BLOCK_N") <= width else width / variant.constexpr("BLOCK_N")
+    active = min(active_share(width, variant.constexpr("BLOCK_N")) for width in widths)
     batches = [int(b * active) for b in batches if b]
-    widths = [w for _, arg, w in usage.accesses if arg in size]
+    access_widths = [w for _, arg, w in usage.accesses if arg in size]
     return Traffic(reads=reads, writes=writes, off_chip_reads=off_chip,
                    bytes_over_floor=moved / floor if floor else 1.0,
-                   vector_bytes=min(widths, default=0), warp_bytes=32 * min(batches, default=0),
+                   vector_bytes=min(access_widths, default=0), warp_bytes=32 * min(batches, default=0),
                    programs_per_sm=resident, warps=variant.num_warps, working_set=working_set)

@@ -16,10 +16,10 @@ launch in bf16 (their recipes train under bf16 autocast; scalevec_kernels.traffi
   fails the test too, so that it leaves the list).
 
 Every such variant is checked, but only one SASS per code path is read (kernel_table.code_paths: kernel,
-flags, whole rows or chunked; 24 paths for 59 variants, 2026-11-28): disassembling costs 0.4 s of CPU a
-variant, more than CI can spare. That suffices because what the bounds take from the SASS (which large
-tensors each access touches, its width, the loads a warp has in flight before it waits) is the same for
-every variant of a path: they hold the same elements a thread and differ in the tile's shape only; each
+flags, whole rows or chunked, elements a thread; 29 paths for 85 variants, 2026-11-28): disassembling
+costs 0.4 s of CPU a variant, more than CI can spare. That suffices because what the bounds take from the
+SASS (which large tensors each access touches, its width, the loads a warp has in flight before it
+waits) is the same for every variant of a path: they differ in the tile's shape only; each
 variant's own registers (programs per SM) and row width (idle lanes, the L2 working set) are its own.
 `python scripts/kernel_table.py --traffic` disassembles every variant and exits 1 where one's SASS
 gives other traffic than its path's or a bound breaks other than as KNOWN_SHORT lists.
@@ -32,6 +32,8 @@ target) and the Triton version match: compiling all of them took 150 s of a cold
 A changed kernel compiles anew, and test_the_record_is_up_to_date_and_what_the_compiler_gives recompiles
 one variant of every kernel and checks the record against it.
 """
+
+import importlib
 
 import pytest
 import torch
@@ -160,6 +162,30 @@ def test_occupancy_and_shared_memory_limits():
         f"needs {200 * 1024} B of shared memory, over sm_80's {163 * 1024} B per block"]
 
 
+def test_the_in_flight_rules():
+    """The tiles and register caps the launches take from Little's law (backend.IN_FLIGHT_NEEDED = 29,091 B
+    an SM), against the arithmetic written out here."""
+    assert backend.IN_FLIGHT_NEEDED == 29091
+    # Lanes a row keeps busy: 2560 features in a tile of 4096, or in 3 chunks of 1024
+    assert backend.active_share(2560, 4096) == 0.625 and backend.active_share(2560, 1024) == 2560 / 3072
+    assert backend.active_share(8192, 4096) == 1.0
+    # Backward, 16 warps an SM: bf16 x and one gradient (4 B an element) keep 4 x 16 x 512 = 32,768 B at
+    # 16 elements a thread on 2048 features, 20,480 on 2560 (5/8 busy), so 32 there, unless the kernel
+    # holds at most 16; with three gradients (8 B) 8 elements keep 32,768 on 1024 features, 16 on 2560
+    # (40,960; 8 would keep 20,480)
+    assert [backend.backward_per_thread(n, 4, 32) for n in (2048, 2560)] == [16, 32]
+    assert backend.backward_per_thread(2560, 4, 16) == 16
+    assert [backend.backward_per_thread(n, 8, 32) for n in (1024, 2560)] == [8, 16]
+    # Forward: a program of 8 warps on one bf16 row of 2560 in a tile of 4096 has 4096 x 2 x 5/8 = 5,120 B
+    # in flight, so 6 programs an SM, 65536 / (6 x 256) = 42 registers a thread, 40 in units of 8, unless
+    # the kernel needs more; two bf16 tensors on 8 rows of 384 in tiles of 512: 12,288 B, 3 programs,
+    # 85 -> 80; at least two programs
+    assert backend.forward_registers(2560, 1, 4096, 8, 2, 32) == 40
+    assert backend.forward_registers(2560, 1, 4096, 8, 2, 48) == 48
+    assert backend.forward_registers(384, 8, 512, 8, 4, 48) == 80
+    assert backend.forward_registers(4096, 1, 4096, 8, 4, 48) == 128
+
+
 def test_every_large_tensor_leaves_the_chip_once(audited):
     over = {kernel_table.describe(v): (t.off_chip_reads, t.writes) for v, (_, t) in audited.items()
             if t.bytes_over_floor != 1.0}
@@ -192,16 +218,17 @@ def test_a_second_pass_the_l2_cannot_hold_is_caught(compiled):
     users = compiled[0]
     (fwd,) = [v for v in _swiglu_variants(16384, torch.float32) if v.kernel == "swiglu_norm._fwd_kernel"]
     assert fwd.constexpr("CHUNKED") and "dense-1b" in users[fwd]
-    t = traffic.traffic(fwd, aot.compile_variant(fwd, CC), 16384)  # its SASS: the fixture reads bf16's
+    t = traffic.traffic(fwd, aot.compile_variant(fwd, CC), {16384})  # its SASS: the fixture reads bf16's
     assert t.working_set > traffic.L2_BYTES // 2 and t.bytes_over_floor > 1.5
     assert "reads G 2 times off the chip" in t.problems()
 
 
 def test_a_launch_with_too_little_in_flight_is_caught(monkeypatch):
     """The SwiGLU backward of dense-1b at 4 elements a thread: a quarter of what its loads keep in flight."""
-    monkeypatch.setattr(backend, "BACKWARD_PER_THREAD", 2)
+    monkeypatch.setattr(importlib.import_module("scalevec_kernels.swiglu_norm"), "backward_per_thread",
+                        lambda *_: 4)
     (bwd,) = [v for v in _swiglu_variants(8192, torch.bfloat16) if v.kernel == "swiglu_norm._bwd_kernel"]
-    t = traffic.traffic(bwd, aot.compile_variant(bwd, CC), 8192)
+    t = traffic.traffic(bwd, aot.compile_variant(bwd, CC), {8192})
     assert t.in_flight < backend.IN_FLIGHT_NEEDED
     want = f"keeps {t.in_flight} B in flight per SM, under the {backend.IN_FLIGHT_NEEDED} B an H200 needs"
     assert want in t.problems()
