@@ -198,12 +198,17 @@ def recorded() -> dict[str, dict]:
     return record["usage"] if record.get("triton") == triton.__version__ else {}
 
 
+def compile_presets(users, widths) -> dict[tuple[aot.Variant, int], aot.Usage]:
+    """What the tests compile: every preset variant for sm_90, with the SASS of each code path of the GPU
+    presets' row kernels (what the traffic model reads)."""
+    return compile_all(users, [90], code=set(code_paths(gpu_row_variants(users), widths).values()))
+
+
 def record(users, widths) -> None:
-    """Write RECORD: what the tests compile (every preset variant for sm_90, the SASS of each code path)."""
+    """Write RECORD: compile_presets' results."""
     import triton
 
-    paths = set(code_paths(gpu_row_variants(users), widths).values())
-    usage = compile_all(users, [90], code=paths)
+    usage = compile_presets(users, widths)
     entries = {v.cache_key(90): dataclasses.asdict(usage[v, 90]) for v in sorted(users, key=repr)}
     RECORD.write_text(json.dumps({"triton": triton.__version__, "usage": entries}, indent=0) + "\n")
 

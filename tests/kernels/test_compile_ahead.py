@@ -53,8 +53,7 @@ CC = 90
 def compiled():
     """(the variants with the presets launching each, their row widths, their sm_90 usage)."""
     users, widths = kernel_table.cached_preset_launches()
-    paths = set(kernel_table.code_paths(kernel_table.gpu_row_variants(users), widths).values())
-    return users, widths, kernel_table.compile_all(users, [CC], code=paths)
+    return users, widths, kernel_table.compile_presets(users, widths)
 
 
 @pytest.fixture(scope="module")
