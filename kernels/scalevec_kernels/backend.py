@@ -112,13 +112,15 @@ def backward_per_thread(n: int, row_bytes: int, widest: int, chunk: int | None =
 def forward_registers(n: int, block_m: int, block_n: int, num_warps: int, row_bytes: int, least: int) -> int:
     """The register cap (maxnreg) of a forward launch, whose programs of `num_warps` warps each load a tile
     of BLOCK_M x BLOCK_N elements of `row_bytes` bytes (its large tensors together) before they first
-    wait: as many registers a thread as leave room for the programs that keep IN_FLIGHT_NEEDED in flight
-    on an SM (at least MIN_PROGRAMS_PER_SM), counting only the lanes the row keeps busy; at most
-    MAX_REGISTERS, and at least `least`, what the kernel needs on any tile without a spill. A forward's
-    grid gives each SM many programs, so registers decide how many reside: on rows narrower than their
-    tile the idle lanes' registers would otherwise crowd a program out."""
-    per_program = block_m * block_n * row_bytes * active_share(n, block_n)
-    programs = max(MIN_PROGRAMS_PER_SM, math.ceil(IN_FLIGHT_NEEDED / per_program))
+    wait. A forward's grid gives each SM many programs, so registers decide how many reside; on rows
+    narrower than their tile the idle lanes hold registers too and would crowd a program out, so there
+    the cap is what leaves room for the programs that keep IN_FLIGHT_NEEDED in flight on an SM (at least
+    MIN_PROGRAMS_PER_SM), counting only the lanes the row keeps busy, and at least `least`, what the
+    kernel needs on such a tile without a spill. Rows that fill their tile keep MAX_REGISTERS."""
+    share = active_share(n, block_n)
+    if share == 1:
+        return MAX_REGISTERS
+    programs = max(MIN_PROGRAMS_PER_SM, math.ceil(IN_FLIGHT_NEEDED / (block_m * block_n * row_bytes * share)))
     return max(least, min(MAX_REGISTERS, REGISTERS_PER_SM // (programs * num_warps * 32) // 8 * 8))
 
 

@@ -265,9 +265,10 @@ if triton is not None:
 _FWD_TILE, _BWD_TILE = (65536, 65536) if INTERPRETED else (4096, None)
 _BWD_CHUNK = None
 # Registers within which the kernels compile without a spill on every tile the presets launch (sm_90,
-# scripts/kernel_table.py): the forward on at least 48 (a tile of 4 rows with K = 3 outputs spilled at 40),
-# the backward at up to 32 elements a thread
-FORWARD_LEAST_REGISTERS, BACKWARD_WIDEST = 48, 4 * BACKWARD_PER_THREAD
+# scripts/kernel_table.py): the forward on at least 40 on a tile of one row, 48 on several (their rows'
+# offsets and statistics: a tile of 4 rows with K = 3 outputs spilled at 40), the backward at up to 32
+# elements a thread
+FORWARD_LEAST_REGISTERS, FORWARD_LEAST_REGISTERS_ROWS, BACKWARD_WIDEST = 40, 48, 4 * BACKWARD_PER_THREAD
 
 
 def backward_grid(n: int, tokens: int, groups: int, row_bytes: int, residual: bool,
@@ -336,7 +337,8 @@ def _fwd_op(x, residual, scales, scaled, groups, eps):
         x, res, h if residual is not None else x, rstd, *_slots(ys, ys[0]),
         *_slots(_by_slot(scales, scaled), x), m, n, groups, eps, K=len(scaled), SCALED=_mask(scaled),
         HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-        maxnreg=forward_registers(n, block_m, block_n, warps, row_bytes, FORWARD_LEAST_REGISTERS))
+        maxnreg=forward_registers(n, block_m, block_n, warps, row_bytes,
+                                  FORWARD_LEAST_REGISTERS if block_m == 1 else FORWARD_LEAST_REGISTERS_ROWS))
     return ys, h, rstd
 
 
