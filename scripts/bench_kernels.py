@@ -148,7 +148,7 @@ def time_impl(make, m: int, n: int, k: int, profiled: list | None = None) -> tup
 def byte_model(m: int, n: int, k: int) -> tuple[int, int]:
     """(forward bytes, backward bytes) of the fused kernels."""
     b = torch.finfo(DTYPE).bits // 8
-    partials = 2 * backward_grid(n, m, 1, (k + 1) * b, False, torch.device("cuda"))[3] * k * n * 4
+    partials = 2 * backward_grid(n, m, 1, (k + 1) * b, (k + 2) * b, False, torch.device("cuda"))[3] * k * n * 4
     return m * ((1 + k) * n * b + 4), m * ((k + 2) * n * b + 4) + partials
 
 
@@ -185,7 +185,7 @@ def swiglu_byte_model(m: int, f: int, experts: int) -> tuple[int, int]:
     """(forward bytes, backward bytes) of the fused SwiGLU kernels."""
     b = torch.finfo(DTYPE).bits // 8
     groups = max(1, experts)
-    partials = 2 * 2 * swiglu_backward_grid(f, m, groups, 3 * b, torch.device("cuda"))[3] * groups * f * 4
+    partials = 2 * 2 * swiglu_backward_grid(f, m, groups, 3 * b, 5 * b, torch.device("cuda"))[3] * groups * f * 4
     return m * (3 * f * b + 8), m * (5 * f * b + 8) + partials
 
 

@@ -13,7 +13,7 @@ LIMITS lists the widest calls the kernel library takes (not launched by any pres
 
 Prints a markdown table for docs/benchmarks.md ("Kernels compiled, not yet timed") and exits 1 when a
 preset's variant spills or needs more shared memory than a block may have; with --traffic, also when a
-GPU preset's bf16 variant breaks a traffic bound other than as KNOWN_SHORT lists (each one disassembled:
+GPU preset's bf16 variant breaks a traffic bound (each one disassembled:
 tests/kernels/test_compile_ahead.py reads one SASS per code path, see code_paths).
 """
 
@@ -62,13 +62,6 @@ CHEAP = ["model.n_layers=1", "model.vocab_size=128", "model.kernels=triton"]
 TOKENS = 16
 # The presets sized for a GPU (dense-0.12b ... moe-2b): the traffic bounds are about an H200
 GPU_PRESET = re.compile(r"\d(\.\d+)?b$")
-# The variants below the in-flight bound today, by describe() with the bytes an SM keeps in flight (95% of
-# the bound): dense-0.12b's norm + SwiGLU backward, whose binary also serves wider FFNs, on its 2304 features
-# in chunks of 4096 (9/16 of the lanes busy); 32 elements a thread spilled (backend.backward_per_thread).
-# The list stays true both ways: a listed variant that meets the bound fails too.
-KNOWN_SHORT: dict[tuple[str, str, str, str], int] = {
-    ('swiglu_norm bwd', '1x4096 chunked', 'scaled=11 per_expert=0', 'bf16/fp32'): 27648,  # dense-0.12b
-}
 # The widest calls the library takes, in bf16 and fp32: K = 4 outputs with a residual, and SwiGLU.
 LIMIT_WIDTHS = (8192, 16384)
 
@@ -291,26 +284,13 @@ def audit(variants, widths, usage, cc: int = 90) -> dict[aot.Variant, traffic.Tr
 
 
 def traffic_problems(users, widths, usage) -> list[str]:
-    """The bounds broken other than as KNOWN_SHORT lists, a listed variant that meets them, and a variant
-    whose own SASS gives other traffic than its code path's (which the CI test's reading of one a path assumes)."""
+    """The bounds broken, and each variant whose own SASS gives other traffic than its code path's (which
+    the CI test's reading of one SASS a path assumes)."""
     audited = gpu_row_variants(users)
     rep, found = code_paths(audited, widths), audit(audited, widths, usage)
     out = [f"{' '.join(describe(v))}: its own SASS gives other traffic than {' '.join(describe(rep[v]))}'s"
            for v in audited if traffic.traffic(v, usage[v, 90], widths[v]) != found[v]]
-    short = {}
-    for v, t in found.items():
-        problems = t.problems()
-        if problems and (describe(v) not in KNOWN_SHORT or problems != [_short(t.in_flight)]):
-            out += [f"{' '.join(describe(v))}: {p}" for p in problems]
-        if problems:
-            short[describe(v)] = t.in_flight
-    out += [f"{' '.join(what)}: listed in KNOWN_SHORT with {n} B, keeps {short.get(what, 'enough')}"
-            for what, n in KNOWN_SHORT.items() if short.get(what) != n]
-    return out
-
-
-def _short(in_flight: int) -> str:
-    return f"keeps {in_flight} B in flight per SM, under the {traffic.IN_FLIGHT_NEEDED} B an H200 needs"
+    return out + [f"{' '.join(describe(v))}: {p}" for v, t in found.items() for p in t.problems()]
 
 
 def traffic_table(users, widths, usage) -> list[str]:

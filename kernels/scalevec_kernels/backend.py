@@ -94,19 +94,38 @@ def active_share(n: int, block_n: int) -> float:
     return n / (triton.cdiv(n, block_n) * block_n)
 
 
-def backward_per_thread(n: int, row_bytes: int, widest: int, chunk: int | None = None) -> int:
-    """Elements a thread of a backward holds on rows of n features: BACKWARD_PER_THREAD, or twice or four
-    times that up to `widest`, the fewest whose tile keeps IN_FLIGHT_NEEDED in flight on an SM of
-    WARPS_PER_SM warps with the large tensors it loads (`row_bytes` per element, all of them together),
-    counting only the lanes the row keeps busy. `widest` is what the kernel holds within MAX_REGISTERS
-    without a spill (each K's fp32 scale-gradient accumulator and the working rows), so only few tensors
-    get the wider tiles."""
+def backward_tile(n: int, row_bytes: int, touched: int, widest: int,
+                  chunk: int | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, elements a thread) of a backward on rows of n features, which it walks
+    in chunks twice (the reduction, then the gradients) when a thread holds more than BACKWARD_PER_THREAD
+    or the row is wider than a tile. The fewest elements a thread (BACKWARD_PER_THREAD, twice or four
+    times that, up to `widest`: what the kernel holds within MAX_REGISTERS without a spill), then the
+    widest chunk, that keep IN_FLIGHT_NEEDED in flight on an SM of WARPS_PER_SM warps with the large
+    tensors the first pass loads (`row_bytes` per element), counting only the lanes the row keeps busy, and
+    whose rows in progress on the device fit half the L2 between a chunk's two reads (`touched` bytes per
+    element: every large tensor read or written), so that the second read stays on chip. A narrower chunk
+    can waste fewer lanes on a row that is no power of two. Where none does, the fewest elements a thread
+    that keep enough in flight at the widest chunk."""
+    candidates = []  # (tile, enough in flight, fits the L2, widest chunk): fewest elements a thread first
     for per_thread in (BACKWARD_PER_THREAD, 2 * BACKWARD_PER_THREAD, 4 * BACKWARD_PER_THREAD):
-        block_n = chunked_tile(n, MAX_WARPS * 32 * per_thread, per_thread, chunk)[1]
-        if (per_thread == widest
-                or row_bytes * per_thread * 32 * WARPS_PER_SM * active_share(n, block_n) >= IN_FLIGHT_NEEDED):
+        if per_thread > widest:
             break
-    return per_thread
+        budget = MAX_WARPS * 32 * per_thread
+        block_n = min(triton.next_power_of_2(n), chunk or budget, budget)
+        first = True
+        while first or budget // block_n <= 64:  # narrower chunks, until a tile has its most rows (64)
+            block_m, _, warps = chunked_tile(n, budget, per_thread, block_n)
+            enough = row_bytes * per_thread * 32 * WARPS_PER_SM * active_share(n, block_n) >= IN_FLIGHT_NEEDED
+            fits = SMS * (WARPS_PER_SM // warps) * block_m * n * touched <= L2_BYTES // 2
+            candidates.append(((block_m, block_n, warps, per_thread), enough, fits, first))
+            first, block_n = False, block_n // 2
+    for tile_, enough, fits, _ in candidates:
+        if enough and fits:
+            return tile_
+    for tile_, enough, _, first in candidates:
+        if first and enough:
+            return tile_
+    return [tile_ for tile_, *_, first in candidates if first][-1]
 
 
 def forward_registers(n: int, block_m: int, block_n: int, num_warps: int, row_bytes: int, least: int) -> int:
@@ -140,6 +159,7 @@ REGISTERS_PER_SM, MIN_PROGRAMS_PER_SM = 65536, 2
 # bandwidth x latency / SMs bytes in flight. 4.8 TB/s: H200's HBM3e (NVIDIA's datasheet; 3.35 TB/s on an
 # H100 SXM); 800 ns: the upper end of 600-800 ns for a loaded HBM access on Hopper; 132 SMs.
 SMS, BANDWIDTH, LATENCY = 132, 4.8e12, 800e-9
+L2_BYTES = 50 * 2**20  # H100 SXM and H200
 IN_FLIGHT_NEEDED = math.ceil(BANDWIDTH * LATENCY / SMS)
 
 

@@ -19,8 +19,7 @@ from .backend import (
     BACKWARD_PER_THREAD,
     INTERPRETED,
     MAX_REGISTERS,
-    MAX_WARPS,
-    backward_per_thread,
+    backward_tile,
     chunked_tile,
     forward_registers,
     resident_programs,
@@ -260,7 +259,7 @@ if triton is not None:
 
 
 # Elements per forward tile (whole rows); a backward's tile and widest chunk (None: by the in-flight rule,
-# backend.backward_per_thread; longer rows are walked in chunks). The interpreter pays per operation, not
+# backend.backward_tile; longer rows are walked in chunks). The interpreter pays per operation, not
 # per element: larger tiles keep the CPU tests fast (and tests force small chunks to run the chunked path).
 _FWD_TILE, _BWD_TILE = (65536, 65536) if INTERPRETED else (4096, None)
 _BWD_CHUNK = None
@@ -271,18 +270,20 @@ _BWD_CHUNK = None
 FORWARD_LEAST_REGISTERS, FORWARD_LEAST_REGISTERS_ROWS, BACKWARD_WIDEST = 40, 48, 4 * BACKWARD_PER_THREAD
 
 
-def backward_grid(n: int, tokens: int, groups: int, row_bytes: int, residual: bool,
+def backward_grid(n: int, tokens: int, groups: int, row_bytes: int, touched: int, residual: bool,
                   device: torch.device) -> tuple[int, int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, num_warps, programs per scale row, chunked) of the backward, whose loads of x and
     the K output gradients take `row_bytes` per element (the residual's gradient is left out: the
     chunked path every backward with one takes reads it in its second pass only, so the first pass's
-    loads are the fewer); each program writes one fp32 partial per scale gradient. Tiles of more than
+    loads are the fewer), and all its large tensors `touched` (backend.backward_tile); each program
+    writes one fp32 partial per scale gradient. Tiles of more than
     BACKWARD_PER_THREAD elements a thread, and every backward with a residual's gradient, take the
     chunked path even when one chunk holds the row: without the K [BLOCK_M, BLOCK_N] accumulators ptxas
     issues all of a tile's loads before it waits (with them, it left the residual's load behind the
     arithmetic: a warp then had one tensor in flight)."""
-    per_thread = backward_per_thread(n, row_bytes, BACKWARD_WIDEST, _BWD_CHUNK)
-    block_m, block_n, warps = chunked_tile(n, _BWD_TILE or MAX_WARPS * 32 * per_thread, per_thread, _BWD_CHUNK)
+    block_m, block_n, warps, per_thread = backward_tile(n, row_bytes, touched, BACKWARD_WIDEST, _BWD_CHUNK)
+    if _BWD_TILE:
+        block_m, block_n, warps = chunked_tile(n, _BWD_TILE, per_thread, _BWD_CHUNK)
     programs = triton.cdiv(resident_programs(device, warps), groups)
     chunked = block_n < n or per_thread > BACKWARD_PER_THREAD or residual
     return block_m, block_n, warps, max(1, min(triton.cdiv(tokens, block_m), programs)), chunked
@@ -362,8 +363,9 @@ def _bwd_op(grad_ys, grad_h, x, rstd, scales, scaled, groups):
     if tokens == 0:
         return dx, [d.zero_() for d in ds]
     row_bytes = x.element_size() + sum(g.element_size() for g in grad_ys)
-    block_m, block_n, warps, programs, chunked = backward_grid(n, tokens, groups, row_bytes, grad_h is not None,
-                                                               x.device)
+    touched = row_bytes + dx.element_size() + (0 if grad_h is None else grad_h.element_size())
+    block_m, block_n, warps, programs, chunked = backward_grid(n, tokens, groups, row_bytes, touched,
+                                                               grad_h is not None, x.device)
     partials = torch.empty((programs, len(grad_ys), groups, n), dtype=torch.float32, device=x.device)
     dh = x if grad_h is None else grad_h.contiguous()
     _bwd_kernel[(programs * groups,)](

@@ -26,7 +26,7 @@ from .backend import (
     INTERPRETED,
     MAX_REGISTERS,
     MAX_WARPS,
-    backward_per_thread,
+    backward_tile,
     chunked_tile,
     forward_registers,
     resident_programs,
@@ -339,7 +339,7 @@ if triton is not None:
         return n_g, n_u, da, db, s_g, s_u
 
 
-# Elements per tile, forward and backward (None: by the in-flight rule, backend.backward_per_thread), and
+# Elements per tile, forward and backward (None: by the in-flight rule, backend.backward_tile), and
 # the widest chunk (None: the tile's): rows wider are walked in chunks. The interpreter pays per operation,
 # not per element: larger tiles keep the CPU tests fast (and tests force small chunks to run the chunked
 # paths).
@@ -356,20 +356,22 @@ def forward_tile(n: int) -> tuple[int, int, int]:
     return chunked_tile(n, _FWD_TILE, FORWARD_PER_THREAD, _CHUNK)
 
 
-def backward_grid(n: int, rows: int, experts: int, row_bytes: int,
+def backward_grid(n: int, rows: int, experts: int, row_bytes: int, touched: int,
                   device: torch.device) -> tuple[int, int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, num_warps, programs per expert, chunked) of the backward, whose large loads take
-    `row_bytes` per element (G, U and the output's gradient); each program writes one fp32 partial per
-    scale gradient. Tiles of more than BACKWARD_PER_THREAD elements a thread take the chunked path even
-    when one chunk holds the row: it keeps no [BLOCK_M, BLOCK_N] scale-gradient accumulators, which
-    spilled at 16 a thread.
+    `row_bytes` per element (G, U and the output's gradient), and all its large tensors `touched`
+    (backend.backward_tile); each program writes one fp32 partial per scale gradient. Tiles of more than
+    BACKWARD_PER_THREAD elements a thread take the chunked path even when one chunk holds the row: it
+    keeps no [BLOCK_M, BLOCK_N] scale-gradient accumulators, which spilled at 16 a thread.
 
     An expert's rows are spread over this many programs whatever its share of the rows, so a very uneven
     routing leaves part of the device idle in the backward."""
     # A width that is no multiple of 16 (Triton then cannot assume aligned rows) takes more registers for
     # its addresses: at 16 elements a thread, 344 features spilled 48 B.
-    per_thread = backward_per_thread(n, row_bytes, BACKWARD_WIDEST, _CHUNK) if n % 16 == 0 else BACKWARD_PER_THREAD
-    block_m, block_n, warps = chunked_tile(n, _BWD_TILE or MAX_WARPS * 32 * per_thread, per_thread, _CHUNK)
+    widest = BACKWARD_WIDEST if n % 16 == 0 else BACKWARD_PER_THREAD
+    block_m, block_n, warps, per_thread = backward_tile(n, row_bytes, touched, widest, _CHUNK)
+    if _BWD_TILE:
+        block_m, block_n, warps = chunked_tile(n, _BWD_TILE, per_thread, _CHUNK)
     programs = triton.cdiv(resident_programs(device, warps), experts)
     chunked = block_n < n or per_thread > BACKWARD_PER_THREAD
     return block_m, block_n, warps, max(1, min(triton.cdiv(rows, block_m), programs)), chunked
@@ -437,7 +439,8 @@ def _bwd_op(grad, gate, up, rstd, gate_scale, up_scale, expert_offsets):
     scaled, per_expert = _flags(gate_scale, up_scale)
     experts = _experts(expert_offsets, per_expert)
     row_bytes = gate.element_size() + up.element_size() + grad.element_size()
-    block_m, block_n, warps, programs, chunked = backward_grid(n, m, experts, row_bytes, gate.device)
+    touched = row_bytes + gate.element_size() + up.element_size()  # dG and dU written in their dtypes
+    block_m, block_n, warps, programs, chunked = backward_grid(n, m, experts, row_bytes, touched, gate.device)
     partials = torch.empty((programs, 2, experts, n), dtype=torch.float32, device=gate.device)
     gate = gate.contiguous()
     _bwd_kernel[(programs * experts,)](

@@ -27,9 +27,8 @@ import dataclasses
 import importlib
 
 from . import backend
-from .backend import IN_FLIGHT_NEEDED, MIN_PROGRAMS_PER_SM, SMS, active_share
+from .backend import IN_FLIGHT_NEEDED, L2_BYTES, MIN_PROGRAMS_PER_SM, SMS, active_share
 
-L2_BYTES = 50 * 2**20  # H100 SXM and H200
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 

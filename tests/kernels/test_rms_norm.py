@@ -158,7 +158,7 @@ if INTERPRETED:
         per-head norm with a full-width scale (one partial per head)."""
         monkeypatch.setattr(rms_norm, "_BWD_CHUNK", 32 if groups > 1 else 64)
         monkeypatch.setattr(rms_norm, "_BWD_TILE", 128)
-        grid = rms_norm.backward_grid(n, m, groups, 4 * (k + 2), True, torch.device("cpu"))
+        grid = rms_norm.backward_grid(n, m, groups, 4 * (k + 1), 4 * (k + 3), True, torch.device("cpu"))
         assert grid[1] < n  # several chunks a row
         gen = torch.Generator().manual_seed(n + k)
         x = torch.randn(m, n, generator=gen).requires_grad_()
