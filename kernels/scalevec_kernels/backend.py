@@ -94,6 +94,7 @@ def active_share(n: int, block_n: int) -> float:
     return n / (triton.cdiv(n, block_n) * block_n)
 
 
+@functools.cache  # a few dozen candidate tiles: 0.1 ms of Python, once per shape instead of per call
 def backward_tile(n: int, row_bytes: int, touched: int, widest: int,
                   chunk: int | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, elements a thread) of a backward on rows of n features, which it walks
