@@ -209,16 +209,17 @@ def compile_all(variants, ccs, code=(), cache: Path = CACHE) -> dict[tuple[aot.V
     are kept in `cache` by the variant's cache key (which changes with the kernel's source), on top of
     Triton's own compile cache."""
     path = cache / "usage-sass.json"
-    known = recorded() | (json.loads(path.read_text()) if path.exists() else {})
+    compiled = json.loads(path.read_text()) if path.exists() else {}  # what this machine compiled itself
+    known = recorded() | compiled
     code = set(code)
     out = {}
     for v in variants:
         for cc in ccs:
             key = v.cache_key(cc)
             if key not in known or (v in code and not known[key].get("accesses")):
-                known[key] = dataclasses.asdict(aot.compile_variant(v, cc, code=v in code))
+                known[key] = compiled[key] = dataclasses.asdict(aot.compile_variant(v, cc, code=v in code))
                 cache.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(known))  # each result kept at once: compiling all takes minutes
+                path.write_text(json.dumps(compiled))  # each result kept at once: compiling all takes minutes
             out[v, cc] = aot.Usage.from_json(known[key])
     return out
 
