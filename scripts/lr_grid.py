@@ -23,6 +23,8 @@ A part is an optimizer with its grid (PARTS below); per rung and strategy (an ar
      best of the three;
   5. final: the pick with the final seeds, trunks and their WSD branches to 2.5 and 5 tokens per parameter.
 A part `tuned_on` another part's rung skips 1-4: every rung takes that rung's pick (the ladder tuned once).
+A part `around` another part's rung starts its grid at that rung's pick and one step either side (a check
+of the pick on a larger rung), then widens as in 2.
 A run is done when its last checkpoint is complete (checkpoints/step_<train.steps>/COMPLETE). A run that
 diverged (non-finite steps past train.max_bad_steps) counts as the worst point of its grid and is
 written as failed; its log says why. Claims (ROOT_logs/<name>.claim) hold what a worker trains, so two
@@ -41,7 +43,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 SEQUENCE = [float(f"{m}e{e}") for e in range(-5, 1) for m in (1, 3)]  # the 1-3-10 grid of LRs, 1e-5 .. 3
-RUNGS = ("dense-l3", "dense-l2", "dense-l1")
+LADDER = ("dense-l4", "dense-l3", "dense-l2", "dense-l1")  # largest first; a part's rungs are some of these
+RUNGS = LADDER[1:]
 SCALES = ("baseline", "unified")
 BRANCHES = (2.5, 5.0)
 FAILED = float("inf")
@@ -61,6 +64,7 @@ class Part:
     rungs: tuple[str, ...] = RUNGS
     scales: tuple[str, ...] = SCALES
     tuned_on: tuple[str, str] | None = None  # (part, rung) whose pick every rung takes
+    around: tuple[str, str] | None = None  # (part, rung) whose pick, and a step either side, is the first grid
 
 
 LRS = (0.001, 0.003, 0.01, 0.03)
@@ -75,6 +79,9 @@ PARTS = {
     # item 5: the ladder tuned once, every rung at mup's dense-l1 pick
     "mup_tuned": Part("adamw", LRS, seeds=(0, 1), scale_lr=0.01, final=(0, 1, 2), overrides=MUP, tag="mup",
                       tuned_on=("mup_adamw", "dense-l1")),
+    # item 4's dense-l4 check: three points around mup's dense-l1 pick, one seed (the budget's limit)
+    "mup_l4": Part("adamw", (), seeds=(0,), scale_lr=0.01, sites=False, overrides=MUP, tag="mup",
+                   rungs=("dense-l4",), around=("mup_adamw", "dense-l1")),
     # the Muon ladder's grid (its settings) on one seed per rung: a check of its dense-l2 picks; and under mup
     "muon": Part("muon", LRS, seeds=(0,)),
     "mup_muon": Part("muon", LRS, seeds=(0,), overrides=MUP, tag="mup"),
@@ -172,6 +179,12 @@ class Arm:
             name, rung = p.tuned_on
             return Arm(PARTS[name], rung, self.scale, self.state).plan()
         lrs = sorted(p.lrs)
+        if p.around is not None:
+            name, rung = p.around
+            pending, pick = Arm(PARTS[name], rung, self.scale, self.state).plan()
+            if pick is None:
+                return pending, None
+            lrs = [step(pick[0], -1), pick[0], step(pick[0], 1)]
         while True:  # 1, 2: the grid, widened while its best is at an edge
             runs = [self.run(lr, s) for lr in lrs for s in p.seeds]
             pending = [r for r in runs if self.state.loss(r) is None]
@@ -262,14 +275,15 @@ def next_run(root: Path, pid: int, parts: list[str]) -> int:
                 claimed.add(claim.name[: -len(".claim")])
             else:
                 claim.unlink()
-        needed = [(-RUNGS.index(arm.rung), parts.index(name), r.tpp != 10.0, arm.rung, r)
+        needed = [(PARTS[name].optim == "muon", -LADDER.index(arm.rung), parts.index(name), r.tpp != 10.0, arm.rung, r)
                   for name, arm in arms(parts, state) for r in arm.needed()]
-        needed = [(rung, r) for *_, rung, r in sorted(needed, key=lambda x: x[:3])]
+        needed = [(rung, r) for *_, rung, r in sorted(needed, key=lambda x: x[:4])]
         free = [(rung, r) for rung, r in needed if r.name not in claimed]
         if not free:
             return 3 if needed else 4
-        # the smallest rung first, every part's (its picks, and what they say about transfer, come before
-        # the long runs of the largest rung); then the parts in their order, trunks before branches
+        # Muon's grids last (issue 47: cut first when time is short); then the smallest rung first, every
+        # part's (its picks, and what they say about transfer, come before the long runs of the largest
+        # rung); then the parts in their order, trunks before branches
         rung, run = free[0]
         (state.logs / f"{run.name}.claim").write_text(str(pid))
         print(rung, root / run.name, *run.overrides(root))
@@ -318,8 +332,10 @@ def grid_table(name: str, state: State) -> tuple[str, list[str]]:
         picks = ", ".join(f"{arm.scale} lr {fmt(pick[0])}" for arm, _, pick in found[:len(part.scales)] if pick)
         return f"Every rung at {part.tuned_on[0]}'s {part.tuned_on[1]} pick: {picks or 'pending'}.\n", finals
     lrs = sorted({lr for _, g, _ in found for lr in g})
-    rows = [f"Terminal val_loss at 10 tokens per parameter, mean over seeds {', '.join(map(str, part.seeds))} (each "
-            "seed's in brackets; a third seed where the two best were within the seeds' spread); the pick in bold.\n",
+    seeds = (f"seed {part.seeds[0]}" if len(part.seeds) == 1 else
+             f"mean over seeds {', '.join(map(str, part.seeds))} (each seed's in brackets; a third seed where the "
+             "two best were within the seeds' spread)")
+    rows = [f"Terminal val_loss at 10 tokens per parameter, {seeds}; the pick in bold.\n",
             "| rung | arm | " + " | ".join(f"lr {fmt(lr)}" for lr in lrs) + " | pick |",
             "|---|---|" + "---:|" * (len(lrs) + 1)]
     for arm, g, pick in found:
@@ -345,20 +361,26 @@ def grid_table(name: str, state: State) -> tuple[str, list[str]]:
 
 
 def transfer_table(names: list[str], state: State) -> str:
-    """Each part's pick per rung and arm, and how many grid steps it moves from rung to rung."""
-    rungs = sorted({r for n in names for r in PARTS[n].rungs}, key=lambda r: -RUNGS.index(r))
-    rows = ["| arm | part | " + " | ".join(rungs) + " | steps per rung | " + rungs[0] + " to " + rungs[-1] + " |",
+    """Each part's pick per rung and arm (a part `around` it adds its larger rung to its row), and how many
+    grid steps it moves from rung to rung."""
+    checks = {PARTS[n].around[0]: n for n in names if PARTS[n].around is not None}
+    rows_of = {n: [(n, r) for r in PARTS[n].rungs] + ([(checks[n], r) for r in PARTS[checks[n]].rungs]
+                                                     if n in checks else [])
+               for n in names if PARTS[n].around is None}
+    rungs = sorted({r for cells in rows_of.values() for _, r in cells}, key=lambda r: -LADDER.index(r))
+    rows = ["| arm | part | " + " | ".join(rungs) + " | steps per rung | smallest to largest |",
             "|---|---|" + "---:|" * (len(rungs) + 2)]
-    for name in names:
+    for name, cells_of in rows_of.items():
         for scale in PARTS[name].scales:
             picks = {}
-            for rung in rungs:
-                pick = Arm(PARTS[name], rung, scale, state).plan()[1]
+            for part, rung in cells_of:
+                pick = Arm(PARTS[part], rung, scale, state).plan()[1]
                 picks[rung] = None if pick is None else pick[0]
-            known = [picks[r] for r in rungs if picks[r] is not None]
+            ordered = sorted(picks, key=lambda r: -LADDER.index(r))
+            known = [picks[r] for r in ordered if picks[r] is not None]
             moves = [round(math.log(b / a) / math.log(10) * 2) for a, b in zip(known, known[1:])]
-            cells = [fmt(picks[r]) if picks[r] is not None else "pending" for r in rungs]
-            whole = f"{sum(moves):+d}" if len(known) == len(rungs) else ""
+            cells = [("pending" if picks[r] is None else fmt(picks[r])) if r in picks else "" for r in rungs]
+            whole = f"{sum(moves):+d}" if None not in picks.values() else ""
             rows.append(f"| {scale} {PARTS[name].optim} | {name} | " + " | ".join(cells) + " | "
                         + ", ".join(f"{m:+d}" for m in moves) + f" | {whole} |")
     return "\n".join(rows) + "\n"
@@ -373,7 +395,7 @@ def plot(name: str, state: State, path: Path) -> None:
 
     part = PARTS[name]
     fig, axes = plt.subplots(1, len(part.rungs), figsize=(4.2 * len(part.rungs), 3.4), squeeze=False)
-    for ax, rung in zip(axes[0], sorted(part.rungs, key=lambda r: -RUNGS.index(r)), strict=True):
+    for ax, rung in zip(axes[0], sorted(part.rungs, key=lambda r: -LADDER.index(r)), strict=True):
         for scale in part.scales:
             g = {lr: v for lr, v in grid(Arm(part, rung, scale, state)).items() if FAILED not in v}
             if not g:

@@ -17,8 +17,8 @@
 #                                        model.parameterization=mup (issue 47): AdamW's grid on dense-l1..l3
 #                                        (sites at optim.scale_lr=0.01; 2 seeds, a third where needed; the
 #                                        sites' LR either side of the pick), then 3 seeds with WSD branches
-#                                        at each pick; the grid under mup and its ladder tuned on dense-l1;
-#                                        Muon's grids on one seed (scripts/lr_grid.py); runs to
+#                                        at each pick; the grid under mup and its ladder tuned on dense-l1,
+#                                        checked on dense-l4; Muon's grids on one seed (scripts/lr_grid.py); runs to
 #                                        runs/lr_ladder/, tables to docs/results/lr_ladder/
 #   bash scripts/run_study.sh ladder_grid_l3 ["adamw muon"]  the ladder's LR grid again on
 #                                        dense-l3 (both strategies of the optimizers named, seed 0), then
@@ -58,6 +58,7 @@ rung_args() {
     dense-l1) echo train.global_batch=4 train.eval_batches=32 train.eval_every=13 distributed.compile=false ;;
     dense-l2) echo train.global_batch=8 train.eval_batches=16 train.eval_every=52 distributed.compile=true ;;
     dense-l3) echo train.global_batch=16 train.eval_batches=8 train.eval_every=88 distributed.compile=true ;;
+    dense-l4) echo train.global_batch=32 train.eval_batches=4 train.eval_every=104 distributed.compile=true ;;
   esac
 }
 ladder_run() {  # rung scale optim lr seed [trunk]: the WSD trunk to 10 tokens per parameter, then (unless
@@ -300,10 +301,11 @@ ARMS
     # parts, rung by rung from the smallest: every arm's AdamW grid (sp; the sites at optim.scale_lr=0.01; 2
     # seeds, a third where the two best are within the seeds' spread; then the sites' LR either side) and its
     # ladder at the per-rung picks (3 seeds, WSD branches); the same grid under model.parameterization=mup
-    # (base dense-l1); the mup ladder at the dense-l1 pick; then Muon's grids (one seed; sp, mup)
+    # (base dense-l1); the mup ladder at the dense-l1 pick; dense-l4 at that pick and a step either side
+    # (one seed); then Muon's grids (one seed; sp, mup), last as they are cut first when time is short
     L=runs/lr_ladder
     out=docs/results/lr_ladder
-    parts="adamw mup_adamw mup_tuned muon mup_muon"
+    parts="adamw mup_adamw mup_tuned mup_l4 muon mup_muon"
     grid_pool $L $parts
     $PY scripts/lr_grid.py report $L $out $parts
     for part in adamw mup_tuned; do

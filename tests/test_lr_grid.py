@@ -84,3 +84,34 @@ def test_a_diverged_run_is_the_worst_point_and_a_claim_is_never_taken_twice(root
     # best 0.01 inside the grid (0.03 failed on one seed: the worst point); 0.01 and 0.003 are 0.1 apart,
     # more than either's seed range: no third seed; the sites' LR next
     assert needed(root) == sorted(name("0.01", s, slr) for s in (0, 1) for slr in ("0.003", "0.03"))
+
+
+def test_a_check_starts_around_another_parts_pick_and_muon_waits_for_every_other_part(root, monkeypatch):
+    check = lr_grid.Part("adamw", (), seeds=(0,), scale_lr=0.01, sites=False, rungs=("dense-l4",),
+                         scales=("baseline",), around=("test", "dense-l1"))
+    muon = lr_grid.Part("muon", (0.001, 0.003, 0.01), seeds=(0,), rungs=("dense-l1",), scales=("baseline",))
+    monkeypatch.setitem(lr_grid.PARTS, "check", check)
+    monkeypatch.setitem(lr_grid.PARTS, "muon_test", muon)
+    state = lr_grid.State(root)
+    arm = lr_grid.Arm(check, "dense-l4", "baseline", state)
+    # until the dense-l1 grid has its pick, the check asks for that grid's runs
+    assert sorted(r.name for r in arm.needed()) == needed(root)
+    for lr, loss in (("0.001", 5.0), ("0.003", 4.7), ("0.01", 4.8), ("0.03", 4.9)):
+        for s in (0, 1):
+            finish(root, name(lr, s), loss + s * 0.01)
+    for slr in ("0.003", "0.03"):
+        for s in (0, 1):
+            finish(root, name("0.003", s, slr), 4.75)
+    # the pick is lr 3e-3: the check's grid is 1e-3, 3e-3 and 1e-2 on dense-l4
+    l4 = [f"dense-l4-baseline-adamw-lr{lr}-scale_lr0.01-tpp10-s0" for lr in ("0.001", "0.003", "0.01")]
+    assert sorted(r.name for r in arm.needed()) == l4
+    # the queue: dense-l1's Muon grid is the smallest rung, yet comes after the dense-l4 check
+    order = []
+    logs = Path(f"{root}_logs")
+    while lr_grid.next_run(root, os.getpid(), ["muon_test", "test", "check"]) == 0:
+        (claim,) = logs.glob("*.claim")
+        claim.unlink()
+        order.append(claim.name[: -len(".claim")])
+        finish(root, order[-1], 4.0 if "-lr0.003-" in order[-1] else 4.5)  # 3e-3 stays the best: no widening
+    assert set(order[-3:]) == {f"dense-l1-baseline-muon-lr{lr}-tpp10-s0" for lr in ("0.001", "0.003", "0.01")}
+    assert set(order[-6:-3]) == set(l4)
