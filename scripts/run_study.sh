@@ -320,6 +320,13 @@ ARMS
           --ignore optim.lr --ignore optim.scale_lr --metric $metric --out $out/efficiency_${part}_$metric
       done
     done
+    # what tuning once under mup costs each arm: its mup ladder against its own per-rung sp ladder
+    for scale in baseline unified; do
+      $PY scripts/compare_runs.py $(grep -- "-$scale-" $out/adamw_final.txt) $(grep -- "-$scale-" $out/mup_tuned_final.txt) \
+        --efficiency --series model.parameterization --reference model.parameterization=sp --ignore optim.lr \
+        --ignore optim.scale_lr --ignore model.base_dim --ignore model.base_layers --metric val_loss \
+        --out $out/efficiency_tuned_once_$scale
+    done
     ;;
   *)
     echo "error: unknown part '$1'. Fix: use main (the default), lr_sweep, ladder, adamw_l3, ladder_grid_l3 or lr_ladder." >&2
