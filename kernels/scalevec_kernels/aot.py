@@ -34,8 +34,6 @@ from .errors import KernelError
 SHARED_PER_BLOCK = {80: 163 * 1024, 90: 227 * 1024}
 SHARED_PER_SM = {80: 164 * 1024, 90: 228 * 1024}
 MAX_WARPS_PER_SM, MAX_BLOCKS_PER_SM = 64, 32
-# Registers are handed to warps in units of 256 (8 per thread).
-_REGISTER_UNIT = 256
 # The kernels by module (imported by name: the package's names rms_norm etc. are the functions, see
 # __init__.py), and the modules that route a call to them or to the reference.
 _KERNELS = {"rms_norm": ("_fwd_kernel", "_bwd_kernel"), "swiglu_norm": ("_fwd_kernel", "_bwd_kernel"),
@@ -102,7 +100,7 @@ class Usage:
         return cls(**fields)
 
     def blocks_per_sm(self, num_warps: int) -> int:
-        per_warp = -(-self.registers * 32 // _REGISTER_UNIT) * _REGISTER_UNIT
+        per_warp = -(-self.registers // backend.REGISTER_UNIT) * backend.REGISTER_UNIT * 32
         by_regs = backend.REGISTERS_PER_SM // (per_warp * num_warps)
         by_shared = SHARED_PER_SM[self.cc] // self.shared_bytes if self.shared_bytes else MAX_BLOCKS_PER_SM
         return min(by_regs, by_shared, MAX_WARPS_PER_SM // num_warps, MAX_BLOCKS_PER_SM)

@@ -117,7 +117,7 @@ def backward_tile(n: int, row_bytes: int, touched: int, widest: int,
         while first or budget // block_n <= 64:  # narrower chunks, until a tile has its most rows (64)
             block_m, _, warps = chunked_tile(n, budget, per_thread, block_n)
             enough = row_bytes * per_thread * 32 * WARPS_PER_SM * active_share(n, block_n) >= IN_FLIGHT_NEEDED
-            fits = SMS * (WARPS_PER_SM // warps) * block_m * n * touched <= L2_BYTES // 2
+            fits = l2_holds(rows_in_progress(WARPS_PER_SM // warps, block_m, n, touched))
             candidates.append(((block_m, block_n, warps, per_thread), enough, fits, first))
             first, block_n = False, block_n // 2
     for tile_, enough, fits, _ in candidates:
@@ -141,7 +141,8 @@ def forward_registers(n: int, block_m: int, block_n: int, num_warps: int, row_by
     if share == 1:
         return MAX_REGISTERS
     programs = max(MIN_PROGRAMS_PER_SM, math.ceil(IN_FLIGHT_NEEDED / (block_m * block_n * row_bytes * share)))
-    return max(least, min(MAX_REGISTERS, REGISTERS_PER_SM // (programs * num_warps * 32) // 8 * 8))
+    per_thread = REGISTERS_PER_SM // (programs * num_warps * 32)
+    return max(least, min(MAX_REGISTERS, per_thread // REGISTER_UNIT * REGISTER_UNIT))
 
 
 # Warps per program at most: 8, so that an SM of WARPS_PER_SM warps holds two programs and one loads while
@@ -153,15 +154,32 @@ MAX_WARPS, BACKWARD_PER_THREAD = 8, 8
 # register now and then with registers to spare; tests/kernels/test_compile_ahead.py checks that no
 # variant the presets launch spills under it.
 WARPS_PER_SM, MAX_REGISTERS = 16, 128
-# An SM's registers, handed to warps in units of 8 a thread; at least two resident programs, so that one
-# loads while another reduces and stores.
-REGISTERS_PER_SM, MIN_PROGRAMS_PER_SM = 65536, 2
+# An SM's registers, handed to warps in units of REGISTER_UNIT a thread (256 a warp); at least two resident
+# programs, so that one loads while another reduces and stores.
+REGISTERS_PER_SM, REGISTER_UNIT, MIN_PROGRAMS_PER_SM = 65536, 8, 2
 # The device the tiles are sized for, an H200 (the H100 SXM needs less): Little's law asks each SM to keep
 # bandwidth x latency / SMs bytes in flight. 4.8 TB/s: H200's HBM3e (NVIDIA's datasheet; 3.35 TB/s on an
 # H100 SXM); 800 ns: the upper end of 600-800 ns for a loaded HBM access on Hopper; 132 SMs.
 SMS, BANDWIDTH, LATENCY = 132, 4.8e12, 800e-9
 L2_BYTES = 50 * 2**20  # H100 SXM and H200
 IN_FLIGHT_NEEDED = math.ceil(BANDWIDTH * LATENCY / SMS)
+
+
+def rows_in_progress(programs_per_sm: int, block_m: int, n: int, row_bytes: int) -> int:
+    """Bytes of the rows the whole device has in progress: programs_per_sm programs on every SM, each on
+    block_m rows of n features of `row_bytes` bytes (every large tensor it reads or writes)."""
+    return SMS * programs_per_sm * block_m * n * row_bytes
+
+
+def l2_holds(working_set: int) -> bool:
+    """Whether rows read twice stay in the L2 between the reads: half of it, the rest being other traffic's."""
+    return working_set <= L2_BYTES // 2
+
+
+def pointer_slots(tensors: list, fill, slots: int) -> list:
+    """A kernel's `slots` pointer arguments from `tensors` (None where a slot is unused, and missing ones at
+    the end) pointing the unused ones at `fill`, which the kernel never touches through them."""
+    return [fill if t is None else t for t in tensors] + [fill] * (slots - len(tensors))
 
 
 def resident_programs(device: torch.device, num_warps: int) -> int:

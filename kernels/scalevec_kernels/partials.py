@@ -8,7 +8,7 @@ shared scale of a per-expert SwiGLU backward), the E rows too, and writes each s
 scale's dtype: no torch op runs between the backward's launch and this one.
 """
 
-from .backend import tl, triton
+from .backend import pointer_slots, tl, triton
 
 MAX_SLOTS = 4
 # A program sums BLOCK_L columns (128 B of each partial row), BLOCK_C partial rows at a time: at the presets'
@@ -56,7 +56,6 @@ def reduce_partials(partials, outs: list, sum_e: list[bool]) -> None:
     if not slots:
         return
     fill = next(o for o in outs if o is not None)
-    pointers = [fill if o is None else o for o in outs] + [fill] * (MAX_SLOTS - len(outs))
     _reduce_kernel[(triton.cdiv(e * n, BLOCK_L),)](
-        partials, *pointers, c, e, n, K=k, SLOTS=slots, SUM_E=sum(1 << i for i, s in enumerate(sum_e) if s),
-        BLOCK_C=BLOCK_C, BLOCK_L=BLOCK_L, num_warps=WARPS)
+        partials, *pointer_slots(outs, fill, MAX_SLOTS), c, e, n, K=k, SLOTS=slots,
+        SUM_E=sum(1 << i for i, s in enumerate(sum_e) if s), BLOCK_C=BLOCK_C, BLOCK_L=BLOCK_L, num_warps=WARPS)

@@ -22,6 +22,7 @@ from .backend import (
     backward_tile,
     chunked_tile,
     forward_registers,
+    pointer_slots,
     resident_programs,
     tile,
     tl,
@@ -289,11 +290,6 @@ def backward_grid(n: int, tokens: int, groups: int, row_bytes: int, touched: int
     return block_m, block_n, warps, max(1, min(triton.cdiv(tokens, block_m), programs)), chunked
 
 
-def _slots(tensors: list[Tensor | None], fill: Tensor) -> list[Tensor]:
-    """Pad to MAX_SCALES pointer arguments; unused slots point at `fill` and are never touched."""
-    return [fill if t is None else t for t in tensors] + [fill] * (MAX_SCALES - len(tensors))
-
-
 def _by_slot(scales: list[Tensor], scaled: list[bool]) -> list[Tensor | None]:
     """The present scales spread over the K output slots, None where an output is unscaled."""
     present = iter(s.contiguous() for s in scales)
@@ -335,9 +331,9 @@ def _fwd_op(x, residual, scales, scaled, groups, eps):
     row_bytes = x.element_size() * (1 if residual is None else 2)
     res = x if residual is None else residual.contiguous()
     _fwd_kernel[(triton.cdiv(m, block_m),)](
-        x, res, h if residual is not None else x, rstd, *_slots(ys, ys[0]),
-        *_slots(_by_slot(scales, scaled), x), m, n, groups, eps, K=len(scaled), SCALED=_mask(scaled),
-        HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        x, res, h if residual is not None else x, rstd, *pointer_slots(ys, ys[0], MAX_SCALES),
+        *pointer_slots(_by_slot(scales, scaled), x, MAX_SCALES), m, n, groups, eps, K=len(scaled),
+        SCALED=_mask(scaled), HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
         maxnreg=forward_registers(n, block_m, block_n, warps, row_bytes,
                                   FORWARD_LEAST_REGISTERS if block_m == 1 else FORWARD_LEAST_REGISTERS_ROWS))
     return ys, h, rstd
@@ -369,8 +365,8 @@ def _bwd_op(grad_ys, grad_h, x, rstd, scales, scaled, groups):
     partials = torch.empty((programs, len(grad_ys), groups, n), dtype=torch.float32, device=x.device)
     dh = x if grad_h is None else grad_h.contiguous()
     _bwd_kernel[(programs * groups,)](
-        x.contiguous(), rstd.contiguous(), dh, dx, *_slots([g.contiguous() for g in grad_ys], x),
-        *_slots(_by_slot(scales, scaled), x), partials, tokens, n, groups, programs, K=len(scaled),
+        x.contiguous(), rstd.contiguous(), dh, dx, *pointer_slots([g.contiguous() for g in grad_ys], x, MAX_SCALES),
+        *pointer_slots(_by_slot(scales, scaled), x, MAX_SCALES), partials, tokens, n, groups, programs, K=len(scaled),
         SCALED=_mask(scaled), HAS_DH=grad_h is not None, BLOCK_M=block_m, BLOCK_N=block_n, CHUNKED=chunked,
         num_warps=warps, maxnreg=MAX_REGISTERS)
     reduce_partials(partials, _by_slot(ds, scaled), [False] * len(scaled))

@@ -27,7 +27,7 @@ import dataclasses
 import importlib
 
 from . import backend
-from .backend import IN_FLIGHT_NEEDED, L2_BYTES, MIN_PROGRAMS_PER_SM, SMS, active_share
+from .backend import IN_FLIGHT_NEEDED, MIN_PROGRAMS_PER_SM, active_share, l2_holds, rows_in_progress
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -90,8 +90,8 @@ def traffic(variant, usage, widths: set[int]) -> Traffic:
     resident = programs_per_sm(variant, usage)
     touched = sum(size[a] for a in set(reads) | set(writes))
     twice = any(n > 1 for n in reads.values())
-    working_set = SMS * resident * variant.constexpr("BLOCK_M") * max(widths) * touched if twice else 0
-    on_chip = working_set <= L2_BYTES // 2
+    working_set = rows_in_progress(resident, variant.constexpr("BLOCK_M"), max(widths), touched) if twice else 0
+    on_chip = l2_holds(working_set)
     off_chip = {a: (1 if on_chip else n) for a, n in reads.items()}
     moved = sum(off_chip[a] * size[a] for a in reads) + sum(n * size[a] for a, n in writes.items())
     floor = sum(size[a] for a in reads) + sum(size[a] for a in writes)

@@ -194,7 +194,7 @@ def test_every_large_tensor_leaves_the_chip_once(audited):
     assert not over, over
     # dense-1b's FFN (8192 wide): both SwiGLU kernels read their rows twice, the second time from L2
     wide = [t for v, (width, t) in audited.items() if "swiglu" in v.kernel and width == 8192]
-    assert len(wide) == 2 and all(max(t.reads.values()) == 2 and 0 < t.working_set <= traffic.L2_BYTES // 2
+    assert len(wide) == 2 and all(max(t.reads.values()) == 2 and 0 < t.working_set <= backend.L2_BYTES // 2
                                   for t in wide)
 
 
@@ -221,7 +221,7 @@ def test_a_second_pass_the_l2_cannot_hold_is_caught(compiled):
     (fwd,) = [v for v in _swiglu_variants(16384, torch.float32) if v.kernel == "swiglu_norm._fwd_kernel"]
     assert fwd.constexpr("CHUNKED") and "dense-1b" in users[fwd]
     t = traffic.traffic(fwd, aot.compile_variant(fwd, CC), {16384})  # its SASS: the fixture reads bf16's
-    assert t.working_set > traffic.L2_BYTES // 2 and t.bytes_over_floor > 1.5
+    assert t.working_set > backend.L2_BYTES // 2 and t.bytes_over_floor > 1.5
     assert "reads G 2 times off the chip" in t.problems()
 
 
