@@ -115,3 +115,8 @@ def test_a_check_starts_around_another_parts_pick_and_muon_waits_for_every_other
         finish(root, order[-1], 4.0 if "-lr0.003-" in order[-1] else 4.5)  # 3e-3 stays the best: no widening
     assert set(order[-3:]) == {f"dense-l1-baseline-muon-lr{lr}-tpp10-s0" for lr in ("0.001", "0.003", "0.01")}
     assert set(order[-6:-3]) == set(l4)
+    # the transfer table carries the check's rung in its source part's row: 3e-3 on both, no step
+    assert lr_grid.transfer_table(["test", "check"], lr_grid.State(root)).splitlines() == [
+        "| arm | part | dense-l1 | dense-l4 | steps per rung | smallest to largest |",
+        "|---|---|---:|---:|---:|---:|",
+        "| baseline adamw | test | 0.003 | 0.003 | +0 | +0 |"]
