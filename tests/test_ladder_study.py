@@ -31,11 +31,12 @@ def ladder_config(rung: str, *extra: str):
     return make_config_shared(*ladder_overrides(rung, *extra))
 
 
-def test_the_script_names_the_three_rungs():
-    assert sorted(rung_overrides()) == ["dense-l1", "dense-l2", "dense-l3"]
+def test_the_script_names_the_four_rungs():
+    # dense-l4 for issue 47's check of the LR mup transfers (scripts/lr_grid.py's mup_l4)
+    assert sorted(rung_overrides()) == ["dense-l1", "dense-l2", "dense-l3", "dense-l4"]
 
 
-@pytest.mark.parametrize("rung", ["dense-l1", "dense-l2", "dense-l3"])
+@pytest.mark.parametrize("rung", ["dense-l1", "dense-l2", "dense-l3", "dense-l4"])
 @pytest.mark.parametrize("scale", ["baseline", "unified"])
 def test_budgets_branch_points_and_validation_set(rung, scale):
     trunk = ladder_config(rung, f"scale={scale}")
