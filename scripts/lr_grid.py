@@ -275,15 +275,18 @@ def next_run(root: Path, pid: int, parts: list[str]) -> int:
                 claimed.add(claim.name[: -len(".claim")])
             else:
                 claim.unlink()
-        needed = [(PARTS[name].optim == "muon", -LADDER.index(arm.rung), parts.index(name), r.tpp != 10.0, arm.rung, r)
-                  for name, arm in arms(parts, state) for r in arm.needed()]
-        needed = [(rung, r) for *_, rung, r in sorted(needed, key=lambda x: x[:4])]
-        free = [(rung, r) for rung, r in needed if r.name not in claimed]
+
+        def order(job: tuple[str, str, Run]) -> tuple:
+            # Muon's grids last (issue 47: cut first when time is short); then the smallest rung first, every
+            # part's (its picks, and what they say about transfer, come before the long runs of the largest
+            # rung); then the parts in their order, trunks before branches
+            name, rung, run = job
+            return PARTS[name].optim == "muon", -LADDER.index(rung), parts.index(name), run.tpp != 10.0
+
+        needed = sorted(((name, arm.rung, r) for name, arm in arms(parts, state) for r in arm.needed()), key=order)
+        free = [(rung, r) for _, rung, r in needed if r.name not in claimed]
         if not free:
             return 3 if needed else 4
-        # Muon's grids last (issue 47: cut first when time is short); then the smallest rung first, every
-        # part's (its picks, and what they say about transfer, come before the long runs of the largest
-        # rung); then the parts in their order, trunks before branches
         rung, run = free[0]
         (state.logs / f"{run.name}.claim").write_text(str(pid))
         print(rung, root / run.name, *run.overrides(root))
