@@ -15,6 +15,8 @@ from scalevec_train.model.transformer import Transformer
 from tests.helpers import make_config_shared, make_configs
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "run_study.sh"
+# dense-l4 for issue 47's check of the LR mup transfers (scripts/lr_grid.py's mup_l4)
+RUNGS = ["dense-l1", "dense-l2", "dense-l3", "dense-l4"]
 
 
 def rung_overrides() -> dict[str, list[str]]:
@@ -32,11 +34,10 @@ def ladder_config(rung: str, *extra: str):
 
 
 def test_the_script_names_the_four_rungs():
-    # dense-l4 for issue 47's check of the LR mup transfers (scripts/lr_grid.py's mup_l4)
-    assert sorted(rung_overrides()) == ["dense-l1", "dense-l2", "dense-l3", "dense-l4"]
+    assert sorted(rung_overrides()) == RUNGS
 
 
-@pytest.mark.parametrize("rung", ["dense-l1", "dense-l2", "dense-l3", "dense-l4"])
+@pytest.mark.parametrize("rung", RUNGS)
 @pytest.mark.parametrize("scale", ["baseline", "unified"])
 def test_budgets_branch_points_and_validation_set(rung, scale):
     trunk = ladder_config(rung, f"scale={scale}")
