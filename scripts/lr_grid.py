@@ -37,14 +37,15 @@ import math
 import os
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 SEQUENCE = [float(f"{m}e{e}") for e in range(-5, 1) for m in (1, 3)]  # the 1-3-10 grid of LRs, 1e-5 .. 3
-LADDER = ("dense-l4", "dense-l3", "dense-l2", "dense-l1")  # largest first; a part's rungs are some of these
-RUNGS = LADDER[1:]
+# every rung a part may train, largest first (MoE rungs by their active parameters, beside their dense twins)
+LADDER = ("dense-l6", "moe-l4", "dense-l4", "moe-l3", "dense-l3", "moe-l2", "dense-l2", "dense-l1")
+RUNGS = ("dense-l3", "dense-l2", "dense-l1")
 SCALES = ("baseline", "unified")
 BRANCHES = (2.5, 5.0)
 FAILED = float("inf")
@@ -65,6 +66,9 @@ class Part:
     scales: tuple[str, ...] = SCALES
     tuned_on: tuple[str, str] | None = None  # (part, rung) whose pick every rung takes
     around: tuple[str, str] | None = None  # (part, rung) whose pick, and a step either side, is the first grid
+    grid_tpp: float = 10.0  # the grid's budget: below 10, its runs are WSD runs of that length of their own
+    check_tpp: float | None = None  # every grid trunk also branches to this budget; the report picks there too
+    stage: int = 0  # the queue takes a lower stage first (what is cut when time is short goes last)
 
 
 LRS = (0.001, 0.003, 0.01, 0.03)
@@ -86,6 +90,26 @@ PARTS = {
     "muon": Part("muon", LRS, seeds=(0,)),
     "mup_muon": Part("muon", LRS, seeds=(0,), overrides=MUP, tag="mup"),
 }
+# Does unified's gain grow with scale (docs/results.md)? The AdamW ladder at each arm's own best LR, upward
+# from dense-l3 (whose grid picked 3e-3 for both arms, the sites at scale_lr 0.01: the grids start there),
+# and its MoE twin. dense-l4's grid trunks also branch to 2.5 tokens per parameter: where the short budget
+# picks the long one's LR, the larger rungs' grids run at 2.5 only. In the queue's order; what is cut when
+# the budget runs out goes last: dense-l6's third seed, then moe-l4.
+GROW = dict(seeds=(0, 1), tiebreak=2, scale_lr=0.01, sites=False)
+SCALING = {
+    "dense_l4": Part("adamw", (0.001, 0.003, 0.01), final=(0, 1, 2), rungs=("dense-l4",), check_tpp=2.5,
+                     stage=1, **GROW),
+    "moe_l2": Part("adamw", (0.001, 0.003, 0.01), final=(0, 1, 2), rungs=("moe-l2",), stage=2, **GROW),
+    "moe_l3": Part("adamw", (), final=(0, 1, 2), rungs=("moe-l3",), around=("moe_l2", "moe-l2"), stage=3,
+                   **GROW),
+    "dense_l6": Part("adamw", (), final=(0, 1), rungs=("dense-l6",), around=("dense_l4", "dense-l4"),
+                     grid_tpp=2.5, stage=4, **GROW),
+    "moe_l4": Part("adamw", (), final=(0, 1, 2), rungs=("moe-l4",), around=("moe_l3", "moe-l3"), grid_tpp=2.5,
+                   stage=5, **GROW),
+    "dense_l6_s2": Part("adamw", (), final=(2,), rungs=("dense-l6",), tuned_on=("dense_l6", "dense-l6"),
+                        stage=6, **GROW),
+}
+PARTS.update(SCALING)
 
 
 def fmt(x: float) -> str:
@@ -106,6 +130,7 @@ class Run:
     scale_lr: float | None
     seed: int
     tpp: float = 10.0
+    standalone: bool = False  # below 10 tokens per parameter: a run of its own, not a branch of the trunk
 
     @property
     def name(self) -> str:
@@ -119,7 +144,7 @@ class Run:
                 *self.part.overrides]
         if self.scale_lr is not None:
             args.append(f"optim.scale_lr={fmt(self.scale_lr)}")
-        if self.tpp != 10.0:
+        if self.tpp != 10.0 and not self.standalone:
             trunk = Run(self.rung, self.scale, self.part, self.lr, self.scale_lr, self.seed)
             args += [f"train.tokens_per_param={self.tpp:g}", f"branch_from={root / trunk.name}"]
         return args + [f"run_dir={root / self.name}"]
@@ -165,11 +190,16 @@ class Arm:
         return Run(self.rung, self.scale, self.part, lr, self.part.scale_lr if scale_lr == "grid" else scale_lr,
                    seed, tpp)
 
+    def grid_run(self, lr, seed, scale_lr="grid") -> Run:
+        """A run of the grid (stages 1-4), at the part's grid budget."""
+        tpp = self.part.grid_tpp
+        return replace(self.run(lr, seed, scale_lr, tpp), standalone=tpp != 10.0)
+
     def losses(self, runs):
         return [self.state.loss(r) for r in runs]
 
     def mean(self, lr, seeds, scale_lr="grid"):
-        values = self.losses([self.run(lr, s, scale_lr) for s in seeds])
+        values = self.losses([self.grid_run(lr, s, scale_lr) for s in seeds])
         return None if None in values else statistics.fmean(values)
 
     def plan(self):
@@ -186,7 +216,7 @@ class Arm:
                 return pending, None
             lrs = [step(pick[0], -1), pick[0], step(pick[0], 1)]
         while True:  # 1, 2: the grid, widened while its best is at an edge
-            runs = [self.run(lr, s) for lr in lrs for s in p.seeds]
+            runs = [self.grid_run(lr, s) for lr in lrs for s in p.seeds]
             pending = [r for r in runs if self.state.loss(r) is None]
             if pending:
                 return pending, None
@@ -203,10 +233,10 @@ class Arm:
         seeds = p.seeds
         if p.tiebreak is not None:  # 3
             first, second = sorted(lrs, key=lambda lr: means[lr])[:2]
-            spread = max(_range(self.losses([self.run(lr, s) for s in p.seeds])) for lr in (first, second))
+            spread = max(_range(self.losses([self.grid_run(lr, s) for s in p.seeds])) for lr in (first, second))
             if abs(means[first] - means[second]) < spread:
                 seeds = (*p.seeds, p.tiebreak)
-                runs = [self.run(lr, s) for lr in (first, second) for s in seeds]
+                runs = [self.grid_run(lr, s) for lr in (first, second) for s in seeds]
                 pending = [r for r in runs if self.state.loss(r) is None]
                 if pending:
                     return pending, None
@@ -214,7 +244,7 @@ class Arm:
         if p.scale_lr is None or not p.sites:
             return [], (best, p.scale_lr, seeds)
         sites = [p.scale_lr, step(p.scale_lr, -1), step(p.scale_lr, 1)]  # 4: on a tie the grid's own stays
-        runs = [self.run(best, s, slr) for slr in sites for s in seeds]
+        runs = [self.grid_run(best, s, slr) for slr in sites for s in seeds]
         pending = [r for r in runs if self.state.loss(r) is None]
         if pending:
             return pending, None
@@ -226,11 +256,21 @@ class Arm:
         trunks = [self.run(lr, s, slr) for s in self.part.final]
         return trunks + [self.run(lr, t.seed, slr, tpp) for t in trunks for tpp in BRANCHES]
 
+    def check_runs(self) -> list[Run]:
+        """With check_tpp: the branch to that budget of every grid trunk that has finished."""
+        p = self.part
+        if p.check_tpp is None:
+            return []
+        seeds = (*p.seeds, *(() if p.tiebreak is None else (p.tiebreak,)))
+        trunks = [self.grid_run(lr, s) for lr in SEQUENCE for s in seeds]
+        return [self.run(t.lr, t.seed, tpp=p.check_tpp) for t in trunks if self.state.loss(t) not in (None, FAILED)]
+
     def needed(self) -> list[Run]:
         pending, pick = self.plan()
+        checks = [r for r in self.check_runs() if self.state.loss(r) is None]
         if pick is None:
-            return pending
-        out = []
+            return pending + checks
+        out = checks
         for r in self.final_runs(pick):
             if self.state.loss(r) is not None:
                 continue
@@ -277,13 +317,15 @@ def next_run(root: Path, pid: int, parts: list[str]) -> int:
                 claim.unlink()
 
         def order(job: tuple[str, str, Run]) -> tuple:
-            # Muon's grids last (issue 47: cut first when time is short); then the smallest rung first, every
+            # Muon's grids last (issue 47: cut first when time is short), then the lower stage; then the smallest
+            # rung first, every
             # part's (its picks, and what they say about transfer, come before the long runs of the largest
             # rung); then the parts in their order, trunks before branches
             name, rung, run = job
-            return PARTS[name].optim == "muon", -LADDER.index(rung), parts.index(name), run.tpp != 10.0
+            part = PARTS[name]
+            return part.optim == "muon", part.stage, -LADDER.index(rung), parts.index(name), run.tpp != 10.0
 
-        needed = sorted(((name, arm.rung, r) for name, arm in arms(parts, state) for r in arm.needed()), key=order)
+        needed = sorted(((name, r.rung, r) for name, arm in arms(parts, state) for r in arm.needed()), key=order)
         free = [(rung, r) for _, rung, r in needed if r.name not in claimed]
         if not free:
             return 3 if needed else 4
@@ -317,9 +359,9 @@ def grid(arm: Arm) -> dict[float, list[float]]:
     tie-break seed's too where it ran)."""
     part, out = arm.part, {}
     for lr in SEQUENCE:
-        values = arm.losses([arm.run(lr, s) for s in part.seeds])
+        values = arm.losses([arm.grid_run(lr, s) for s in part.seeds])
         if None not in values:
-            extra = [] if part.tiebreak is None else arm.losses([arm.run(lr, part.tiebreak)])
+            extra = [] if part.tiebreak is None else arm.losses([arm.grid_run(lr, part.tiebreak)])
             out[lr] = values + [v for v in extra if v is not None]
     return out
 
@@ -338,7 +380,7 @@ def grid_table(name: str, state: State) -> tuple[str, list[str]]:
     seeds = (f"seed {part.seeds[0]}" if len(part.seeds) == 1 else
              f"mean over seeds {', '.join(map(str, part.seeds))} (each seed's in brackets; a third seed where the "
              "two best were within the seeds' spread)")
-    rows = [f"Terminal val_loss at 10 tokens per parameter, {seeds}; the pick in bold.\n",
+    rows = [f"Terminal val_loss at {part.grid_tpp:g} tokens per parameter, {seeds}; the pick in bold.\n",
             "| rung | arm | " + " | ".join(f"lr {fmt(lr)}" for lr in lrs) + " | pick |",
             "|---|---|" + "---:|" * (len(lrs) + 1)]
     for arm, g, pick in found:
@@ -356,10 +398,24 @@ def grid_table(name: str, state: State) -> tuple[str, list[str]]:
                 continue
             cells = []
             for slr in sites:
-                values = arm.losses([arm.run(pick[0], x, slr) for x in pick[2]])
+                values = arm.losses([arm.grid_run(pick[0], x, slr) for x in pick[2]])
                 text = "" if None in values else _cell(values)
                 cells.append(f"**{text}**" if slr == pick[1] else text)
             rows.append(f"| {arm.rung} | {arm.scale} {part.optim} | {fmt(pick[0])} | " + " | ".join(cells) + " |")
+    if part.check_tpp is not None:
+        rows += [f"\nThe same grid at {part.check_tpp:g} tokens per parameter (each trunk's WSD branch), mean over "
+                 f"seeds {', '.join(map(str, part.seeds))}; its best in bold, against the pick above:\n",
+                 "| rung | arm | " + " | ".join(f"lr {fmt(lr)}" for lr in lrs) + " | best | same LR as the pick |",
+                 "|---|---|" + "---:|" * (len(lrs) + 2)]
+        for arm, _, pick in found:
+            short = {lr: arm.losses([arm.run(lr, s, tpp=part.check_tpp) for s in part.seeds]) for lr in lrs}
+            short = {lr: v for lr, v in short.items() if None not in v}
+            best = min(short, key=lambda lr: statistics.fmean(short[lr])) if short else None
+            cells = [(f"**{_cell(short[lr])}**" if lr == best else _cell(short[lr])) if lr in short else ""
+                     for lr in lrs]
+            same = "pending" if pick is None or best is None else ("yes" if best == pick[0] else "no")
+            rows.append(f"| {arm.rung} | {arm.scale} {part.optim} | " + " | ".join(cells)
+                        + f" | {'pending' if best is None else 'lr ' + fmt(best)} | {same} |")
     return "\n".join(rows) + "\n", finals
 
 

@@ -20,6 +20,9 @@
 #                                        at each pick; the grid under mup and its ladder tuned on dense-l1,
 #                                        checked on dense-l4; Muon's grids on one seed (scripts/lr_grid.py); runs to
 #                                        runs/lr_ladder/, tables to docs/results/lr_ladder/
+#   bash scripts/run_study.sh scaling    does unified's gain grow with scale? The AdamW ladder at each arm's
+#                                        own best LR on dense-l4, dense-l6 and moe-l2..l4 (3 seeds; dense-l6
+#                                        2, a third last); runs to runs/scaling/, tables to docs/results/scaling/
 #   bash scripts/run_study.sh ladder_grid_l3 ["adamw muon"]  the ladder's LR grid again on
 #                                        dense-l3 (both strategies of the optimizers named, seed 0), then
 #                                        each arm at its dense-l3 pick with 3 seeds (trunks), to
@@ -58,7 +61,10 @@ rung_args() {
     dense-l1) echo train.global_batch=4 train.eval_batches=32 train.eval_every=13 distributed.compile=false ;;
     dense-l2) echo train.global_batch=8 train.eval_batches=16 train.eval_every=52 distributed.compile=true ;;
     dense-l3) echo train.global_batch=16 train.eval_batches=8 train.eval_every=88 distributed.compile=true ;;
-    dense-l4) echo train.global_batch=32 train.eval_batches=4 train.eval_every=104 distributed.compile=true ;;
+    dense-l4|moe-l4) echo train.global_batch=32 train.eval_batches=4 train.eval_every=104 distributed.compile=true ;;
+    dense-l6) echo train.global_batch=64 train.eval_batches=2 train.eval_every=175 distributed.compile=true ;;
+    moe-l2) echo train.global_batch=8 train.eval_batches=16 train.eval_every=52 distributed.compile=true ;;
+    moe-l3) echo train.global_batch=16 train.eval_batches=8 train.eval_every=88 distributed.compile=true ;;
   esac
 }
 ladder_run() {  # rung scale optim lr seed [trunk]: the WSD trunk to 10 tokens per parameter, then (unless
@@ -328,8 +334,19 @@ ARMS
         --out $out/efficiency_tuned_once_$scale
     done
     ;;
+  scaling)
+    # Does unified's gain grow with scale (docs/results.md)? The AdamW ladder at each arm's own best LR on
+    # dense-l4 and dense-l6 and on moe-l2..l4 (scripts/lr_grid.py's SCALING parts, in the order that cuts
+    # dense-l6's third seed first, then moe-l4), then each rung's grid, picks and tables
+    L=runs/scaling
+    out=docs/results/scaling
+    parts="dense_l4 moe_l2 moe_l3 dense_l6 moe_l4 dense_l6_s2"
+    grid_pool $L $parts
+    $PY scripts/lr_grid.py report $L $out $parts
+    ;;
   *)
-    echo "error: unknown part '$1'. Fix: use main (the default), lr_sweep, ladder, adamw_l3, ladder_grid_l3 or lr_ladder." >&2
+    echo "error: unknown part '$1'. Fix: use main (the default), lr_sweep, ladder, adamw_l3, ladder_grid_l3," \
+      "lr_ladder or scaling." >&2
     exit 2
     ;;
 esac

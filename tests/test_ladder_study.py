@@ -15,14 +15,14 @@ from scalevec_train.model.transformer import Transformer
 from tests.helpers import make_config_shared, make_configs
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "run_study.sh"
-# dense-l4 for issue 47's check of the LR mup transfers (scripts/lr_grid.py's mup_l4)
-RUNGS = ["dense-l1", "dense-l2", "dense-l3", "dense-l4"]
+# dense-l4 and up, and the MoE twins, for the scaling study (scripts/lr_grid.py's SCALING parts)
+RUNGS = ["dense-l1", "dense-l2", "dense-l3", "dense-l4", "dense-l6", "moe-l2", "moe-l3", "moe-l4"]
 
 
 def rung_overrides() -> dict[str, list[str]]:
     """{rung: its overrides} from the script's rung_args."""
-    found = re.findall(r"^\s*(dense-l\d)\) echo (.*?) ;;$", SCRIPT.read_text(), flags=re.M)
-    return {rung: args.split() for rung, args in found}
+    found = re.findall(r"^\s*((?:dense|moe)-l\d(?:\|moe-l\d)?)\) echo (.*?) ;;$", SCRIPT.read_text(), flags=re.M)
+    return {rung: args.split() for rungs, args in found for rung in rungs.split("|")}
 
 
 def ladder_overrides(rung: str, *extra: str) -> list[str]:
@@ -33,7 +33,7 @@ def ladder_config(rung: str, *extra: str):
     return make_config_shared(*ladder_overrides(rung, *extra))
 
 
-def test_the_script_names_the_four_rungs():
+def test_the_script_names_every_rung():
     assert sorted(rung_overrides()) == RUNGS
 
 
