@@ -33,7 +33,7 @@ Definitions (the CLI's --help repeats them):
 """
 
 from scalevec_analysis.efficiency import compute_efficiency, efficiency_series, reference_compute
-from scalevec_analysis.groups import ema, find_group, first_reach, group_runs, metric_curve, summarize
+from scalevec_analysis.grouping import ema, find_group, first_reach, group_runs, metric_curve, summarize
 from scalevec_analysis.report import write_comparison, write_diagnostics, write_efficiency, write_scaling
 from scalevec_analysis.runs import (
     Run,

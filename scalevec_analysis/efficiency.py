@@ -38,11 +38,11 @@ from typing import Any
 import numpy as np
 
 from scalevec_analysis.envelope import Reading, geometric_mean, read_multiplier
-from scalevec_analysis.groups import Group, comparable_config, config_labels, find_group, in_sections, metric_curve
+from scalevec_analysis.grouping import Group, comparable_config, config_labels, find_group, in_sections, metric_curve
 from scalevec_analysis.runs import Run
 from scalevec_analysis.scaling import PowerLawFit, fit_power_law
-from scalevec_train.continuation import LENGTH
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
+from scalevec_train.run.resume import LENGTH
 
 SUMMARY = "all points (geometric mean)"
 # the keys (and sections) a WSD branch may change from its trunk: they tell a rung's budgets apart

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import numpy as np
 
-from scalevec_analysis.diagnostics import PANELS, panel_series
+from scalevec_analysis.diagnostic_series import PANELS, panel_series
 from scalevec_analysis.efficiency import EfficiencyRow, Series
 from scalevec_analysis.envelope import ABOVE, AT_MOST, EXACT
-from scalevec_analysis.groups import Group, ema, mean_curve, metric_curve
+from scalevec_analysis.grouping import Group, ema, mean_curve, metric_curve
 from scalevec_analysis.runs import Run
 from scalevec_analysis.scaling import PowerLawFit, ScalingSeries
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 
 
 def _figure(path: Path, **kwargs):
@@ -138,7 +138,7 @@ def plot_efficiency(series: Sequence[Series], fits: dict[str, PowerLawFit], rows
 
 
 def plot_diagnostics(runs: Sequence[Run], labels: Sequence[str], path: Path) -> None:
-    """The diag/* metrics over training tokens (scalevec_analysis.diagnostics.PANELS: a row per statistic),
+    """The diag/* metrics over training tokens (scalevec_analysis.diagnostic_series.PANELS: a row per statistic),
     a column per run with the rows' y axes shared, so that runs (baseline against unified) compare
     side by side. A line per layer (viridis, first to last; final in black) or per kind of map (the
     mean over the layers)."""

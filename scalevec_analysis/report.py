@@ -5,7 +5,7 @@ or the diagnostics of runs side by side (diagnostics.png)."""
 from collections.abc import Sequence
 from pathlib import Path
 
-from scalevec_analysis.diagnostics import check_diagnostics
+from scalevec_analysis.diagnostic_series import check_diagnostics
 from scalevec_analysis.efficiency import (
     compute_efficiency,
     efficiency_markdown,
@@ -14,7 +14,7 @@ from scalevec_analysis.efficiency import (
     fit_residuals,
     write_efficiency_csv,
 )
-from scalevec_analysis.groups import find_group, group_runs, summarize, summary_markdown, write_summary_csv
+from scalevec_analysis.grouping import find_group, group_runs, summarize, summary_markdown, write_summary_csv
 from scalevec_analysis.plots import plot_curves, plot_diagnostics, plot_efficiency, plot_scaling
 from scalevec_analysis.runs import Run
 from scalevec_analysis.scaling import scaling_markdown, scaling_series, write_scaling_csv

@@ -16,8 +16,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from scalevec_train.continuation import read_resumes
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
+from scalevec_train.run.resume import read_resumes
 from scalevec_train.training.logger import flatten, read_records
 
 AVERAGED_KEY = "averaged"
@@ -158,7 +158,7 @@ def deliberate_changes(run_dir: Path) -> str | None:
 
 
 def averaged_steps(folder: Path) -> str | None:
-    """For an averaged checkpoint folder (scalevec_train/checkpoint/average.py, evaluated by
+    """For an averaged checkpoint folder (scalevec_train/checkpoint/averaging.py, evaluated by
     scalevec_train.evaluate), the steps it averages, e.g. "200,300,400", or for the weight EMA of a
     checkpoint written out the same way, "ema@<step>"; else None. It carries its run's config.yaml, so
     this key is what sets it apart from the run in the grouping."""

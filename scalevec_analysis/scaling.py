@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from scalevec_analysis.groups import comparable_config, config_labels, differing_keys, in_sections, metric_curve
+from scalevec_analysis.grouping import comparable_config, config_labels, differing_keys, in_sections, metric_curve
 from scalevec_analysis.runs import Run
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 
 
 @dataclass

@@ -6,8 +6,8 @@ weights that the run kept (train.ema.half_life_tokens) in its newest checkpoint 
 
 import sys
 
-from scalevec_train.checkpoint.average import average, ema_model
-from scalevec_train.errors import ScalevecError
+from scalevec_train.checkpoint.averaging import average, ema_model
+from scalevec_train.infra.errors import ScalevecError
 
 USAGE = ("usage: python -m scalevec_train.average <run_dir> (last=N | steps=[a,b,...] | ema=last | ema=N) "
          "out=<folder> [verify=false]")

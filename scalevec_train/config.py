@@ -10,17 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from scalevec_train.accounting import non_embedding_params
 from scalevec_train.data.config import DataConfig
-from scalevec_train.errors import ScalevecError, check_choices, choice
+from scalevec_train.infra.errors import ScalevecError, check_choices, choice
 from scalevec_train.model.config import ModelConfig, ScaleConfig
-from scalevec_train.model.transformer import Transformer
 from scalevec_train.optim.config import OptimConfig, ScheduleConfig
 from scalevec_train.parallel.config import DistributedConfig
 from scalevec_train.parallel.data_parallel import mesh_shape
@@ -59,7 +56,7 @@ class Config:
     init_from: str = ""
     # a run directory or checkpoint of another run (the trunk) to branch from: this run starts from its
     # weights, optimizer state and data position in its own run_dir, and decays to its own train.steps
-    # (scalevec_train/branch.py: which checkpoint, what must match); empty: no branch
+    # (scalevec_train/run/branch.py: which checkpoint, what must match); empty: no branch
     branch_from: str = ""
     # auto (cuda if available) | cpu | cuda
     device: str = choice("auto", Literal["auto", "cpu", "cuda"])
@@ -109,10 +106,8 @@ class Config:
         per_param = {k: v for k, v in per_param.items() if v is not None and v > 0}  # validate() names bad ones
         if not per_param or tokens_per_step <= 0:
             return
-        self.model.validate()  # the model is built to count its parameters
-        self.scale.validate()
-        with torch.device("meta"):
-            n = non_embedding_params(Transformer(self.model, self.scale))
+        self.model.validate()  # its shapes give the count
+        n = self.model.non_embedding_params()
         if "steps" in per_param:
             self.train.steps = max(1, round(per_param["steps"] * n / tokens_per_step))
         if "every" in per_param:  # rounded down: a budget's checkpoint lies before a branch's decay

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from hydra.errors import HydraException
 
 from scalevec_train.config import compose_raw, split_options, to_config
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.model.config import ModelConfig, ScaleConfig
 from scalevec_train.model.parameterization import Kind
 from scalevec_train.model.transformer import Transformer

@@ -19,13 +19,13 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from scalevec_train.build import autocast_for, resolve_device, validation_batches
 from scalevec_train.checkpoint.files import AVERAGED, read_train_state
 from scalevec_train.config import CONFIG_DIR, Config
 from scalevec_train.data import check_vocab, prepare_data
 from scalevec_train.data.tokenizer import token_bytes
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.interop.api import load, read_config, resolve
+from scalevec_train.run.build import autocast_for, resolve_device, validation_batches
 from scalevec_train.tasks.config import TasksConfig
 from scalevec_train.tasks.load import load_tasks
 from scalevec_train.tasks.scoring import score

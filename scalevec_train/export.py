@@ -4,8 +4,8 @@ checking it against its checksums first."""
 
 import sys
 
-from scalevec_train.errors import ScalevecError
-from scalevec_train.interop.export import export
+from scalevec_train.infra.errors import ScalevecError
+from scalevec_train.interop.hf_export import export
 
 USAGE = "usage: python -m scalevec_train.export <run_dir or checkpoints/step_N> out=<folder> [verify=false]"
 

@@ -12,7 +12,7 @@ import sys
 
 from scalevec_train.data import prepare_share
 from scalevec_train.data.mixture import MixtureData
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 
 
 def processes(env: dict[str, str]) -> tuple[int, int, int]:

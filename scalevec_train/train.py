@@ -15,17 +15,17 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from scalevec_train.accounting import total_params
-from scalevec_train.branch import copy_trunk_metrics
-from scalevec_train.build import build, check_run_dir
 from scalevec_train.config import CONFIG_DIR, Config, to_config, to_yaml
-from scalevec_train.continuation import record as record_continuation
+from scalevec_train.costs.accounting import total_params
 from scalevec_train.data import tokenizer
-from scalevec_train.describe import describe
-from scalevec_train.errors import ScalevecError
-from scalevec_train.lock import DirLock, Held, holder
+from scalevec_train.costs.tables import describe
+from scalevec_train.infra.errors import ScalevecError
+from scalevec_train.infra.lock import DirLock, Held, holder
 from scalevec_train.optim.groups import describe_groups
 from scalevec_train.parallel import process_group
+from scalevec_train.run.branch import copy_trunk_metrics
+from scalevec_train.run.build import build, check_run_dir
+from scalevec_train.run.resume import record as record_continuation
 from scalevec_train.training.logger import MetricsLogger, wandb_init_args
 
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from scalevec_train.checkpoint.files import COMPLETE
 from scalevec_train.checkpoint.integrity import check
-from scalevec_train.checksums import ALGORITHM
 from scalevec_train.data.shards import MANIFEST, open_manifest, shard_mismatch
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.checksums import ALGORITHM
+from scalevec_train.infra.errors import ScalevecError
 
 USAGE = "usage: python -m scalevec_train.verify <run_dir, data.cache_dir, or one checkpoint or prepared folder>"
 OK, MISMATCH, UNRECORDED = "ok", "MISMATCH", "no checksums"

@@ -1,14 +1,14 @@
 """Training throughput: tokens/s per device, MFU, peak memory and where a step's time goes.
 
 Each (preset, scale) pair is built the way `python -m scalevec_train.train` builds a run (Hydra
-composes configs/ with the overrides, then scalevec_train.build), warmed up (the warm-up includes torch.compile),
+composes configs/ with the overrides, then scalevec_train.run.build), warmed up (the warm-up includes torch.compile),
 and timed in two phases:
   1. throughput: --steps optimizer steps back to back, the device synchronized before and after;
   2. split: --steps more steps with the device synchronized around data loading and the optimizer step.
      "fwd+bwd" is the rest of the step: forward, backward, host-to-device copies, gradient clipping and
      the loss all-reduce. The extra synchronization makes phase 2 a little slower than phase 1.
 MFU = tokens/s per device * training FLOPs per token / the device's dense bf16 peak (the FLOPs formula,
-attention included, is documented in scalevec_train/accounting.py). Peak memory is the most GPU memory
+attention included, is documented in scalevec_train/costs/accounting.py). Peak memory is the most GPU memory
 allocated (torch.cuda.max_memory_allocated) from the first warm-up step to the end of phase 2: the
 counter is reset once the run is built (weights initialized, data in place), so the build itself is left
 out, and the optimizer state, created by the first step, is counted. "build s" is the build (data
@@ -43,11 +43,11 @@ from contextlib import contextmanager
 
 import torch
 
-from scalevec_train.accounting import peak_flops, total_params, train_flops_per_token
-from scalevec_train.build import build
 from scalevec_train.config import compose_config
-from scalevec_train.errors import ScalevecError
+from scalevec_train.costs.accounting import peak_flops, total_params, train_flops_per_token
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.parallel import process_group
+from scalevec_train.run.build import build
 
 COLUMNS = ["preset", "scale", "ranks", "EP", "params", "tokens/step", "step ms", "tokens/s/device", "MFU",
            "peak mem GiB", "fwd+bwd ms", "optimizer ms", "data ms", "build s", "warm-up s"]

@@ -12,7 +12,7 @@ from scalevec_analysis import (
     write_efficiency,
     write_scaling,
 )
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 
 DESCRIPTION = """\
 Groups runs by their resolved config minus the seed and bookkeeping (run_dir, resume, branch_from,

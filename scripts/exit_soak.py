@@ -50,7 +50,7 @@ EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:
-    """As tests/launch.py's: no launch variables inherited, the checkout importable, one thread per
+    """As tests/support/launch.py's: no launch variables inherited, the checkout importable, one thread per
     process, gloo on the loopback device."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                                  "MASTER_PORT", "TORCHELASTIC_RUN_ID")}

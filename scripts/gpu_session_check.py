@@ -8,7 +8,7 @@ Reads one command a line on stdin, shell-quoted (`env VAR=VALUE ...` in front al
   scripts/bench_torchtitan.py   its arguments, the bench_train.py command it runs (as above), and, where
                                 torchtitan is installed, its torchtitan arguments by torchtitan's parser
   -m pytest ...                 the same pytest arguments collecting without error, with the import names
-                                of --host-lacks hidden (tests/hide_packages.py), as on the GPU host
+                                of --host-lacks hidden (tests/support/hide_packages.py), as on the GPU host
 Prints one line per command; exits 1 if any would fail.
 
     python scripts/gpu_session_check.py --host-lacks "datasets wandb" < commands
@@ -58,7 +58,7 @@ def check_bench_train(argv: list[str]) -> str:
     from hydra.errors import HydraException
 
     from scalevec_train.config import compose_config
-    from scalevec_train.errors import ScalevecError
+    from scalevec_train.infra.errors import ScalevecError
 
     bench = script("bench_train.py")
     args = parse(bench, argv)
@@ -90,7 +90,7 @@ def check_bench_torchtitan(argv: list[str]) -> str:
 
 def check_pytest(argv: list[str], env: dict, host_lacks: str) -> str:
     env = {**os.environ, **env, "SCALEVEC_HIDE_PACKAGES": host_lacks}
-    cmd = [sys.executable, "-m", "pytest", *argv, "--collect-only", "-n", "0", "-p", "tests.hide_packages"]
+    cmd = [sys.executable, "-m", "pytest", *argv, "--collect-only", "-n", "0", "-p", "tests.support.hide_packages"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     lines = done.stdout.strip().splitlines()
     if done.returncode:

@@ -33,7 +33,7 @@ import torch
 
 from scalevec_kernels import aot, rms_norm_scales, swiglu_norm, traffic
 from scalevec_train.config import compose_config
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.model.transformer import Transformer
 
 REPO = Path(__file__).resolve().parents[1]

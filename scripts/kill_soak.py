@@ -3,9 +3,9 @@
 
     python scripts/kill_soak.py --kills 300 --out /tmp/kill_soak
 
-Trains 2-rank runs (gloo on the CPU; attempts forked from one torchrun launch, tests/attempts.py), with
+Trains 2-rank runs (gloo on the CPU; attempts forked from one torchrun launch, tests/support/attempts.py), with
 synchronous and asynchronous saves in turn, and kills every attempt, with SIGKILL to one rank or to
-both: at a fault point drawn at random (any point of scalevec_train/faults.py, at any step the attempt
+both: at a fault point drawn at random (any point of scalevec_train/infra/faults.py, at any step the attempt
 still reaches, on a rank that reaches it), or blindly after a random delay. Every attempt resumes with
 resume=auto. After each kill, every checkpoint resume=auto may pick must be whole; after --per-run kills
 the run is trained to its end, which must be bit-identical (parameters, optimizer state, data position,
@@ -26,9 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scalevec_train.errors import ScalevecError  # noqa: E402
-from scalevec_train.faults import POINTS  # noqa: E402
-from tests.launch import Attempts, Processes, assert_same_checkpoint, child_env, newest_whole  # noqa: E402
+from scalevec_train.infra.errors import ScalevecError  # noqa: E402
+from scalevec_train.infra.faults import POINTS  # noqa: E402
+from tests.support.launch import Attempts, Processes, assert_same_checkpoint, child_env, newest_whole  # noqa: E402
 
 STEPS, EVERY = 12, 2
 RUN = ["model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64", "model.n_layers=2",

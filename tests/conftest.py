@@ -4,7 +4,7 @@ The suite is a CPU suite on any machine: unless SCALEVEC_GPU_TESTS=1, the GPUs a
 process and every process it starts (before anything initializes CUDA), so that `device=auto` means the
 CPU, tolerances stay the CPU's, and a 2-rank launch never asks a 1-GPU host for device 1. The GPU tests
 (tests/gpu) run with SCALEVEC_GPU_TESTS=1 (make test-gpu, scripts/gpu_session.sh), and only there.
-Processes a test starts belong to the `processes` / `module_processes` fixtures (tests/launch.py).
+Processes a test starts belong to the `processes` / `module_processes` fixtures (tests/support/launch.py).
 """
 
 import os
@@ -56,7 +56,7 @@ def data_overrides(corpus_dir, tmp_path_factory) -> list[str]:
 @pytest.fixture
 def processes(tmp_path):
     """Starts the processes of one test; kills whatever of them still runs when the test ends."""
-    from tests.launch import Processes  # here: importing torch is left to the tests
+    from tests.support.launch import Processes  # here: importing torch is left to the tests
 
     owned = Processes(tmp_path)
     yield owned
@@ -66,7 +66,7 @@ def processes(tmp_path):
 @pytest.fixture(scope="module")
 def module_processes(tmp_path_factory):
     """The same for a module's fixtures."""
-    from tests.launch import Processes
+    from tests.support.launch import Processes
 
     owned = Processes(tmp_path_factory.mktemp("processes"))
     yield owned

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from scalevec_train.config import compose_config
-from scalevec_train.describe import build_meta
-from tests.helpers import REPO, load_script
+from scalevec_train.costs.tables import build_meta
+from tests.support.helpers import REPO, load_script
 
 TITAN = REPO / "scripts" / "torchtitan"
 NEEDS = "needs torchtitan 0.2.2 and Hugging Face datasets, which its train spec and config import (the dev extra)"

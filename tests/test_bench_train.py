@@ -6,7 +6,7 @@ import weakref
 
 import pytest
 
-from tests.helpers import REPO, load_script
+from tests.support.helpers import REPO, load_script
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ last float), and the comparison naming a step that differs."""
 
 import sys
 
-from tests.helpers import REPO, load_script
+from tests.support.helpers import REPO, load_script
 
 CASE = "dense-unified-adamw-1rank"
 

@@ -8,8 +8,8 @@ import sys
 import pytest
 from hydra.errors import HydraException
 
-from scalevec_train.errors import ScalevecError
-from tests.helpers import make_config_shared
+from scalevec_train.infra.errors import ScalevecError
+from tests.support.helpers import make_config_shared
 
 CASES = [
     (["model.dim=100", "model.n_heads=3"], "model.dim: hidden size 100 is not divisible by model.n_heads=3"),

@@ -6,7 +6,7 @@ import pytest
 
 from scalevec_train import coord_check
 from scalevec_train.model.parameterization import Parameterization
-from tests.helpers import make_config_shared
+from tests.support.helpers import make_config_shared
 
 DENSE = ["model=dense-l1", "model.dim=16", "model.ffn_dim=48", "model.vocab_size=128"]
 MOE = ["model=moe-tiny", "model.dim=16", "model.n_heads=1", "model.n_kv_heads=1", "model.ffn_dim=16",

@@ -8,12 +8,13 @@ import sys
 import pytest
 import torch
 
-from scalevec_train.describe import describe, format_table, main
+from scalevec_train.costs.tables import describe, format_table
+from scalevec_train.describe import main
 from scalevec_train.model import Transformer
 from scalevec_train.model.strategies import scale_sites
 from scalevec_train.training.callbacks.scales import site_grad_norms, site_prefix
-from tests.helpers import make_config_shared
-from tests.presets import SMALL_MODEL
+from tests.support.helpers import make_config_shared
+from tests.support.presets import SMALL_MODEL
 
 
 def describe_json(*overrides: str) -> dict:

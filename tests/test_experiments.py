@@ -12,7 +12,7 @@ from scalevec_train.config import CONFIG_DIR
 from scalevec_train.train import run
 from scalevec_train.training.config import LoggerConfig
 from scalevec_train.training.logger import wandb_init_args
-from tests.helpers import make_config, make_configs
+from tests.support.helpers import make_config, make_configs
 
 # study_base and ladder hold shared settings of scripts/run_study.sh; they are not sweeps by themselves.
 EXPERIMENTS = sorted(p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("*.yaml")

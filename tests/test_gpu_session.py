@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.support.helpers import REPO
 
 SCRIPT = REPO / "scripts" / "gpu_session.sh"
 PHASE = REPO / "scripts" / "gpu_phase.py"

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from scalevec_train.accounting import non_embedding_params
-from scalevec_train.branch import shared_steps
+from scalevec_train.costs.accounting import non_embedding_params
 from scalevec_train.model.transformer import Transformer
-from tests.helpers import make_config_shared, make_configs
+from scalevec_train.run.branch import shared_steps
+from tests.support.helpers import make_config_shared, make_configs
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "run_study.sh"
 # dense-l4 and up, and the MoE twins, for the scaling study (scripts/lr_grid.py's SCALING parts)

@@ -11,11 +11,11 @@ import pytest
 import yaml
 
 from scalevec_train.config import CONFIG_DIR
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.train import run
-from tests.helpers import REPO, make_config_at, make_config_shared
-from tests.launch import Processes, train_command
-from tests.presets import TINY_MODEL
+from tests.support.helpers import REPO, make_config_at, make_config_shared
+from tests.support.launch import Processes, train_command
+from tests.support.presets import TINY_MODEL
 
 MODELS = sorted(p.stem for p in (Path(CONFIG_DIR) / "model").glob("*.yaml"))
 
@@ -143,7 +143,7 @@ def readme_train_overrides() -> list[tuple[list[str], tuple[int, ...]]]:
         launcher = dict(w.removeprefix("--").split("=", 1) for w in words[:start] if w.startswith("--") and "=" in w)
         sizes = ((int(launcher.get("nnodes", 1)) * int(launcher["nproc_per_node"]),)
                  if "nproc_per_node" in launcher else (1, 8))
-        # Hydra's own settings (a launcher) are not the run's config; tests/test_sweeps.py runs them
+        # Hydra's own settings (a launcher) are not the run's config; tests/run/test_sweeps.py runs them
         args = [w for w in words[start:] if w != "-m" and not w.startswith(("hydra/", "hydra."))]
         axes = [[f"{w.split('=', 1)[0]}={v}" for v in w.split("=", 1)[1].split(",")] if "," in w else [w]
                 for w in args]

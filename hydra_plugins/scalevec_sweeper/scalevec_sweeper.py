@@ -1,4 +1,4 @@
-"""Hydra's basic sweeper, whose points never share a run directory (scalevec_train/sweep.py); configs/
+"""Hydra's basic sweeper, whose points never share a run directory (scalevec_train/run/sweep.py); configs/
 hydra/sweeper/scalevec.yaml selects it. It lives here because Hydra instantiates plugins from the
 hydra_plugins package only."""
 
@@ -14,8 +14,8 @@ class ScalevecSweeper(BasicSweeper):
         """Hydra's expansion of the sweep, every point named; called by sweep() before it writes anything
         (runs/multirun.yaml) or launches a point. A sweep whose points would share a run directory exits
         here with one line, as the trainer does for bad input."""
-        from scalevec_train.errors import ScalevecError
-        from scalevec_train.sweep import name_points
+        from scalevec_train.infra.errors import ScalevecError
+        from scalevec_train.run.sweep import name_points
 
         (points,) = BasicSweeper.split_arguments(overrides, None)
         try:

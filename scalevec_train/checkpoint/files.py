@@ -31,7 +31,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from scalevec_train.errors import ScalevecError, listing
+from scalevec_train.infra.errors import ScalevecError, listing
 
 COMPLETE = "COMPLETE"
 STATE_FILE = "train_state.json"

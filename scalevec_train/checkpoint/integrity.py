@@ -1,6 +1,6 @@
 """The checksums of a checkpoint's files: recorded when it is written, checked before it is read.
 
-checksums.json holds the size and checksum (scalevec_train/checksums.py) of every other file of the
+checksums.json holds the size and checksum (scalevec_train/infra/checksums.py) of every other file of the
 checkpoint folder, and the COMPLETE marker holds the checksum of checksums.json: a byte that changed
 anywhere (a shard, .metadata, train_state.json, an RNG file, the list, the marker) shows before any file
 is parsed. Each rank hashes the shard files it wrote (an asynchronous save: in its writing thread, once
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from scalevec_train.checkpoint.files import COMPLETE, checkpoint_step, complete_checkpoints
-from scalevec_train.checksums import ALGORITHM, digest, file_digest
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.checksums import ALGORITHM, digest, file_digest
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.parallel.process_group import broadcast_object, gather_all, is_main, rank, world_size
 
 CHECKSUMS = "checksums.json"

@@ -66,17 +66,17 @@ from scalevec_train.checkpoint.files import (
     step_dir,
 )
 from scalevec_train.checkpoint.integrity import entry, hash_files, rank_shards, seal
-from scalevec_train.checksums import digest
-from scalevec_train.errors import CheckpointWriteError, ScalevecError
-from scalevec_train.faults import checkpoint_writer, fault_point
-from scalevec_train.model.protocol import TrainableModel
+from scalevec_train.infra.checksums import digest
+from scalevec_train.infra.errors import CheckpointWriteError, ScalevecError
+from scalevec_train.infra.faults import checkpoint_writer, fault_point
+from scalevec_train.model.transformer import Transformer
 from scalevec_train.parallel.process_group import broadcast_object, gather_all, is_main, rank, world_size
 
 
 class ModelState(Stateful):
     """A model's parameters and buffers as DCP sees them (sharded under FSDP)."""
 
-    def __init__(self, model: TrainableModel):
+    def __init__(self, model: Transformer):
         self.model = model
 
     def state_dict(self) -> dict:
@@ -91,7 +91,7 @@ class OptimizerState(Stateful):
     the optimizer's own hyperparameters (peak LRs, decays, betas, ...): the resumed run's config sets
     them, as a fresh run's does (torch would restore the saved groups' values instead)."""
 
-    def __init__(self, model: TrainableModel, optimizer: torch.optim.Optimizer):
+    def __init__(self, model: Transformer, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict:

@@ -5,7 +5,7 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
-from scalevec_train.errors import ScalevecError, check_choices, choice
+from scalevec_train.infra.errors import ScalevecError, check_choices, choice
 
 EMBEDDED = ("stdlib", "python_env")  # sources that read the running Python's files, so take no data.path
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a source name is a metric-key suffix: val_loss/<name>

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 
 # Names under which tokenizers carry their end-of-document token (Llama-2, T5: </s>; GPT-2, Qwen:
 # <|endoftext|>; Llama-3: <|end_of_text|>; Gemma: <eos>).

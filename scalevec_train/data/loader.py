@@ -12,7 +12,7 @@ the next token starts a new one. The target at an input EOS (the next document's
 nothing its position may attend to predicts) is IGNORE, so it is not counted in the loss.
 """
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -20,7 +20,7 @@ import torch
 from scalevec_train.data.permutation import permute
 from scalevec_train.data.prepare import PreparedData
 from scalevec_train.data.shards import TokenStream
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 
 IGNORE = -100  # a target the loss does not count (F.cross_entropy's default ignore_index)
 
@@ -132,3 +132,21 @@ def checked_position(state: dict, identity: dict, data: str) -> int:
     if not isinstance(position, int) or position < 0:
         raise ScalevecError("data loader state (position)", f"{position!r} is not a sample count.")
     return position
+
+
+@runtime_checkable
+class Loader(Protocol):
+    seq_len: int  # tokens of every sequence
+    position: int  # global samples drawn by all ranks so far: all the state there is
+
+    def next_batch(self) -> Batch:
+        """This rank's next micro-batch (with document ids where the loader was made with documents)."""
+
+    def epochs_at(self, position: int) -> dict[str, float]:
+        """Passes over the training data after `position` global samples, by source ("" for one source)."""
+
+    def state_dict(self) -> dict:
+        """The position, and what it is only meaningful with (split, seq_len, seed, the data's identity)."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved state; raises unless it was saved for the same data, seq_len and seed."""

@@ -9,7 +9,7 @@ import torch
 from scalevec_train.data.loader import Batch, TokenLoader, checked_position, mean_attended_keys
 from scalevec_train.data.mixing import SourceSchedule
 from scalevec_train.data.mixture import MixtureData
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 
 
 class MixtureLoader:

@@ -25,12 +25,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from scalevec_train.data import tokenizer
-from scalevec_train.data.document import Document
+from scalevec_train.data.corpus import Document
 from scalevec_train.data.encode import Batch, Encoded, encode_batches
 from scalevec_train.data.shards import ShardWriter, shard_name, write_manifest
 from scalevec_train.data.split import SPLITS, ValSplit
-from scalevec_train.errors import ScalevecError
-from scalevec_train.faults import fault_point
+from scalevec_train.infra.errors import ScalevecError
+from scalevec_train.infra.faults import fault_point
 
 log = logging.getLogger(__name__)
 

@@ -29,15 +29,14 @@ from pathlib import Path
 
 from scalevec_train.data import tokenizer
 from scalevec_train.data.config import DataConfig
-from scalevec_train.data.corpus import open_corpus
-from scalevec_train.data.document import Corpus
+from scalevec_train.data.corpus import Corpus, open_corpus
 from scalevec_train.data.encode import available_cores
 from scalevec_train.data.parts import encode_parts, merge, staging_dir
 from scalevec_train.data.shards import FORMAT, MANIFEST, open_manifest, scan_token_range
 from scalevec_train.data.split import SPLITS, ValSplit
-from scalevec_train.errors import ScalevecError
-from scalevec_train.faults import fault_point
-from scalevec_train.lock import DirLock
+from scalevec_train.infra.errors import ScalevecError
+from scalevec_train.infra.faults import fault_point
+from scalevec_train.infra.lock import DirLock
 
 log = logging.getLogger(__name__)
 

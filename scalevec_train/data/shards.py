@@ -1,7 +1,7 @@
 """Token shards of one split on disk: writing them with their manifest, checking them, reading them.
 
 A split folder holds raw little-endian token files (uint16 when the vocabulary fits, else uint32) and a
-manifest.json naming them with their token counts and checksums (scalevec_train/checksums.py, of the
+manifest.json naming them with their token counts and checksums (scalevec_train/infra/checksums.py, of the
 bytes as they were written; absent in folders prepared before checksums were recorded), the dtype, the
 vocab size and the hash of the tokenizer that produced them.
 """
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from scalevec_train.checksums import ALGORITHM, digest, file_digest
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.checksums import ALGORITHM, digest, file_digest
+from scalevec_train.infra.errors import ScalevecError
 
 FORMAT = "scalevec-tokens-1"
 MANIFEST = "manifest.json"

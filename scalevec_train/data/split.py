@@ -6,7 +6,7 @@ documents are added or removed, and needs no second pass over a streamed corpus.
 
 import hashlib
 
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 
 SPLITS = ("train", "val")
 _SPACE = 1 << 64

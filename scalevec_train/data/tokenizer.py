@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 import sentencepiece as spm
 
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 
 SENTENCEPIECE_FILE, HF_FILE = "tokenizer.model", "tokenizer.json"
 

@@ -23,7 +23,7 @@ from scalevec_train.checkpoint.manager import load_model
 from scalevec_train.config import Config, to_config
 from scalevec_train.data import tokenizer as data_tokenizer
 from scalevec_train.data.tokenizer import Tokenizer
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.model.fold import fold as fold_model
 from scalevec_train.model.transformer import Transformer
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from scalevec_train.errors import ScalevecError, listing
+from scalevec_train.infra.errors import ScalevecError, listing
 from scalevec_train.model.config import ModelConfig, ScaleConfig
 from scalevec_train.model.plan import PreNormPlan, ScalePlan
 from scalevec_train.model.strategies import scale_sites

@@ -8,7 +8,7 @@ from typing import Literal, get_args
 import torch
 
 from scalevec_kernels import BACKENDS
-from scalevec_train.errors import ScalevecError, check_choices, choice
+from scalevec_train.infra.errors import ScalevecError, check_choices, choice
 
 # options that change how the model computes, not its weights
 COMPUTE_ONLY = ("kernels", "attention_mask", "rope_reset", "attention_backend")
@@ -131,6 +131,21 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    def non_embedding_params(self) -> int:
+        """N of `train.tokens_per_param` and of the ladder's size rule, from the shapes alone (no model is
+        built): the matrices a token multiplies with, MoE's routed experts counted top_k / num_experts,
+        without the embedding, the head and the scale sites (costs/accounting.py gives the reasons, and
+        its count from a built model is the one tests/model/test_ladder.py holds this to)."""
+        hd = self.head_dim
+        attention = self.dim * hd * 2 * (self.n_heads + self.n_kv_heads)
+        if self.moe is None:
+            ffn = 3 * self.dim * self.ffn_dim
+        else:
+            m = self.moe
+            shared = m.num_shared_experts * (m.shared_expert_dim or self.ffn_dim)
+            ffn = m.num_experts * self.dim + 3 * self.dim * (m.top_k * m.expert_dim + shared)
+        return self.n_layers * (attention + ffn)
 
     def validate(self) -> None:
         check_choices(self, "model.")

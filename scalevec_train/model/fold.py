@@ -18,7 +18,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.model.moe import MoEFeedForward
 from scalevec_train.model.parameterization import Parameterization
 from scalevec_train.model.plan import Fold, ScalePlan

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from math import prod
 
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.model.config import ModelConfig, ScaleConfig
 
 

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Literal
 
-from scalevec_train.errors import ScalevecError, check_choices, choice
+from scalevec_train.infra.errors import ScalevecError, check_choices, choice
 from scalevec_train.optim.muon import LR_ADJUSTS, NS_COEFFICIENTS, NS_DTYPES, check_options
 
 

@@ -14,18 +14,18 @@ from torch import nn
 
 from scalevec_train.model.parameterization import Kind, Parameterization
 from scalevec_train.model.plan import GROUPS, Decay
-from scalevec_train.model.protocol import TrainableModel
+from scalevec_train.model.transformer import Transformer
 from scalevec_train.optim.adamw import AdamW, FusedAdamW
 from scalevec_train.optim.config import OptimConfig
 from scalevec_train.optim.muon import Muon
 
 # The scale sites' groups (the plan's): scale_decay: p <- p (1 - lr wd), the optimizer's own decay;
-# scale_log_decay: an `er` site's b <- b + log(1 - lr wd) (log_decay.py, which the optimizers apply);
+# scale_log_decay: an `er` site's b <- b + log(1 - lr wd) (adamw.log_decay, which the optimizers apply);
 # scale_no_decay: no decay.
 KINDS = ("matrix", "embedding", "head", GROUPS[Decay.SCALE], GROUPS[Decay.LOG], GROUPS[Decay.NONE])
 
 
-def classify(model: TrainableModel) -> dict[str, list[tuple[str, nn.Parameter]]]:
+def classify(model: Transformer) -> dict[str, list[tuple[str, nn.Parameter]]]:
     """Split the parameters into KINDS; raise if any parameter would land in none or two."""
     site_kind = {name: p.group for name, p in model.plan.site_parameters().items()}
     kinds: dict[str, list[tuple[str, nn.Parameter]]] = {k: [] for k in KINDS}
@@ -82,7 +82,7 @@ _KIND = {"matrix": Kind.HIDDEN, "embedding": Kind.EMBEDDING, "head": Kind.READOU
          **{g: Kind.VECTOR for g in GROUPS.values()}}
 
 
-def param_groups(model: TrainableModel, cfg: OptimConfig) -> list[dict]:
+def param_groups(model: Transformer, cfg: OptimConfig) -> list[dict]:
     """One group per kind. Each group keeps its peak LR in `base_lr`: the schedule multiplies it.
     Under Muon, hidden matrices (and the MoE router only with muon_router) are Muon groups; every
     other kind is an AdamW group. Scale-site kinds take optim.scale_lr and optim.scale_weight_decay
@@ -126,7 +126,7 @@ def param_groups(model: TrainableModel, cfg: OptimConfig) -> list[dict]:
     return groups
 
 
-def build_optimizer(model: TrainableModel, cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: Transformer, cfg: OptimConfig) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg)
     if cfg.name == "muon":
         optimizer = Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,

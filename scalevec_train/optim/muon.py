@@ -5,21 +5,21 @@ schedules and checkpoints a single optimizer. On one process the Muon update fol
 operation for operation. Under FSDP2 the momentum stays sharded like its parameter and only the
 orthogonalization sees whole matrices, on an owner rank (see muon_dist).
 
-A step can be skipped on the device (optim/protocol.py, StepsWhere): step_where(taken). The host never
+A step can be skipped on the device (optim/adamw.py, StepsWhere): step_where(taken). The host never
 reads the verdict: every tensor the step changes (parameters, momentum, Adam moments, the step counters,
 which live on the device) is computed anew and then selected, element for element, between the new and
 the old value; a taken step does the same operations as step(), so its numbers are the same bit for bit.
-Groups with a `log_weight_decay` (the `er` sites' magnitudes) are log-decayed first (log_decay.py).
+Groups with a `log_weight_decay` (the `er` sites' magnitudes) are log-decayed first (log_decay below).
 """
 
 import math
 
 import torch
 
-from scalevec_train.dtensor import local
-from scalevec_train.errors import ScalevecError
-from scalevec_train.optim.log_decay import log_decay
+from scalevec_train.infra.errors import ScalevecError
+from scalevec_train.optim.adamw import log_decay
 from scalevec_train.optim.muon_dist import orthogonalize_sharded, shard_layout
+from scalevec_train.parallel.process_group import local
 
 # Keller Jordan's quintic: a fixed polynomial whose slope at 0 is as large as possible.
 QUINTIC = (3.4445, -4.7750, 2.0315)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 from typing import Literal
 
-from scalevec_train.errors import ScalevecError, check_choices, choice
+from scalevec_train.infra.errors import ScalevecError, check_choices, choice
 
 ActivationCheckpointing = Literal["none", "selective", "full"]
 

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scalevec_train.errors import ScalevecError
-from scalevec_train.model.protocol import TrainableModel
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.model.strategies import scale_sites
+from scalevec_train.model.transformer import Transformer
 from scalevec_train.parallel.config import DistributedConfig
 from scalevec_train.parallel.expert_parallel import shard_experts
 from scalevec_train.parallel.process_group import full_value, world_size
@@ -71,8 +71,8 @@ def uses_bf16(dtype: str, device: torch.device) -> bool:
     return dtype == "bf16" or (dtype == "auto" and device.type == "cuda")
 
 
-def parallelize(model: TrainableModel, cfg: DistributedConfig, device: torch.device, seed: int,
-                dtype: str) -> TrainableModel:
+def parallelize(model: Transformer, cfg: DistributedConfig, device: torch.device, seed: int,
+                dtype: str) -> Transformer:
     """Wrap the blocks of a meta-device Transformer (activation checkpointing, compile), shard it when
     there are several processes, and materialize and initialize it on `device`."""
     for block in model.layers:
@@ -138,7 +138,7 @@ def reduce_replicated_grads(params: list[nn.Parameter]) -> None:
 
 
 @torch.no_grad()
-def init_sharded(model: TrainableModel, seed: int) -> None:
+def init_sharded(model: Transformer, seed: int) -> None:
     """Fill every sharded parameter with its slice of Transformer.initial_value, then the buffers."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 

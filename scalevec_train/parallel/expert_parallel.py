@@ -29,10 +29,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from scalevec_train.dtensor import local
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.model.moe import RoutedExperts
 from scalevec_train.parallel.config import DistributedConfig
+from scalevec_train.parallel.process_group import local
 
 
 def check(cfg: DistributedConfig, num_experts: int | None, world: int, replicate: int) -> None:

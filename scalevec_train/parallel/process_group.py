@@ -7,6 +7,7 @@ import uuid
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 def init() -> None:
@@ -158,3 +159,9 @@ def any_rank(flag: bool, device: torch.device) -> bool:
 def full_value(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor behind a DTensor (e.g. a gradient norm under FSDP); plain tensors as they are."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores: a DTensor's local shard (the same storage), or the tensor itself.
+    A DTensor's local view is a new object every time: keep the DTensor, not the view, to find it again."""
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Literal
 
-from scalevec_train.errors import ScalevecError, check_choices, choice
+from scalevec_train.infra.errors import ScalevecError, check_choices, choice
 
 # Formats whose items come from a file (the others are generated): tasks.items[].path is required.
 FILE_FORMATS = ("jsonl", "hellaswag", "arc", "piqa")

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.tasks.config import TaskConfig
 
 

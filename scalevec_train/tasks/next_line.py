@@ -22,7 +22,7 @@ import re
 from scalevec_train.data.config import DataConfig
 from scalevec_train.data.corpus import FileCorpus, open_corpus
 from scalevec_train.data.split import ValSplit
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.tasks.formats import Item
 
 MAX_CONTEXT_LINES = 12

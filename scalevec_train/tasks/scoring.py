@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from scalevec_train.data.loader import IGNORE
 from scalevec_train.data.tokenizer import Tokenizer
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.parallel.process_group import all_reduce_sum
 from scalevec_train.tasks.formats import Item
 

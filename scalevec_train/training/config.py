@@ -4,7 +4,7 @@
 from dataclasses import dataclass, field
 from typing import Literal
 
-from scalevec_train.errors import ScalevecError, check_choices, choice
+from scalevec_train.infra.errors import ScalevecError, check_choices, choice
 
 
 @dataclass

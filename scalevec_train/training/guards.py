@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.training.trainer import Callback, Trainer
 
 # Fault injection for testing the numerical guards (docs/reliability.md), unset in real runs: steps

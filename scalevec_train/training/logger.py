@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.training.config import LoggerConfig
 
 

@@ -7,7 +7,7 @@ step that is not taken leaves parameters, optimizer state (step counters, moment
 model's buffers exactly as they were.
 
 Two ways, chosen by the optimizer:
-  - an optimizer that takes the verdict itself (optim/protocol.py, StepsWhere: Muon, the fused AdamW)
+  - an optimizer that takes the verdict itself (optim/adamw.py, StepsWhere: Muon, the fused AdamW)
     steps with it, and the model's update takes it too; nothing is copied;
   - every other optimizer (the for-loop AdamW torch runs on CPU) steps as usual, and every tensor the
     step and the model's update may change is then chosen, element for element, between its value
@@ -17,9 +17,9 @@ Two ways, chosen by the optimizer:
 
 import torch
 
-from scalevec_train.dtensor import local
-from scalevec_train.model.protocol import TrainableModel
-from scalevec_train.optim.protocol import StepsWhere
+from scalevec_train.model.transformer import Transformer
+from scalevec_train.optim.adamw import StepsWhere
+from scalevec_train.parallel.process_group import local
 
 
 class ConditionalStep:
@@ -27,7 +27,7 @@ class ConditionalStep:
     a step may change are kept between steps (allocated once: a fresh copy every step costs more than the
     copying)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: TrainableModel):
+    def __init__(self, optimizer: torch.optim.Optimizer, model: Transformer):
         self.optimizer, self.model = optimizer, model
         self.copies: dict[int, torch.Tensor] = {}
 

@@ -29,10 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
 
-from scalevec_train.data.loader import IGNORE
-from scalevec_train.data.protocol import Loader
-from scalevec_train.faults import fault_point
-from scalevec_train.model.protocol import TrainableModel
+from scalevec_train.data.loader import IGNORE, Loader
+from scalevec_train.infra.faults import fault_point
+from scalevec_train.model.transformer import Transformer
 from scalevec_train.parallel.data_parallel import (
     clip_grad_norm,
     reduce_replicated_grads,
@@ -176,7 +175,7 @@ class Trainer:
     """Trains `model` with `optimizer` on `loader`'s batches over `schedule`'s steps (or to an earlier
     requested stop), each step as `recipe` says, observed by `callbacks` (run in their declared order)."""
 
-    def __init__(self, model: TrainableModel, optimizer: torch.optim.Optimizer, loader: Loader, schedule: Schedule,
+    def __init__(self, model: Transformer, optimizer: torch.optim.Optimizer, loader: Loader, schedule: Schedule,
                  recipe: StepRecipe, compute: Compute, callbacks: list[Callback]):
         self.model, self.optimizer, self.loader = model, optimizer, loader
         self.schedule, self.recipe, self.compute = schedule, recipe, compute

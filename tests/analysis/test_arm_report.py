@@ -3,7 +3,7 @@ written here: per-seed differences against the baseline, the share of unified's 
 the final norm's scale from the last diagnostics record, each expectation worked out by hand; and a
 group missing a seed is refused."""
 
-from tests.helpers import REPO, load_script, run_main, run_script, write_run
+from tests.support.helpers import REPO, load_script, run_main, run_script, write_run
 
 FINAL = "diag/final_norm.sites.final/scale_rms"
 UPDATE = "diag/final_norm.sites.final/scale_update_ratio"

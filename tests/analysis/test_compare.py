@@ -28,9 +28,9 @@ from scalevec_analysis import (
     write_comparison,
     write_scaling,
 )
-from scalevec_analysis.groups import summary_markdown, write_summary_csv
-from scalevec_train.errors import ScalevecError
-from tests.helpers import REPO, hide_package, load_script, run_main, run_script, write_run
+from scalevec_analysis.grouping import summary_markdown, write_summary_csv
+from scalevec_train.infra.errors import ScalevecError
+from tests.support.helpers import REPO, hide_package, load_script, run_main, run_script, write_run
 
 # The plots need matplotlib (an optional package): the tests that write them skip without it.
 needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
@@ -220,7 +220,7 @@ def test_grouping_splits_on_real_differences(tmp_path):
 
 
 def test_a_run_resumed_with_changes_on_purpose_is_a_group_of_its_own(tmp_path):
-    """resumes.jsonl (scalevec_train/continuation.py) of a run resumed with resume_changes=[optim.lr]
+    """resumes.jsonl (scalevec_train/run/resume.py) of a run resumed with resume_changes=[optim.lr]
     sets it apart and names the change; operational changes alone (log cadence) do not."""
     rows = metric_rows(f_ref, 5, 0)
     runs = {name: write_run(tmp_path, name, config(seed), rows) for seed, name in enumerate(["plain", "cadence", "lr"])}

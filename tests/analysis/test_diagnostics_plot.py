@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from scalevec_analysis import load_run_dir
-from scalevec_analysis.diagnostics import PANELS, panel_series
+from scalevec_analysis.diagnostic_series import PANELS, panel_series
 from scalevec_analysis.report import write_diagnostics
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.train import run
-from tests.helpers import REPO, SHORT_RUN, load_script, make_config
-from tests.launch import records
-from tests.presets import TINY_MODEL
+from tests.support.helpers import REPO, SHORT_RUN, load_script, make_config
+from tests.support.launch import records
+from tests.support.presets import TINY_MODEL
 
 STEPS = ["train.steps=4", "train.log_every=2"]
 

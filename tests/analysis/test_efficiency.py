@@ -15,8 +15,8 @@ import yaml
 from scalevec_analysis import compute_efficiency, efficiency_series, load_run_dir, reference_compute
 from scalevec_analysis.efficiency import SUMMARY, find_reference
 from scalevec_analysis.scaling import PowerLawFit
-from scalevec_train.errors import ScalevecError
-from tests.helpers import REPO, load_script
+from scalevec_train.infra.errors import ScalevecError
+from tests.support.helpers import REPO, load_script
 
 E, A, ALPHA = 1.8, 1000.0, 0.2
 # ladder points: (model, training FLOPs per token, terminal tokens)

@@ -13,8 +13,8 @@ import yaml
 from scalevec_analysis import compute_efficiency, efficiency_series, fit_power_law, load_run_dir
 from scalevec_analysis.efficiency import SUMMARY, find_reference
 from scalevec_analysis.envelope import ABOVE, AT_MOST, EXACT, Reading, geometric_mean, read_multiplier
-from scalevec_train.errors import ScalevecError
-from tests.helpers import REPO, load_script
+from scalevec_train.infra.errors import ScalevecError
+from tests.support.helpers import REPO, load_script
 
 FLOPS = {"l1": 10.0, "l2": 40.0}  # training FLOPs per token: compute = FLOPS x tokens
 

@@ -2,7 +2,7 @@
 written here: the LR picks run_study.sh feeds to the ladder, and the terminal table's means, standard
 deviations and per-seed differences, each expectation worked out by hand."""
 
-from tests.helpers import REPO, load_script, run_main, run_script, write_run
+from tests.support.helpers import REPO, load_script, run_main, run_script, write_run
 
 
 def ladder_run(root, name, *, scale, optim, lr=0.01, seed=0, tpp=10.0, val=(4.0, 3.0), bpb=(2.0, 1.5),

@@ -17,16 +17,16 @@ from scalevec_train import average as average_cli
 from scalevec_train import evaluate as evaluate_cli
 from scalevec_train import export as export_cli
 from scalevec_train import verify as verify_cli
-from scalevec_train.build import build
-from scalevec_train.checkpoint.average import average
+from scalevec_train.checkpoint.averaging import average
 from scalevec_train.checkpoint.files import COMPLETE, step_dir
 from scalevec_train.checkpoint.integrity import CHECKSUMS
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.interop.api import load
+from scalevec_train.run.build import build
 from scalevec_train.train import run
-from tests.helpers import SHORT_RUN, make_config, run_main
-from tests.launch import gloo_group, spawn
-from tests.presets import TINY_MODEL
+from tests.support.helpers import SHORT_RUN, make_config, run_main
+from tests.support.launch import gloo_group, spawn
+from tests.support.presets import TINY_MODEL
 
 # A constant LR, so that a branch of any length may start from any checkpoint of the run.
 RUN = [*TINY_MODEL, *SHORT_RUN, "schedule=constant", "train.steps=4", "train.log_every=2", "checkpoint.every=2",

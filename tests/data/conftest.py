@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from scalevec_train.data import PreparedData, prepare_data
-from tests.data.corpora import text_cfg, write_corpus
+from tests.support.corpora import text_cfg, write_corpus
 
 
 @pytest.fixture(scope="module")

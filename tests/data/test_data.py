@@ -22,9 +22,9 @@ from scalevec_train.data import prepare as prepare_module
 from scalevec_train.data.corpus import open_corpus
 from scalevec_train.data.permutation import permute
 from scalevec_train.data.shards import ShardWriter
-from scalevec_train.errors import ScalevecError
-from tests.data.corpora import VOCAB, folder_bytes, split_texts, split_tokens, text_cfg, write_corpus
-from tests.helpers import REPO, hide_package
+from scalevec_train.infra.errors import ScalevecError
+from tests.support.corpora import VOCAB, folder_bytes, split_texts, split_tokens, text_cfg, write_corpus
+from tests.support.helpers import REPO, hide_package
 
 CONFIGS = REPO / "configs"
 
@@ -374,7 +374,7 @@ def test_hf_without_datasets_says_how_to_install(tmp_path, monkeypatch):
 def test_hf_byte_cap_keeps_whole_leading_documents(tmp_path, monkeypatch):
     """As for files: whole documents up to the cap, and at least the first real one however large;
     skipped empty rows do not count as documents. The rows stand in for `datasets`' reader."""
-    from scalevec_train.data.hf import HfCorpus
+    from scalevec_train.data.corpus import HfCorpus
 
     rows = [{"text": None}, {"text": "x" * 100}, {"text": "y" * 10}, {"text": "z" * 10}]
     monkeypatch.setattr(HfCorpus, "_load", lambda self: iter(rows))

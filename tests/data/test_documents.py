@@ -9,7 +9,7 @@ from scalevec_train.data import TokenLoader
 from scalevec_train.data.loader import IGNORE
 from scalevec_train.data.permutation import permute
 from scalevec_train.model.masking import dense_mask
-from tests.data.corpora import split_tokens
+from tests.support.corpora import split_tokens
 
 
 def test_document_ids_and_uncounted_targets_follow_the_eos_tokens(prepared):  # noqa: F811

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from scalevec_train.data import DataConfig, prepare_data, tokenizer
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.train import run
-from tests.data.corpora import VOCAB, split_texts, split_tokens, write_corpus
-from tests.helpers import SHORT_RUN, make_config
-from tests.presets import TINY_MODEL
+from tests.support.corpora import VOCAB, split_texts, split_tokens, write_corpus
+from tests.support.helpers import SHORT_RUN, make_config
+from tests.support.presets import TINY_MODEL
 
 datasets = pytest.importorskip("datasets", reason="Hugging Face datasets is not installed (the hf extra)")
 pa = pytest.importorskip("pyarrow")  # datasets' own dependency

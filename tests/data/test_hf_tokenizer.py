@@ -11,12 +11,12 @@ import torch
 
 from scalevec_train.data import DataConfig, prepare_data
 from scalevec_train.data.hf_tokenizer import HfTokenizer
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.interop.api import load
-from scalevec_train.interop.export import export
+from scalevec_train.interop.hf_export import export
 from scalevec_train.train import run
-from tests.helpers import SHORT_RUN, make_config
-from tests.presets import TINY_MODEL
+from tests.support.helpers import SHORT_RUN, make_config
+from tests.support.presets import TINY_MODEL
 
 pytest.importorskip("tokenizers", reason="Hugging Face tokenizers is not installed (the hf extra)")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402

@@ -18,17 +18,17 @@ import torch.nn.functional as F
 
 from scalevec_train.data import DataConfig, TokenLoader, prepare_data
 from scalevec_train.data.config import MixtureSource
+from scalevec_train.data.loader import Loader
 from scalevec_train.data.mixing import BLOCK, SourceSchedule
 from scalevec_train.data.mixture import MixtureData
 from scalevec_train.data.mixture_loader import MixtureLoader
 from scalevec_train.data.permutation import permute
-from scalevec_train.data.protocol import Loader
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.training.callbacks import EpochMonitor
-from tests.data.corpora import VOCAB, split_tokens, text_cfg, write_corpus
-from tests.helpers import make_config
-from tests.launch import records, train_spawned
-from tests.presets import TINY_MODEL
+from tests.support.corpora import VOCAB, split_tokens, text_cfg, write_corpus
+from tests.support.helpers import make_config
+from tests.support.launch import records, train_spawned
+from tests.support.presets import TINY_MODEL
 
 SEQ = 16
 
@@ -129,7 +129,7 @@ def test_a_single_source_draws_what_it_drew_before_mixtures(folders, tmp_path):
                                  tokenizer_path=str(single.tokenizer_path), mixture=[entry]))
     assert alone.first.root == single.root
     plain, mixed = TokenLoader(single, "train", SEQ, 8, seed=2), MixtureLoader(alone, SEQ, 8, seed=2)
-    for loader in (plain, mixed):  # both are what the trainer takes (data/protocol.py), signatures and all
+    for loader in (plain, mixed):  # both are what the trainer takes (data/loader.py, Loader), signatures and all
         assert isinstance(loader, Loader)
         for name in ("next_batch", "epochs_at", "state_dict", "load_state_dict"):
             expected = list(inspect.signature(getattr(Loader, name)).parameters)[1:]
@@ -205,7 +205,7 @@ def test_array_tasks_prepare_each_source_as_one_process_does(folders, tmp_path, 
     """A mixture prepared by 2 SLURM array tasks (in reverse order; parts of 2 KB, so each task encodes
     some of each source) is byte for byte the one-process preparation, tokenizer included."""
     from scalevec_train import prepare_data as prepare_cli
-    from tests.data.corpora import folder_bytes
+    from tests.support.corpora import folder_bytes
 
     small = {"part_bytes": 2000, "shard_tokens": 500}
     one = prepare_data(replace(mixture_cfg(folders, tmp_path / "one"), **small))
@@ -244,14 +244,14 @@ def curve_of(run_dir: Path, key: str) -> dict[int, float]:
 
 def test_resumed_on_1_and_2_ranks_and_per_source_val_losses(folders, tmp_path):
     """A mixture run of 6 steps, against the same run resumed from its step-3 checkpoint by the trainer on
-    1 and on 2 gloo ranks (tests/train_many.py on spawned ranks): the same losses (so the same samples)
+    1 and on 2 gloo ranks (tests/support/train_many.py on spawned ranks): the same losses (so the same samples)
     and validation losses per source. Each source's val_loss/<name> equals its validation batches' mean
     cross-entropy under the final model, computed here with plain PyTorch, and val_loss is their
     0.75/0.25 weighted mean."""
-    from scalevec_train.build import validation_batches
     from scalevec_train.checkpoint import files as checkpoint_files
     from scalevec_train.evaluate import evaluate_metrics
     from scalevec_train.interop.api import load
+    from scalevec_train.run.build import validation_batches
     from scalevec_train.train import run
 
     overrides = run_overrides(folders, tmp_path / "cache")

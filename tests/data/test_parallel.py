@@ -15,9 +15,9 @@ from scalevec_train import prepare_data as prepare_cli
 from scalevec_train.data import PreparedData, prepare_data
 from scalevec_train.data.encode import Batch, encode_batches
 from scalevec_train.data.split import ValSplit
-from scalevec_train.errors import ScalevecError
-from tests.data.corpora import VOCAB, folder_bytes, split_texts, split_tokens, text_cfg, write_corpus
-from tests.launch import torchrun
+from scalevec_train.infra.errors import ScalevecError
+from tests.support.corpora import VOCAB, folder_bytes, split_texts, split_tokens, text_cfg, write_corpus
+from tests.support.launch import torchrun
 
 PART, SHARD = 3000, 800  # a few documents per part, and parts longer than a shard
 

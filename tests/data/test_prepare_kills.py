@@ -1,5 +1,5 @@
 """Data preparation killed at any moment: with one process, with encoding workers, and as two processes
-sharing a cache (two torchrun nodes), each attempt is stopped at a fault point (scalevec_train/faults.py:
+sharing a cache (two torchrun nodes), each attempt is stopped at a fault point (scalevec_train/infra/faults.py:
 the tokenizer, a part's shards, its rename, the part count, the merge's links, rename and cleanup) and
 every process, workers included, SIGKILLed there; the next attempt continues. After every kill the
 prepared folder is either absent or whole and byte-identical to an uninterrupted preparation (no partly
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from scalevec_train.data import DataConfig, prepare_data, prepare_share
-from scalevec_train.faults import FAULT_AT_ENV
-from tests.data.corpora import folder_bytes, text_cfg, write_corpus
+from scalevec_train.infra.faults import FAULT_AT_ENV
+from tests.support.corpora import folder_bytes, text_cfg, write_corpus
 
 PART, SHARD = 3000, 800  # about a dozen parts, each of more than one shard
 MARK = "SCALEVEC_PREPARE_ATTEMPT"

@@ -10,12 +10,12 @@ import pytest
 import xxhash
 
 from scalevec_train import verify as verify_cli
-from scalevec_train.build import build
 from scalevec_train.data.shards import MANIFEST
-from scalevec_train.errors import ScalevecError
-from tests.data.corpora import VOCAB
-from tests.helpers import SHORT_RUN, make_config, run_main
-from tests.presets import TINY_MODEL
+from scalevec_train.infra.errors import ScalevecError
+from scalevec_train.run.build import build
+from tests.support.corpora import VOCAB
+from tests.support.helpers import SHORT_RUN, make_config, run_main
+from tests.support.presets import TINY_MODEL
 
 
 @pytest.fixture

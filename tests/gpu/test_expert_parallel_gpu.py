@@ -1,6 +1,6 @@
 """Expert parallelism on GPUs (NCCL, bf16, grouped_mm, compiled blocks): skipped with fewer than 2 CUDA
 devices. The same MoE run with the experts sharded by FSDP (EP=1) and split over the ranks (EP=2) in one
-torchrun launch (tests/train_many.py): both train, to the same losses within bf16 rounding, and each
+torchrun launch (tests/support/train_many.py): both train, to the same losses within bf16 rounding, and each
 prints its tokens/s per device (the throughput scripts/bench_train.py --expert-parallel measures)."""
 
 import math
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tests.launch import many_command, records
+from tests.support.launch import many_command, records
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 

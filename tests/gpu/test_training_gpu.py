@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from scalevec_train.accounting import peak_flops
+from scalevec_train.costs.accounting import peak_flops
 from scalevec_train.model.moe import MoEFeedForward
 from scalevec_train.model.plan import ScalePlan
 from scalevec_train.model.strategies import scale_sites
@@ -19,8 +19,8 @@ from scalevec_train.model.transformer import Transformer
 from scalevec_train.optim.muon import Muon
 from scalevec_train.parallel.wrap import wrap_block
 from scalevec_train.train import run
-from tests.helpers import make_config
-from tests.launch import curve, records
+from tests.support.helpers import make_config
+from tests.support.launch import curve, records
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -20,12 +20,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from scalevec_train import export as export_cli
-from scalevec_train.build import build
 from scalevec_train.checkpoint import files as checkpoint_files
 from scalevec_train.checkpoint.manager import CheckpointManager, ModelState, OptimizerState
 from scalevec_train.data import tokenizer as sp_tokenizer
-from scalevec_train.errors import ScalevecError
-from scalevec_train.interop import export
+from scalevec_train.infra.errors import ScalevecError
+from scalevec_train.interop import hf_export as export
 from scalevec_train.interop.api import load
 from scalevec_train.interop.hf_import import check_init_from, import_llama, init_from_hf
 from scalevec_train.model import Transformer
@@ -33,9 +32,10 @@ from scalevec_train.model.config import ScaleConfig
 from scalevec_train.model.fold import fold
 from scalevec_train.model.strategies import scale_sites
 from scalevec_train.optim.groups import build_optimizer
+from scalevec_train.run.build import build
 from scalevec_train.train import run
-from tests.helpers import SHORT_RUN, make_config_shared
-from tests.presets import TINY_MODEL
+from tests.support.helpers import SHORT_RUN, make_config_shared
+from tests.support.presets import TINY_MODEL
 
 TINY = [*TINY_MODEL, *SHORT_RUN, "train.steps=30", "train.log_every=30", "optim.lr=1e-2"]
 # the model random_llama() writes
@@ -477,7 +477,8 @@ def test_damaged_hf_folders_are_named(tmp_path, transformers):
 
 def test_transformers_is_not_imported_by_the_package():
     """transformers is optional: only the export/import functions that need it import it."""
-    code = ("import sys, scalevec_train.interop.api, scalevec_train.interop.export, scalevec_train.interop.hf_import; "
+    code = ("import sys, scalevec_train.interop.api, scalevec_train.interop.hf_export, "
+            "scalevec_train.interop.hf_import; "
             "sys.exit(int('transformers' in sys.modules or 'tokenizers' in sys.modules))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     assert subprocess.run([sys.executable, "-c", code], env=env, check=False).returncode == 0

@@ -9,7 +9,7 @@ import torch
 
 from scalevec_kernels import BACKENDS, KernelError, check_backend, rms_norm_scales
 from scalevec_kernels.backend import INTERPRETED
-from tests.kernels.helpers import EPS
+from tests.support.kernels import EPS
 
 
 def test_check_backend_names_and_devices():

@@ -38,7 +38,7 @@ import torch
 
 from scalevec_kernels import aot, backend, rms_norm, rms_norm_scales, swiglu_norm, traffic
 from scalevec_train.config import compose_config
-from tests.helpers import REPO, load_script
+from tests.support.helpers import REPO, load_script
 
 pytest.importorskip("triton")
 if backend.INTERPRETED:

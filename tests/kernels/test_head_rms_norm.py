@@ -1,6 +1,6 @@
 """The per-head RMSNorm (scalevec_kernels.head_rms_norm) against plain PyTorch, on CPU in fp32.
 
-The Triton kernels run in triton's CPU interpreter, in a child process (see tests/kernels/helpers.py).
+The Triton kernels run in triton's CPU interpreter, in a child process (see tests/support/kernels.py).
 """
 
 import pytest
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from scalevec_kernels import KernelError, head_rms_norm, head_rms_norm_reference
 from scalevec_kernels.backend import INTERPRETED
-from tests.kernels.helpers import EPS, assert_scale_grad_close, grads, run_interpreted, scale_site
+from tests.support.kernels import EPS, assert_scale_grad_close, grads, run_interpreted, scale_site
 
 
 def test_head_reference_normalizes_each_head():

@@ -1,6 +1,6 @@
 """The fused RMSNorm+scale kernels (scalevec_kernels.rms_norm) against plain PyTorch, on CPU in fp32.
 
-The Triton kernels run in triton's CPU interpreter, in a child process (see tests/kernels/helpers.py).
+The Triton kernels run in triton's CPU interpreter, in a child process (see tests/support/kernels.py).
 """
 
 import itertools
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from scalevec_kernels import KernelError, head_rms_norm, rms_norm, rms_norm_scales
 from scalevec_kernels.backend import INTERPRETED
-from tests.kernels.helpers import EPS, assert_scale_grad_close, grads, host_ops, run_interpreted, scale_site
+from tests.support.kernels import EPS, assert_scale_grad_close, grads, host_ops, run_interpreted, scale_site
 
 
 def test_torch_backend_matches_functional_rms_norm():

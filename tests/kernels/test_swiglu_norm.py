@@ -1,7 +1,7 @@
 """The fused normalization + SwiGLU (scalevec_kernels.swiglu_norm) against plain PyTorch, on CPU.
 
 The Triton kernels run in triton's CPU interpreter, in fp32, in a child process (see
-tests/kernels/helpers.py).
+tests/support/kernels.py).
 """
 
 import importlib
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from scalevec_kernels import KernelError, rms_norm_scales_reference, swiglu_norm, swiglu_norm_reference
 from scalevec_kernels.backend import INTERPRETED
-from tests.kernels.helpers import EPS, grads, host_ops, run_interpreted
+from tests.support.kernels import EPS, grads, host_ops, run_interpreted
 
 # The module (the package's name swiglu_norm is the function).
 swiglu_kernels = importlib.import_module("scalevec_kernels.swiglu_norm")

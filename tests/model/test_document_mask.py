@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from scalevec_train.model import Transformer
 from scalevec_train.model.masking import block_mask, dense_mask, flex_attention, positions
 from scalevec_train.parallel.wrap import wrap_block
-from tests.helpers import make_config_shared
-from tests.launch import compile_backend
+from tests.support.helpers import make_config_shared
+from tests.support.launch import compile_backend
 
 # three documents in a row of 24 tokens (lengths 7, 9, 8), and a second row of two (12, 12)
 DOC_IDS = torch.tensor([[0] * 7 + [1] * 9 + [2] * 8, [0] * 12 + [1] * 12])
@@ -114,8 +114,8 @@ def test_checkpointing_and_compile_keep_document_masking(ac, compiled):
 
 
 def test_flex_training_on_cpu_is_refused_before_any_work(tmp_path):
-    from scalevec_train.build import build
-    from scalevec_train.errors import ScalevecError
+    from scalevec_train.infra.errors import ScalevecError
+    from scalevec_train.run.build import build
 
     cfg = make_config_shared("model.attention_mask=document", "model.attention_backend=flex", "device=cpu",
                       f"run_dir={tmp_path / 'run'}")
@@ -127,8 +127,8 @@ def test_flex_training_on_cpu_is_refused_before_any_work(tmp_path):
 def test_describe_and_flops_count_the_attention_the_mask_leaves():
     """Attention FLOPs per token: 12 * layers * width * 2 * (mean keys a query attends) under document
     masking, in place of 12 * layers * width * seq_len; the rest unchanged."""
-    from scalevec_train.accounting import matmul_params_per_token, train_flops_per_token
-    from scalevec_train.describe import describe
+    from scalevec_train.costs.accounting import matmul_params_per_token, train_flops_per_token
+    from scalevec_train.costs.tables import describe
 
     causal = make_config_shared("train.seq_len=128")
     document = make_config_shared("train.seq_len=128", "model.attention_mask=document")

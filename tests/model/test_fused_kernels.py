@@ -6,7 +6,7 @@ pre-norms with the residual add of the previous sub-layer (and the final norm), 
 q, k, v, and the fused normalization + SwiGLU of the dense FFN, the shared expert and the routed experts
 (per-expert scales).
 
-The interpreter runs in a child process (tests/kernels/helpers.py says why).
+The interpreter runs in a child process (tests/support/kernels.py says why).
 """
 
 import pytest
@@ -17,8 +17,8 @@ from scalevec_kernels.backend import INTERPRETED
 from scalevec_train.model.strategies import scale_sites
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.optim.groups import build_optimizer
-from tests.helpers import make_config
-from tests.kernels.helpers import run_interpreted
+from tests.support.helpers import make_config
+from tests.support.kernels import run_interpreted
 
 SMALL = ["model.n_layers=1", "model.vocab_size=128"]
 MOE = ["model=moe-tiny", "model.moe.num_experts=4"]

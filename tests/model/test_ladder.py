@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from scalevec_train.accounting import active_params, non_embedding_params, total_params
 from scalevec_train.config import CONFIG_DIR
+from scalevec_train.costs.accounting import active_params, non_embedding_params, total_params
 from scalevec_train.model.transformer import Transformer
-from tests.helpers import make_config
+from tests.support.helpers import make_config
 
 RUNGS = [1, 2, 3, 4, 6, 8, 12, 16, 20]
 
@@ -60,3 +60,23 @@ def test_the_ladder_spans_the_study_model_to_dense_0_12b():
     n = {name: non_embedding_params(built(name)[1]) for name in ("dense-study", "dense-l4", "dense-0.12b", "dense-l20")}
     assert 1 < n["dense-l4"] / n["dense-study"] < 1.25
     assert 1 < n["dense-l20"] / n["dense-0.12b"] < 1.25
+
+
+PRESETS = sorted(p.stem for p in (Path(CONFIG_DIR) / "model").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_the_size_the_config_derives_is_the_built_models(preset):
+    """train.tokens_per_param reads N from the shapes (ModelConfig.non_embedding_params, no model built):
+    it is the count of the built model's parameters under every strategy (sites are not counted), and a
+    shared expert counts whole."""
+    for overrides in (["scale=baseline"], ["scale=unified"], ["scale=dnp", "model.qk_norm=true"],
+                      ["scale=baseline", "model.post_norm=true"]):
+        cfg = make_config(f"model={preset}", *overrides)
+        with torch.device("meta"):
+            model = Transformer(cfg.model, cfg.scale)
+        assert cfg.model.non_embedding_params() == non_embedding_params(model), overrides
+    if preset == "moe-tiny":
+        cfg = make_config("model=moe-tiny", "model.moe.num_shared_experts=2", "model.moe.shared_expert_dim=48")
+        with torch.device("meta"):
+            assert cfg.model.non_embedding_params() == non_embedding_params(Transformer(cfg.model, cfg.scale))

@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from scalevec_train.accounting import active_params, total_params
-from scalevec_train.errors import ScalevecError
+from scalevec_train.costs.accounting import active_params, total_params
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.model import ModelConfig, MoEConfig, Transformer
 from scalevec_train.model.config import ScaleConfig
 from scalevec_train.model.moe import MoEFeedForward
 from scalevec_train.model.plan import ScalePlan
 from scalevec_train.model.strategies import scale_sites
-from tests.helpers import REPO
+from tests.support.helpers import REPO
 
 PRESETS = REPO / "configs" / "model"
 DIM, EXPERTS, WIDTH, SHARED_WIDTH = 16, 4, 8, 8

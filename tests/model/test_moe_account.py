@@ -9,7 +9,7 @@ import torch
 
 from scalevec_train.config import compose_config
 from scalevec_train.model.moe import _grouped_mm_supported
-from tests.helpers import REPO, load_script
+from tests.support.helpers import REPO, load_script
 
 # (scale, backend): (forward operators at most, backward at most, host reads, grouped GEMMs), counted
 # 2026-11-28 (torch 2.13, CPU, bf16 autocast; unified's expert SwiGLU on the PyTorch reference norms,

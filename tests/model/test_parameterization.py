@@ -10,15 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from scalevec_train.config import compose_config
-from scalevec_train.describe import describe
-from scalevec_train.errors import ScalevecError
+from scalevec_train.costs.tables import describe
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.model import Transformer
 from scalevec_train.model.config import ModelConfig, MoEConfig, ScaleConfig, architecture_diff
 from scalevec_train.optim.config import OptimConfig
 from scalevec_train.optim.groups import build_optimizer
 from scalevec_train.train import run
-from tests.helpers import SHORT_RUN, make_config
-from tests.presets import TINY_MODEL, TINY_MOE
+from tests.support.helpers import SHORT_RUN, make_config
+from tests.support.presets import TINY_MODEL, TINY_MOE
 
 # m_N = 128 / 32 = 4, m_L = 4 / 2 = 2, head_dim 32 (4 heads) against a base head width of 8
 SHAPE = ["model.dim=128", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=256", "model.n_layers=4",

@@ -12,8 +12,8 @@ from scalevec_train.model import Transformer
 from scalevec_train.model.fold import fold
 from scalevec_train.model.strategies import scale_sites
 from scalevec_train.optim.groups import build_optimizer
-from tests.helpers import REPO, make_config
-from tests.presets import SMALL_MODEL
+from tests.support.helpers import REPO, make_config
+from tests.support.presets import SMALL_MODEL
 
 PRESETS = sorted(p.stem for p in (REPO / "configs" / "scale").glob("*.yaml"))
 SMALL = [*SMALL_MODEL, "model.vocab_size=128"]  # dim 64, 4 heads of 16, 2 KV heads (width 32), ffn 96

@@ -9,8 +9,8 @@ from scalevec_train.model import Transformer
 from scalevec_train.model.fold import fold
 from scalevec_train.model.strategies import ScaleSite, scale_sites, site_display_name
 from scalevec_train.optim.groups import build_optimizer, classify
-from tests.helpers import make_config_shared
-from tests.presets import SMALL_MODEL
+from tests.support.helpers import make_config_shared
+from tests.support.presets import SMALL_MODEL
 
 PRESETS = ["none", "baseline", "iwd", "wd_all", "hg", "dp", "dnp", "or", "er", "unified"]
 SMALL = [*SMALL_MODEL, "model.vocab_size=128"]
@@ -118,7 +118,7 @@ def test_dnp_reuses_model_norms():
 
 
 def test_dual_before_a_model_norm_is_refused():
-    from scalevec_train.errors import ScalevecError
+    from scalevec_train.infra.errors import ScalevecError
 
     with pytest.raises(ScalevecError, match="dual_norm"):
         build("dp", "model.qk_norm=true")

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from scalevec_train.model import Transformer
-from tests.helpers import make_config_shared
-from tests.presets import TINY_MODEL
+from tests.support.helpers import make_config_shared
+from tests.support.presets import TINY_MODEL
 
 SIZES = {"dense-tiny": 4.2e6, "dense-0.12b": 0.12e9, "dense-0.5b": 0.5e9, "dense-1b": 1.0e9,
          "dense-2b": 2.0e9, "dense-gemma-0.5b": 0.5e9, "dense-tiny-gemma": 4.2e6}

@@ -5,7 +5,7 @@ import io
 import pytest
 import torch
 
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.optim.muon import Muon, newton_schulz
 from scalevec_train.optim.muon_dist import assign_owners, local_row_range
 

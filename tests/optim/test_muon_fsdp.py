@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from tests.launch import spawn
-from tests.optim.muon_net import BATCH, VOCAB, build
+from tests.support.launch import spawn
+from tests.support.muon_net import BATCH, VOCAB, build
 
 STEPS, SAVE_AT = 5, 3
 MESHES = {"fsdp": (2,), "hsdp_shard": (1, 2), "hsdp_replicate": (2, 1)}

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from scalevec_train.dtensor import local
-from tests.launch import spawn
-from tests.optim.muon_net import BATCH, VOCAB, build
+from scalevec_train.parallel.process_group import local
+from tests.support.launch import spawn
+from tests.support.muon_net import BATCH, VOCAB, build
 
 
 def snapshot(model, opt) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ import torch
 
 from scalevec_train.model import Transformer
 from scalevec_train.optim.groups import build_optimizer
-from tests.helpers import make_config
+from tests.support.helpers import make_config
 
 # moe-tiny shrunk, one layer, untied head, under scale=unified (HG + DNP + IWD): sites of both roles.
 SMALL = ["model=moe-tiny", "model.dim=16", "model.n_heads=2", "model.n_kv_heads=1", "model.n_layers=1",

@@ -12,15 +12,15 @@ import math
 import pytest
 import torch
 
-from scalevec_train.branch import shared_steps
 from scalevec_train.checkpoint.files import read_train_state
 from scalevec_train.checkpoint.manager import CheckpointManager, ModelState, OptimizerState
 from scalevec_train.model import Transformer
 from scalevec_train.model.strategies import scale_sites
 from scalevec_train.optim.groups import build_optimizer, classify
 from scalevec_train.optim.schedules import lr_multiplier
-from tests.helpers import make_config_shared
-from tests.presets import TINY_MODEL
+from scalevec_train.run.branch import shared_steps
+from tests.support.helpers import make_config_shared
+from tests.support.presets import TINY_MODEL
 
 SMALL = [*TINY_MODEL, "model.vocab_size=64"]  # dense, 2 layers, tied head
 LR, ADAMW_LR, SCALE_LR, WD, SCALE_WD = 1e-2, 4e-3, 1e-3, 0.5, 2.0

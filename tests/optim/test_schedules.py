@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.optim.config import ScheduleConfig
 from scalevec_train.optim.schedules import lr_multiplier
 

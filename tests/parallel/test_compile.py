@@ -33,9 +33,9 @@ from scalevec_train.optim.groups import build_optimizer
 from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.parallel.wrap import wrap_block
 from scalevec_train.training.trainer import training_loss
-from tests.helpers import REPO, make_config
-from tests.kernels.helpers import run_interpreted
-from tests.launch import compile_backend
+from tests.support.helpers import REPO, make_config
+from tests.support.kernels import run_interpreted
+from tests.support.launch import compile_backend
 
 PRESETS = sorted(p.stem for p in (REPO / "configs" / "scale").glob("*.yaml"))
 TINY = ["model.dim=32", "model.n_heads=2", "model.n_kv_heads=1", "model.ffn_dim=48", "model.n_layers=1",
@@ -220,7 +220,7 @@ def test_compiled_training_matches_eager(model, scale, backend, ac):
     of moe-tiny's 8: the per-expert loop unrolls into the graph, and compile time grows with it). One block:
     each block is compiled on its own, the same code, and a second one cost dynamo, AOT autograd and inductor
     their work again (the dense inductor case took 47-53 CPU-s with 2 blocks, 34 with 1, cold caches, 2-core
-    CPU, 2026-11-28); blocks compiled side by side are tests/training/test_diagnostics.py's two-rank run."""
+    CPU, 2026-11-28); blocks compiled side by side are tests/training/test_probes.py's two-rank run."""
     overrides = [f"model={model}", f"scale={scale}", "model.n_layers=1", "model.vocab_size=128", "optim.lr=1e-3"]
     if model == "moe-tiny":
         overrides.append("model.moe.num_experts=4")

@@ -13,8 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from scalevec_train.checkpoint import files as checkpoint_files
 from scalevec_train.checkpoint.manager import CheckpointManager, ModelState, OptimizerState
-from scalevec_train.errors import CheckpointWriteError, ScalevecError
-from scalevec_train.faults import FAULT_AT_ENV
+from scalevec_train.infra.errors import CheckpointWriteError, ScalevecError
+from scalevec_train.infra.faults import FAULT_AT_ENV
 from scalevec_train.model import ModelConfig, Transformer
 from scalevec_train.model.config import ScaleConfig
 from scalevec_train.parallel.config import DistributedConfig

@@ -2,7 +2,7 @@
 the run of one process, the same EMA; 4 steps, a resume and 4 more give the EMA of 8 steps bit for bit;
 checkpoints of 1 process resume on 2 ranks and of 2 ranks on 1, the EMA resharded with the model.
 The MoE model with the unified strategy covers the sites and the routers' expert_bias. One group of 2
-ranks (tests/launch.py train_spawned) trains every 2-rank run (tests/train_many.py)."""
+ranks (tests/support/launch.py train_spawned) trains every 2-rank run (tests/support/train_many.py)."""
 
 import re
 import shutil
@@ -14,9 +14,9 @@ import torch
 from scalevec_train.checkpoint.files import COMPLETE, step_dir
 from scalevec_train.data import prepare_data
 from scalevec_train.train import run
-from tests.helpers import make_config
-from tests.launch import assert_same_curve, checkpoint_state, curve, train_spawned
-from tests.presets import TINY_MOE
+from tests.support.helpers import make_config
+from tests.support.launch import assert_same_curve, checkpoint_state, curve, train_spawned
+from tests.support.presets import TINY_MOE
 
 STEPS, HALF = 8, 4
 # every micro-batch is 2 sequences on any world size (the MoE balancing loss is per micro-batch)

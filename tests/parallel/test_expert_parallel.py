@@ -38,18 +38,18 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from scalevec_train.communication import expert_all_to_all
 from scalevec_train.config import Config
+from scalevec_train.costs.communication import expert_all_to_all
 from scalevec_train.data.loader import IGNORE, Batch, document_ids
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.model import Transformer
 from scalevec_train.model.moe import MoEFeedForward
 from scalevec_train.optim.groups import build_optimizer
 from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.training.trainer import Callback, Compute, Schedule, StepRecipe, Trainer, cross_entropy
-from tests.helpers import ListLoader, make_config
-from tests.launch import compile_backend, gloo_group, spawn
-from tests.presets import TINY_MOE
+from tests.support.helpers import ListLoader, make_config
+from tests.support.launch import compile_backend, gloo_group, spawn
+from tests.support.presets import TINY_MOE
 
 STEPS, SEQ, EOS, VOCAB, LR = 8, 16, 1, 64, 3e-3
 MICRO = 2  # sequences per rank and step

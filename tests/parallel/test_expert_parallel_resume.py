@@ -2,7 +2,7 @@
 resumes at another and continues the uninterrupted one-process run (losses, gradient norms, val_loss,
 final parameters and optimizer state, the expert biases exactly, the data position).
 
-The run is the trainer's (tests/train_many.py on spawned gloo ranks), a tiny MoE under unified with
+The run is the trainer's (tests/support/train_many.py on spawned gloo ranks), a tiny MoE under unified with
 per-expert sites and Muon, a global batch of 8 sequences in micro-batches of one, 4 steps with checkpoints
 at 2 and 4:
   reference      1 process (EP=1), uninterrupted;
@@ -20,8 +20,8 @@ import torch
 from scalevec_train.checkpoint import files as checkpoint_files
 from scalevec_train.data import prepare_data
 from scalevec_train.train import run
-from tests.helpers import make_config
-from tests.launch import (
+from tests.support.helpers import make_config
+from tests.support.launch import (
     assert_same_curve,
     assert_same_tensors,
     copy_run,
@@ -30,7 +30,7 @@ from tests.launch import (
     train_spawned,
     trained_state,
 )
-from tests.presets import TINY_MOE
+from tests.support.presets import TINY_MOE
 
 STEPS, EVERY = 4, 2
 COMMON = [*TINY_MOE, "train.seq_len=32", "train.global_batch=8", "train.micro_batch=1", "train.eval_batches=1",

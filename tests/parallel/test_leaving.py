@@ -22,9 +22,9 @@ from scalevec_train import train
 from scalevec_train.config import compose_raw
 from scalevec_train.data import prepare_data
 from scalevec_train.training.guards import FAULT_NAN_ENV
-from tests.helpers import SHORT_RUN, make_config
-from tests.launch import spawn
-from tests.presets import TINY_MODEL
+from tests.support.helpers import SHORT_RUN, make_config
+from tests.support.launch import spawn
+from tests.support.presets import TINY_MODEL
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads thread names from /proc")
 

@@ -8,10 +8,10 @@ from scalevec_train.model.layers import Linear
 from scalevec_train.model.strategies import ScaleSite, scale_sites
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.parallel.data_parallel import parallelize
-from tests.helpers import make_config
-from tests.launch import gloo_group, spawn
-from tests.parallel.helpers import site_values
-from tests.presets import SMALL_MODEL
+from tests.support.helpers import make_config
+from tests.support.launch import gloo_group, spawn
+from tests.support.parallel import site_values
+from tests.support.presets import SMALL_MODEL
 
 OVERRIDES = ["scale=unified", *SMALL_MODEL, "model.vocab_size=128", "train.dtype=bf16", "device=cpu",
              "train.micro_batch=8"]

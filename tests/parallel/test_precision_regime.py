@@ -15,14 +15,14 @@ import torch
 import scalevec_train.model.layers as layers
 import scalevec_train.model.moe as moe
 import scalevec_train.model.swiglu as swiglu
-from scalevec_train.build import autocast_for
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.parallel.data_parallel import parallelize
+from scalevec_train.run.build import autocast_for
 from scalevec_train.training.trainer import cross_entropy
-from tests.helpers import make_config
-from tests.launch import gloo_group, spawn
-from tests.parallel.helpers import site_values
-from tests.presets import SMALL_MODEL
+from tests.support.helpers import make_config
+from tests.support.launch import gloo_group, spawn
+from tests.support.parallel import site_values
+from tests.support.presets import SMALL_MODEL
 
 SMALL = [*SMALL_MODEL, "model.vocab_size=128", "train.dtype=bf16", "device=cpu", "train.micro_batch=8"]
 MOE = ["model=moe-tiny", "model.moe.num_experts=4", "model.moe.expert_dim=32"]

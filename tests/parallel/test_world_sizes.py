@@ -1,8 +1,8 @@
 """Any world size computes the same run: the trainer on 4 and 2 gloo ranks (FSDP2, HSDP) against one process.
 
 The reference of every configuration is one plain process without torchrun (the trainer in this
-process). Each multi-rank group trains several runs one after the other (tests/train_many.py, its ranks
-forked by tests/launch.py's spawn, not started by torchrun), so that its processes start once:
+process). Each multi-rank group trains several runs one after the other (tests/support/train_many.py, its ranks
+forked by tests/support/launch.py's spawn, not started by torchrun), so that its processes start once:
   4 ranks: dense (a shrunk dense-tiny) under {baseline, unified} x {adamw, muon} x {FSDP over 4,
            HSDP (2, 2)}, and a shrunk moe-tiny (load-balancing and z losses on, Muon on the experts);
   2 ranks: resumes of 4-rank checkpoints, moe-tiny again, a run with gradient accumulation, full
@@ -28,8 +28,8 @@ from scalevec_train.data import prepare_data
 from scalevec_train.model import Transformer
 from scalevec_train.model.strategies import scale_sites
 from scalevec_train.train import run
-from tests.helpers import REPO, make_config
-from tests.launch import (
+from tests.support.helpers import REPO, make_config
+from tests.support.launch import (
     assert_same_curve,
     assert_same_tensors,
     child_env,
@@ -38,7 +38,7 @@ from tests.launch import (
     records,
     train_spawned,
 )
-from tests.presets import SMALL_MODEL
+from tests.support.presets import SMALL_MODEL
 
 STEPS, EVERY, LR = 4, 2, 3e-3
 COMMON = [*SMALL_MODEL, "train.seq_len=32",
@@ -101,7 +101,7 @@ def assert_same_run(run_dir: Path, reference: Path, scratch: Path, skip: int = 0
 
 
 def rank_files(run_dir: Path, world: int) -> list[dict]:
-    """What each rank held whole at the end of the run (tests/train_many.py)."""
+    """What each rank held whole at the end of the run (tests/support/train_many.py)."""
     return [torch.load(run_dir / f"rank{r}.pt", weights_only=True) for r in range(world)]
 
 

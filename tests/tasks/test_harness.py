@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from scalevec_train.data import tokenizer
-from scalevec_train.interop.export import export_model
+from scalevec_train.interop.hf_export import export_model
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.tasks.config import TaskConfig
 from scalevec_train.tasks.formats import read_items
 from scalevec_train.tasks.scoring import choice_logprobs, encode_task, task_metrics
-from tests.helpers import make_config
-from tests.presets import TINY_MODEL
+from tests.support.helpers import make_config
+from tests.support.presets import TINY_MODEL
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[harness]')")
 pytest.importorskip("transformers")

@@ -15,15 +15,15 @@ from torch._dynamo.utils import counters
 
 from scalevec_train import evaluate as evaluate_cli
 from scalevec_train.data import tokenizer
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.tasks.formats import Item
 from scalevec_train.tasks.scoring import choice_logprobs, encode_task, score, task_metrics
 from scalevec_train.train import run
-from tests.helpers import SHORT_RUN, make_config
-from tests.launch import gloo_group, records, spawn
-from tests.presets import TINY_MODEL, TINY_MOE
+from tests.support.helpers import SHORT_RUN, make_config
+from tests.support.launch import gloo_group, records, spawn
+from tests.support.presets import TINY_MODEL, TINY_MOE
 
 MAX_LEN = 24
 # 10 items of 2 to 4 choices: choices joined by a delimiter or written with their space, contexts that end

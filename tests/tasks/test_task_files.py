@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from scalevec_train.data import prepare_data
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.tasks import next_line
 from scalevec_train.tasks.formats import Item
 from scalevec_train.tasks.load import load_tasks, task_items
 from scalevec_train.tasks.scoring import score
-from tests.helpers import make_config
-from tests.presets import TINY_MODEL
+from tests.support.helpers import make_config
+from tests.support.presets import TINY_MODEL
 
 HELLASWAG = [  # the release's layout (label an int); the Hugging Face one has it as a string
     {"ind": 4, "activity_label": "Removing ice from car", "ctx_a": "Then, the man writes over the snow covering "

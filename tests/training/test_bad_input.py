@@ -16,12 +16,12 @@ import pytest
 from scalevec_train.checkpoint import files as checkpoint_files
 from scalevec_train.data import prepare_data
 from scalevec_train.data import tokenizer as sp_tokenizer
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.train import run
 from scalevec_train.training.guards import FAULT_NAN_ENV
-from tests.helpers import make_config
-from tests.launch import child_env, train_command, train_in_process
-from tests.presets import SMALL_MODEL
+from tests.support.helpers import make_config
+from tests.support.launch import child_env, train_command, train_in_process
+from tests.support.presets import SMALL_MODEL
 
 RUN = [*SMALL_MODEL, "model.ffn_dim=128", "train.seq_len=32", "train.global_batch=4", "train.eval_batches=2",
        "train.eval_every=0", "schedule.warmup_steps=2", "train.steps=40", "train.log_every=1", "checkpoint.every=3"]
@@ -224,8 +224,8 @@ def test_bad_input_fails_early_with_its_own_message(case, common, existing, prep
     for key, value in case.env.items():
         monkeypatch.setenv(key, value)
     if case.stage == "before_data":
-        monkeypatch.setattr("scalevec_train.build.prepare_data", fail("data preparation"))
-    monkeypatch.setattr("scalevec_train.build.parallelize", fail("model initialization"))
+        monkeypatch.setattr("scalevec_train.run.build.prepare_data", fail("data preparation"))
+    monkeypatch.setattr("scalevec_train.run.build.parallelize", fail("model initialization"))
     with pytest.raises(ScalevecError) as info:
         run(make_config(*common, "train.micro_batch=2", f"run_dir={tmp_path / 'fresh'}", *overrides))
     message = str(info.value)

@@ -16,8 +16,8 @@ from scalevec_train.data import tokenizer
 from scalevec_train.data.loader import IGNORE, Batch, document_ids
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.training.callbacks.evaluation import Validation
-from tests.helpers import make_config
-from tests.presets import TINY_MODEL
+from tests.support.helpers import make_config
+from tests.support.presets import TINY_MODEL
 
 T = 16
 # ASCII first (the first token is an input only), then spaces, newlines, multi-byte characters that

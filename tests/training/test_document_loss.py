@@ -15,9 +15,9 @@ from scalevec_train.model import Transformer
 from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.parallel.process_group import full_value
 from scalevec_train.training.trainer import Callback, Compute, Schedule, StepRecipe, Trainer, z_loss
-from tests.helpers import ListLoader, make_config
-from tests.launch import gloo_group, spawn
-from tests.presets import SMALL_MODEL
+from tests.support.helpers import ListLoader, make_config
+from tests.support.launch import gloo_group, spawn
+from tests.support.presets import SMALL_MODEL
 
 EOS, SEQ = 1, 16
 # EOS positions per row: 3, 0, 1 and 2 documents end in the rows, so they count 13, 16, 15, 14 targets

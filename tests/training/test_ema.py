@@ -12,23 +12,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from scalevec_analysis.groups import group_runs
+from scalevec_analysis.grouping import group_runs
 from scalevec_analysis.runs import ema_run, load_run_dir
 from scalevec_train import average as average_cli
-from scalevec_train.checkpoint.average import ema_model
+from scalevec_train.checkpoint.averaging import ema_model
 from scalevec_train.checkpoint.files import COMPLETE, step_dir
-from scalevec_train.errors import ScalevecError
+from scalevec_train.costs.memory import estimate
 from scalevec_train.evaluate import evaluate
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.interop.api import load
-from scalevec_train.interop.export import export
-from scalevec_train.memory import estimate
+from scalevec_train.interop.hf_export import export
 from scalevec_train.model import Transformer
 from scalevec_train.train import run
 from scalevec_train.training.callbacks import WeightEMA
 from scalevec_train.training.guards import FAULT_NAN_ENV
-from tests.helpers import REPO, SHORT_RUN, load_script, make_config
-from tests.launch import checkpoint_state, curve, records
-from tests.presets import TINY_MODEL
+from tests.support.helpers import REPO, SHORT_RUN, load_script, make_config
+from tests.support.launch import checkpoint_state, curve, records
+from tests.support.presets import TINY_MODEL
 
 STEPS, HALF_LIFE = 12, 256
 TOKENS_PER_STEP = 4 * 32  # SHORT_RUN: 4 sequences of 32 tokens

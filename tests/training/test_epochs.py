@@ -7,8 +7,8 @@ import shutil
 
 from scalevec_train.data import prepare_data
 from scalevec_train.train import run
-from tests.helpers import make_config
-from tests.presets import TINY_MODEL
+from tests.support.helpers import make_config
+from tests.support.presets import TINY_MODEL
 
 TINY = [*TINY_MODEL, "model.vocab_size=512", "train.seq_len=64", "train.global_batch=32", "train.micro_batch=32",
         "train.eval_batches=1", "train.eval_every=0", "train.log_every=1", "schedule.warmup_steps=1", "device=cpu",

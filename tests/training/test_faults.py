@@ -1,13 +1,13 @@
 """Kills at any moment, and checkpoint writes that fail, with real processes (docs/reliability.md).
 
-Kills: a 2-rank run is stopped at fault points (scalevec_train/faults.py) chosen to land in each phase
+Kills: a 2-rank run is stopped at fault points (scalevec_train/infra/faults.py) chosen to land in each phase
 of a step and of a checkpoint, synchronous and asynchronous (before, during and after the shard files,
 the train state, the COMPLETE marker, the rename and the deletion of older checkpoints), and SIGKILLed
 there: one rank (the other then fails in its next collective with it) or every rank at once. After each
 kill every checkpoint that resume=auto may pick is whole, the newest is the one that point allows, and
 the next attempt resumes with resume=auto. The run then ends with parameters, optimizer state, data
 position and guard counters bit-identical to the uninterrupted 2-rank run. The attempts are children
-forked from the workers of one torchrun launch (tests/attempts.py), about 0.6 s of CPU per rank each,
+forked from the workers of one torchrun launch (tests/support/attempts.py), about 0.6 s of CPU per rank each,
 where a launch costs seconds. The test fails if a checkpoint is marked complete before its files, or if
 its data position is not that of its step (docs/reliability.md says how that was checked).
 scripts/kill_soak.py kills at random moments for longer.
@@ -28,13 +28,13 @@ import pytest
 
 from scalevec_train.checkpoint import files as checkpoint_files
 from scalevec_train.data import prepare_data
-from scalevec_train.errors import CheckpointWriteError, ScalevecError
-from scalevec_train.faults import FAULT_AT_ENV
-from scalevec_train.lock import DirLock
+from scalevec_train.infra.errors import CheckpointWriteError, ScalevecError
+from scalevec_train.infra.faults import FAULT_AT_ENV
+from scalevec_train.infra.lock import DirLock
 from scalevec_train.train import run
-from tests.helpers import make_config
-from tests.launch import Attempts, _state, assert_same_checkpoint, newest_whole, records
-from tests.presets import TINY_MODEL
+from tests.support.helpers import make_config
+from tests.support.launch import Attempts, _state, assert_same_checkpoint, newest_whole, records
+from tests.support.presets import TINY_MODEL
 
 STEPS, EVERY = 6, 2
 # 2 ranks of one sequence each per step; keep_last=1: every save deletes the one before.

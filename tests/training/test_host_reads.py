@@ -1,5 +1,5 @@
 """A training step that does not log reads nothing back from the device (issue 28): counted with a
-TorchDispatchMode (tests/host_reads.py) over the steps between logs, for dense and MoE, AdamW and Muon
+TorchDispatchMode (tests/support/host_reads.py) over the steps between logs, for dense and MoE, AdamW and Muon
 (and document masking with the z-loss, and the weight EMA), on 1 process and on 2 gloo ranks. Reads of the optimizer's
 host-side step counters (torch's for-loop AdamW on CPU) are counted apart and not held against the
 framework; Muon keeps its counters on the device and makes none. A deliberate item() or tolist() in
@@ -13,10 +13,10 @@ import torch
 
 from scalevec_train.data import prepare_data
 from scalevec_train.model import Transformer
-from tests.helpers import make_config
-from tests.host_reads import ReadCounter, count_reads
-from tests.launch import assert_identical, gloo_group, spawn, trained_state
-from tests.presets import SMALL_MODEL
+from tests.support.helpers import make_config
+from tests.support.host_reads import ReadCounter, count_reads
+from tests.support.launch import assert_identical, gloo_group, spawn, trained_state
+from tests.support.presets import SMALL_MODEL
 
 SHAPE = [*SMALL_MODEL, "model.ffn_dim=64",
          "train.seq_len=32", "train.global_batch=4", "train.micro_batch=2", "train.eval_batches=1",
@@ -91,7 +91,7 @@ def test_no_reads_between_logs_with_a_data_mixture(corpus_dir, tmp_path):
 
 
 def _count_reads(rank: int, world: int, store: str, spec: list) -> None:
-    """What `torchrun tests/host_reads.py` does on each rank, in a process spawn() forked."""
+    """What `torchrun tests/support/host_reads.py` does on each rank, in a process spawn() forked."""
     with gloo_group(store, rank, world):
         for out, run_overrides in spec:
             count_reads(run_overrides, Path(out))
@@ -99,7 +99,7 @@ def _count_reads(rank: int, world: int, store: str, spec: list) -> None:
 
 def test_no_reads_between_logs_on_two_ranks(data_overrides, tmp_path):
     """On 2 gloo ranks (FSDP2) every case reads nothing between logs, and under Muon neither a step counter
-    nor a copy; one group of 2 ranks trains every case (tests/host_reads.py, one run after the other)."""
+    nor a copy; one group of 2 ranks trains every case (tests/support/host_reads.py, one run after the other)."""
     prepare_data(make_config(*data_overrides).data)  # once, not by 2 ranks at a time
     outs = {case: tmp_path / "{}-{}-{{rank}}.json".format(*case) for case in CASES}
     spec = [[str(outs[model, optim]), overrides(data_overrides, model, optim, tmp_path / f"{model}-{optim}")]
@@ -121,7 +121,7 @@ def test_a_skipped_step_between_logs_is_judged_and_logged_at_the_next_read_back(
     (log_every=1): the same record for step 5, the same losses and parameters."""
     from scalevec_train.checkpoint import files as checkpoint_files
     from scalevec_train.train import run
-    from tests.launch import records
+    from tests.support.launch import records
 
     monkeypatch.setenv("SCALEVEC_FAULT_NAN_STEPS", "5")
     common = [*data_overrides, *MODELS["moe"], *SHAPE, "train.steps=8", "train.eval_every=6", "optim=adamw"]
@@ -142,9 +142,9 @@ def test_a_skipped_step_between_logs_is_judged_and_logged_at_the_next_read_back(
 
 
 def test_divergence_between_logs_stops_at_the_next_log_with_the_guard_error(data_overrides, tmp_path, monkeypatch):
-    from scalevec_train.errors import DivergedError
+    from scalevec_train.infra.errors import DivergedError
     from scalevec_train.train import run
-    from tests.launch import records
+    from tests.support.launch import records
 
     monkeypatch.setenv("SCALEVEC_FAULT_NAN_STEPS", "2,3")
     with pytest.raises(DivergedError) as caught:

@@ -7,11 +7,11 @@ import re
 
 import pytest
 
-from scalevec_train.errors import ScalevecError
+from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.train import run
-from tests.helpers import SHORT_RUN, make_config
-from tests.launch import records
-from tests.presets import TINY_MODEL
+from tests.support.helpers import SHORT_RUN, make_config
+from tests.support.launch import records
+from tests.support.presets import TINY_MODEL
 
 STEPS = [*TINY_MODEL, *SHORT_RUN, "train.steps=4", "train.log_every=2"]
 

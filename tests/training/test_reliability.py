@@ -34,8 +34,8 @@ from scalevec_train.checkpoint import files as checkpoint_files
 from scalevec_train.data import prepare_data
 from scalevec_train.train import run
 from scalevec_train.training.guards import FAULT_INF_GRAD_ENV, FAULT_NAN_ENV, StepGuard
-from tests.helpers import make_config
-from tests.launch import (
+from tests.support.helpers import make_config
+from tests.support.launch import (
     assert_identical,
     assert_same_curve,
     assert_same_tensors,
@@ -49,7 +49,7 @@ from tests.launch import (
     train_in_process,
     trained_state,
 )
-from tests.presets import SMALL_MODEL
+from tests.support.presets import SMALL_MODEL
 
 EVERY = 3
 # Dense: the numerical guards' runs.

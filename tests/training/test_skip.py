@@ -11,12 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from scalevec_train.model import Transformer
-from scalevec_train.optim.adamw import FusedAdamW
+from scalevec_train.optim.adamw import FusedAdamW, StepsWhere
 from scalevec_train.optim.groups import build_optimizer
-from scalevec_train.optim.protocol import StepsWhere
 from scalevec_train.training.skip import ConditionalStep
-from tests.helpers import make_config
-from tests.presets import TINY_MOE
+from tests.support.helpers import make_config
+from tests.support.presets import TINY_MOE
 
 SHAPE = [*TINY_MOE, "model.vocab_size=64", "scale=er", "scale.weight_decay=all"]
 

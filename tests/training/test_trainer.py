@@ -9,9 +9,9 @@ import pytest
 from scalevec_train.train import run
 from scalevec_train.training.callbacks import Diagnostics, ModelMetrics, StabilityGuard, StepProfiler
 from scalevec_train.training.trainer import Callback, ordered
-from tests.helpers import make_config
-from tests.launch import curve, records
-from tests.presets import SMALL_MODEL
+from tests.support.helpers import make_config
+from tests.support.launch import curve, records
+from tests.support.presets import SMALL_MODEL
 
 FAST = [*SMALL_MODEL, "model.ffn_dim=176",
         "train.seq_len=64", "train.global_batch=8", "train.micro_batch=4", "train.eval_batches=2",

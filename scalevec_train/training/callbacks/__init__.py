@@ -16,12 +16,11 @@ from scalevec_train.training.callbacks.checkpointer import Checkpointer
 from scalevec_train.training.callbacks.diagnostics import Diagnostics
 from scalevec_train.training.callbacks.ema import WeightEMA
 from scalevec_train.training.callbacks.epochs import EpochMonitor
-from scalevec_train.training.callbacks.evaluation import Evaluator
+from scalevec_train.training.callbacks.evaluation import Evaluator, TaskEvaluator
 from scalevec_train.training.callbacks.monitors import ModelMetrics, SpeedMonitor
 from scalevec_train.training.callbacks.profiler import StepProfiler
 from scalevec_train.training.callbacks.scales import ScaleMonitor
 from scalevec_train.training.callbacks.stability import SigtermStop, StabilityGuard
-from scalevec_train.training.callbacks.tasks import TaskEvaluator
 
 __all__ = ["Checkpointer", "Diagnostics", "EpochMonitor", "Evaluator", "ModelMetrics", "ScaleMonitor", "SigtermStop",
            "SpeedMonitor", "StabilityGuard", "StepProfiler", "TaskEvaluator", "WeightEMA"]

@@ -5,7 +5,7 @@ import torch
 
 from scalevec_train.data.loader import Batch
 from scalevec_train.training.callbacks.monitors import ModelMetrics
-from scalevec_train.training.diagnostics import activation_stats, map_stats, site_stats, sites_before, weights_before
+from scalevec_train.training.probes import activation_stats, map_stats, site_stats, sites_before, weights_before
 from scalevec_train.training.trainer import Callback, Trainer
 
 

@@ -28,10 +28,9 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from scalevec_train.dtensor import local
-from scalevec_train.model.protocol import TrainableModel
+from scalevec_train.model.transformer import Transformer
 from scalevec_train.parallel.data_parallel import reshard
-from scalevec_train.parallel.process_group import is_main
+from scalevec_train.parallel.process_group import is_main, local
 from scalevec_train.training.callbacks.evaluation import Periodic, Validation
 from scalevec_train.training.trainer import StepResult, Trainer
 
@@ -49,7 +48,7 @@ class WeightEMA(Periodic, Stateful):
     as it was, bit for bit). Stateful through the checkpoint's tensors (DCP), not train_state.json:
     build.py adds it there."""
 
-    def __init__(self, model: TrainableModel, decay: float, validation: Validation, every: int):
+    def __init__(self, model: Transformer, decay: float, validation: Validation, every: int):
         self.decay, self.validation, self.every = decay, validation, every
         # the model's own tensors, by their checkpoint names (in-place updates show through)
         self.live = {name: t for name, t in get_model_state_dict(model).items() if t.is_floating_point()}

@@ -9,7 +9,7 @@ from scalevec_train.training.trainer import Callback, Trainer
 
 
 class EpochMonitor(Callback):
-    """Reads the trainer's loader (data/protocol.py, Loader): `epochs_at(position)`, the passes over the
+    """Reads the trainer's loader (data/loader.py, Loader): `epochs_at(position)`, the passes over the
     training split (each source's) after `position` sequences drawn by all ranks."""
 
     def __init__(self, max_repeats: float):

@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from scalevec_train.errors import DivergedError
+from scalevec_train.infra.errors import DivergedError
 from scalevec_train.parallel.process_group import any_rank, is_main
 from scalevec_train.training.guards import StepGuard, StopSignal
 from scalevec_train.training.trainer import Callback, StepResult, Trainer

@@ -1,0 +1,1 @@
+"""What every room shares: the errors bad input raises, checksums, the folder lock, fault injection."""
