@@ -65,6 +65,7 @@ class Part:
     rungs: tuple[str, ...] = RUNGS
     scales: tuple[str, ...] = SCALES
     tuned_on: tuple[str, str] | None = None  # (part, rung) whose pick every rung takes
+    picks: tuple[tuple[str, str, float, float], ...] = ()  # (rung, scale, lr, scale_lr) picked by an earlier grid
     around: tuple[str, str] | None = None  # (part, rung) whose pick, and a step either side, is the first grid
     grid_tpp: float = 10.0  # the grid's budget: below 10, its runs are WSD runs of that length of their own
     check_tpp: float | None = None  # every grid trunk also branches to this budget; the report picks there too
@@ -99,15 +100,21 @@ GROW = dict(seeds=(0, 1), tiebreak=2, scale_lr=0.01, sites=False)
 SCALING = {
     "dense_l4": Part("adamw", (0.001, 0.003, 0.01), final=(0, 1, 2), rungs=("dense-l4",), check_tpp=2.5,
                      stage=1, **GROW),
-    "moe_l2": Part("adamw", (0.001, 0.003, 0.01), final=(0, 1, 2), rungs=("moe-l2",), stage=2, **GROW),
-    "moe_l3": Part("adamw", (), final=(0, 1, 2), rungs=("moe-l3",), around=("moe_l2", "moe-l2"), stage=3,
+    # the rungs below at the picks of their grids (the adamw part above; docs/results/lr_ladder/adamw_grid.md),
+    # trained again for the trend's curves: the same seeds give the same runs on the same machine
+    "dense_l1_l3": Part("adamw", (), seeds=(0, 1), scale_lr=0.01, final=(0, 1, 2), stage=2, picks=(
+        ("dense-l1", "baseline", 0.003, 0.003), ("dense-l1", "unified", 0.003, 0.03),
+        ("dense-l2", "baseline", 0.001, 0.03), ("dense-l2", "unified", 0.003, 0.03),
+        ("dense-l3", "baseline", 0.003, 0.01), ("dense-l3", "unified", 0.003, 0.01))),
+    "moe_l2": Part("adamw", (0.001, 0.003, 0.01), final=(0, 1, 2), rungs=("moe-l2",), stage=3, **GROW),
+    "moe_l3": Part("adamw", (), final=(0, 1, 2), rungs=("moe-l3",), around=("moe_l2", "moe-l2"), stage=4,
                    **GROW),
     "dense_l6": Part("adamw", (), final=(0, 1), rungs=("dense-l6",), around=("dense_l4", "dense-l4"),
-                     grid_tpp=2.5, stage=4, **GROW),
+                     grid_tpp=2.5, stage=5, **GROW),
     "moe_l4": Part("adamw", (), final=(0, 1, 2), rungs=("moe-l4",), around=("moe_l3", "moe-l3"), grid_tpp=2.5,
-                   stage=5, **GROW),
+                   stage=6, **GROW),
     "dense_l6_s2": Part("adamw", (), final=(2,), rungs=("dense-l6",), tuned_on=("dense_l6", "dense-l6"),
-                        stage=6, **GROW),
+                        stage=7, **GROW),
 }
 PARTS.update(SCALING)
 
@@ -205,6 +212,9 @@ class Arm:
     def plan(self):
         """(runs still needed, None) or ([], the pick (lr, scale_lr, seeds)) when the grid is decided."""
         p = self.part
+        fixed = [(lr, slr) for rung, scale, lr, slr in p.picks if (rung, scale) == (self.rung, self.scale)]
+        if fixed:
+            return [], (*fixed[0], p.final)
         if p.tuned_on is not None:
             name, rung = p.tuned_on
             return Arm(PARTS[name], rung, self.scale, self.state).plan()

@@ -340,7 +340,7 @@ ARMS
     # dense-l6's third seed first, then moe-l4), then each rung's grid, picks and tables
     L=runs/scaling
     out=docs/results/scaling
-    parts="dense_l4 moe_l2 moe_l3 dense_l6 moe_l4 dense_l6_s2"
+    parts="dense_l4 dense_l1_l3 moe_l2 moe_l3 dense_l6 moe_l4 dense_l6_s2"
     grid_pool $L $parts
     $PY scripts/lr_grid.py report $L $out $parts
     ;;

@@ -120,3 +120,54 @@ def test_a_check_starts_around_another_parts_pick_and_muon_waits_for_every_other
         "| arm | part | dense-l1 | dense-l4 | steps per rung | smallest to largest |",
         "|---|---|---:|---:|---:|---:|",
         "| baseline adamw | test | 0.003 | 0.003 | +0 | +0 |"]
+
+
+def test_a_short_grid_and_a_check_budget_and_stages_and_fixed_picks(root, monkeypatch):
+    """grid_tpp: the grid's runs are WSD runs of that budget of their own (no branch_from), and the pick's
+    branch to that budget is the grid's run; check_tpp: every finished grid trunk branches to it too; the
+    queue takes a lower stage first and prints each run's own rung; picks: a rung at a pick made before."""
+    short = lr_grid.Part("adamw", (0.001, 0.003, 0.01), seeds=(0,), scale_lr=0.01, sites=False, final=(0, 1),
+                         rungs=("dense-l1",), scales=("baseline",), grid_tpp=2.5, stage=2)
+    check = lr_grid.Part("adamw", (0.001, 0.003, 0.01), seeds=(0,), scale_lr=0.01, sites=False, final=(0,),
+                         rungs=("dense-l2",), scales=("baseline",), check_tpp=2.5, stage=1)
+    fixed = lr_grid.Part("adamw", (), seeds=(0,), scale_lr=0.01, final=(0,), rungs=("dense-l3",),
+                         scales=("baseline",), picks=(("dense-l3", "baseline", 0.003, 0.03),), stage=3)
+    for key, part in (("short", short), ("check", check), ("fixed", fixed)):
+        monkeypatch.setitem(lr_grid.PARTS, key, part)
+    state = lr_grid.State(root)
+    arm = lr_grid.Arm(short, "dense-l1", "baseline", state)
+    grid_names = [name(lr, 0, tpp="2.5") for lr in ("0.001", "0.003", "0.01")]
+    assert sorted(r.name for r in arm.needed()) == grid_names
+    assert all(r.standalone and not any(o.startswith("branch_from=") for o in r.overrides(root))
+               for r in arm.needed())
+    for lr, loss in (("0.001", 5.0), ("0.003", 4.7), ("0.01", 4.9)):
+        finish(root, name(lr, 0, tpp="2.5"), loss)
+    # the pick (3e-3) trains its trunks; seed 0's 2.5 branch is the grid's run, seed 1's waits for its trunk
+    assert sorted(r.name for r in arm.needed()) == [name("0.003", 0), name("0.003", 1)]
+    # the queue: the check (stage 1) before the short grid (stage 2) before the fixed pick (stage 3);
+    # a run is printed with its own rung
+    logs = Path(f"{root}_logs")
+    order = []
+    for _ in range(4):  # this process holds every claim, so each call takes the next free run
+        assert lr_grid.next_run(root, os.getpid(), ["fixed", "short", "check"]) == 0
+        (new,) = {c.name[: -len(".claim")] for c in logs.glob("*.claim")} - set(order)
+        order.append(new)
+    l2 = [f"dense-l2-baseline-adamw-lr{lr}-scale_lr0.01-tpp10-s0" for lr in ("0.001", "0.003", "0.01")]
+    assert set(order[:3]) == set(l2) and order[3] == name("0.003", 0)
+    for claim in logs.glob("*.claim"):
+        claim.unlink()
+    for lr, loss in (("0.001", 4.0), ("0.003", 3.8), ("0.01", 3.9)):
+        finish(root, f"dense-l2-baseline-adamw-lr{lr}-scale_lr0.01-tpp10-s0", loss)
+    checker = lr_grid.Arm(check, "dense-l2", "baseline", lr_grid.State(root))
+    branches = [f"dense-l2-baseline-adamw-lr{lr}-scale_lr0.01-tpp2.5-s0" for lr in ("0.001", "0.003", "0.01")]
+    needed = checker.needed()
+    assert set(branches) <= {r.name for r in needed}
+    assert all(f"branch_from={root}/{b.replace('tpp2.5', 'tpp10')}" in r.overrides(root)
+               for b in branches for r in needed if r.name == b)
+    for lr, loss in (("0.001", 4.1), ("0.003", 4.2), ("0.01", 4.3)):
+        finish(root, f"dense-l2-baseline-adamw-lr{lr}-scale_lr0.01-tpp2.5-s0", loss)
+    table, _ = lr_grid.grid_table("check", lr_grid.State(root))
+    # at 10 tokens per parameter 3e-3 is best; at 2.5, 1e-3: the check says they differ
+    assert "| dense-l2 | baseline adamw | **4.1000** | 4.2000 | 4.3000 | lr 0.001 | no |" in table
+    pick = lr_grid.Arm(fixed, "dense-l3", "baseline", lr_grid.State(root))
+    assert [r.name for r in pick.needed()] == ["dense-l3-baseline-adamw-lr0.003-scale_lr0.03-tpp10-s0"]
