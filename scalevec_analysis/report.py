@@ -18,6 +18,7 @@ from scalevec_analysis.grouping import find_group, group_runs, summarize, summar
 from scalevec_analysis.plots import plot_curves, plot_diagnostics, plot_efficiency, plot_scaling
 from scalevec_analysis.runs import Run
 from scalevec_analysis.scaling import scaling_markdown, scaling_series, write_scaling_csv
+from scalevec_analysis.trend import exponent_difference, fit_trend, head_shares, trend_markdown, trend_points
 
 
 def write_comparison(runs: Sequence[Run], reference: str, out_dir: str | Path, metric: str = "val_loss",
@@ -51,9 +52,11 @@ def write_scaling(runs: Sequence[Run], out_dir: str | Path, metric: str = "val_l
 
 def write_efficiency(runs: Sequence[Run], reference: str, out_dir: str | Path, metric: str = "val_loss",
                      last_k: int = 1, series_keys: Sequence[str] = ("scale",), ignore: Sequence[str] = (),
-                     bootstrap: int = 1000) -> str:
+                     bootstrap: int = 1000, extrapolate: Sequence[tuple[str, float, float]] = ()) -> str:
     """Compute multipliers of every strategy against `reference` (scalevec_analysis.efficiency); write
-    out_dir/efficiency.png, efficiency.md and efficiency.csv; return the markdown."""
+    out_dir/efficiency.png, efficiency.md and efficiency.csv, and each strategy's trend over the ladder
+    (scalevec_analysis.trend) to out_dir/trend.md, with the pooled trend carried to each (label, compute,
+    budget) of `extrapolate`; return the efficiency markdown."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     series = efficiency_series(runs, metric, last_k, series_keys, ignore)
@@ -64,6 +67,20 @@ def write_efficiency(runs: Sequence[Run], reference: str, out_dir: str | Path, m
     (out / "efficiency.md").write_text(table)
     write_efficiency_csv(rows, residuals, ref.label, out / "efficiency.csv")
     plot_efficiency(series, fits, rows, ref.label, out / "efficiency.png", metric)
+    shares = head_shares(runs)
+    trends = []
+    for s in series:
+        if s is ref:
+            continue
+        points = trend_points(rows, s, shares)
+        budgets = sorted({p.budget for p in points})
+        blocks = [p for p in points if p.head_share < 0.5]
+        fits_of = {"pooled": fit_trend(points, budgets, bootstrap),
+                   **{f"{b:g} tokens per parameter": fit_trend(points, (b,), bootstrap) for b in budgets},
+                   "pooled, rungs whose head is under half the compute": fit_trend(blocks, budgets, bootstrap)}
+        trends.append(f"## {s.label} against {ref.label}\n\n" + trend_markdown(
+            points, fits_of, exponent_difference(s, ref, bootstrap), extrapolate))
+    (out / "trend.md").write_text("\n".join(trends))
     return table
 
 

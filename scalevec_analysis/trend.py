@@ -105,14 +105,14 @@ def _fit(points: Sequence[TrendPoint], budgets: tuple[float, ...], logs: Sequenc
 
 def fit_trend(points: Sequence[TrendPoint], budgets: Sequence[float], bootstrap: int = 1000,
               seed: int = 0) -> Trend | None:
-    """b over the exact points of `budgets` (one budget, or several pooled); None where fewer than two
-    distinct computes per budget are exact."""
-    budgets = tuple(budgets)
+    """b over the exact points of `budgets` (one budget, or several pooled), each budget with at least two
+    exact points of distinct compute (the others' points are left out with the bounds); None where none has."""
     chosen = [p for p in points if p.budget in budgets]
-    fitted = [p for p in chosen if p.exact]
-    for b in budgets:
-        if len({p.compute for p in fitted if p.budget == b}) < 2:
-            return None
+    exact = [p for p in chosen if p.exact]
+    budgets = tuple(b for b in budgets if len({p.compute for p in exact if p.budget == b}) >= 2)
+    if not budgets:
+        return None
+    fitted = [p for p in exact if p.budget in budgets]
     coefs = _fit(fitted, budgets, [p.log_values() for p in fitted])
     rng = np.random.default_rng(seed)
     draws = []
@@ -122,7 +122,7 @@ def fit_trend(points: Sequence[TrendPoint], budgets: Sequence[float], bootstrap:
     draws = np.array(draws)
     low, high = np.quantile(draws[:, 0], [0.025, 0.975])
     return Trend(budgets, Interval(float(coefs[0]), float(low), float(high)), fitted,
-                 [p for p in chosen if not p.exact], coefs, draws)
+                 [p for p in chosen if p not in fitted], coefs, draws)
 
 
 def exponent_difference(strategy: Series, reference: Series, bootstrap: int = 1000, seed: int = 0) -> Interval:
@@ -169,7 +169,8 @@ def trend_markdown(points: Sequence[TrendPoint], trends: dict[str, Trend | None]
             rows.append(f"| {rung} | " + " | ".join(cells) + " |")
     rows += ["\nThe trend: b in M ~ C^b (log M against log C, exact points only; pooled: one b, a level per "
              "budget), 95% bootstrap interval over seeds:\n",
-             "| fit | b | points fitted | left out (a bound among the seeds) |", "|---|---|---:|---|"]
+             "| fit | b | points fitted | left out (a bound among the seeds, or no trend at its budget) |",
+             "|---|---|---:|---|"]
     for label, t in trends.items():
         if t is None:
             rows.append(f"| {label} | not enough exact points | | |")
@@ -180,9 +181,11 @@ def trend_markdown(points: Sequence[TrendPoint], trends: dict[str, Trend | None]
                 "(95% bootstrap interval over seeds).")
     if predictions:
         rows += ["\nExtrapolations (the pooled trend carried beyond the ladder; not a measurement):\n",
-                 "| at | compute (FLOPs) | tokens per parameter | multiplier if the trend held |", "|---|---:|---:|---|"]
+                 "| at | compute (FLOPs) | tokens per parameter | multiplier if the trend held |",
+                 "|---|---:|---:|---|"]
         pooled = trends.get("pooled")
         for label, compute, budget in predictions:
-            text = "no pooled trend" if pooled is None else pooled.predict(compute, budget).text(".3f")
+            text = ("no pooled trend at this budget" if pooled is None or budget not in pooled.budgets
+                    else pooled.predict(compute, budget).text(".3f"))
             rows.append(f"| {label} | {compute:.4g} | {budget:g} | {text} |")
     return "\n".join(rows) + "\n"

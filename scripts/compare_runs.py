@@ -111,6 +111,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="compute multipliers of each strategy against --reference over a ladder")
     p.add_argument("--diagnostics", action="store_true",
                    help="draw the runs' diag/* metrics side by side (OUT/diagnostics.png)")
+    p.add_argument("--extrapolate", action="append", default=[], metavar="MODEL",
+                   help="--efficiency: carry each strategy's pooled trend (OUT/trend.md) to this model preset at "
+                        "the ladder's settings (configs/experiment/ladder.yaml) and 2.5 and 5 tokens per "
+                        "parameter: an extrapolation, written as one (repeatable)")
     p.add_argument("--bootstrap", type=int, default=1000,
                    help="--efficiency: bootstrap resamples over seeds for the law's intervals (default 1000)")
     args = p.parse_args(argv)
@@ -129,6 +133,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def ladder_compute(model: str, budget: float) -> float:
+    """The training compute of the model preset at the ladder's settings and `budget` tokens per
+    parameter: its training FLOPs per token (the ladder's sequence and vocabulary) times budget x N."""
+    import torch
+
+    from scalevec_train.config import compose_config
+    from scalevec_train.costs.accounting import train_flops_per_token
+    from scalevec_train.model.transformer import Transformer
+
+    cfg = compose_config(["+experiment=ladder", f"model={model}", f"train.tokens_per_param={budget}"])
+    with torch.device("meta"):
+        flops = train_flops_per_token(Transformer(cfg.model, cfg.scale), cfg.train.seq_len)
+    return flops * budget * cfg.model.non_embedding_params()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -144,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             table = write_diagnostics(runs, args.out, args.ignore)
         elif args.efficiency:
             table = write_efficiency(runs, args.reference, args.out, args.metric, args.last_k,
-                                     args.series or ["scale"], args.ignore, args.bootstrap)
+                                     args.series or ["scale"], args.ignore, args.bootstrap,
+                                     [(m, ladder_compute(m, b), b) for m in args.extrapolate for b in (2.5, 5.0)])
         else:
             table = write_comparison(runs, args.reference, args.out, args.metric, args.last_k, args.ema,
                                      args.logx, args.logy, args.ignore)

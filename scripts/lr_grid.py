@@ -10,7 +10,8 @@
   lr_grid.py report ROOT OUT_DIR PART...   each part's grid and picks (OUT_DIR/<part>_grid.md, and its
                                     loss-against-LR plot per rung, <part>_grid.png), the run directories
                                     of its final seeds (<part>_final.txt), and every grid's pick per
-                                    rung with its drift in grid steps (OUT_DIR/transfer.md)
+                                    rung with its drift in grid steps (OUT_DIR/transfer.md), and the
+                                    core-hours of training per rung (OUT_DIR/cost.md)
 
 A part is an optimizer with its grid (PARTS below); per rung and strategy (an arm) it goes through:
   1. grid: the peak LR (optim.lr: every parameter but the scale sites, which have scale_lr when set) on
@@ -482,9 +483,38 @@ def plot(name: str, state: State, path: Path) -> None:
     plt.close(fig)
 
 
+def training_hours(run_dir: Path) -> float:
+    """Hours of one core the run's training steps took: each logged interval's tokens over its logged
+    throughput (one worker trains on one core), from its branch point on for a WSD branch (evaluations,
+    checkpoints and compilation are not counted)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    start = max((i for i, r in enumerate(records) if "branch_from" in r), default=0)
+    seconds, tokens = 0.0, next((r["tokens"] for r in reversed(records[:start]) if "tokens" in r), None)
+    for r in records[start:]:
+        if "tokens_per_s" in r and tokens is not None:
+            seconds += (r["tokens"] - tokens) / r["tokens_per_s"]
+        if "tokens" in r:
+            tokens = r["tokens"]
+    return seconds / 3600
+
+
+def cost_table(root: Path) -> str:
+    """Core-hours of training per rung over every finished run under root."""
+    hours: dict[str, list[float]] = {}
+    for d in sorted(root.iterdir()):
+        if (d / "metrics.jsonl").is_file() and (d / "config.yaml").is_file():
+            hours.setdefault(OmegaConf.load(d / "config.yaml").model.name, []).append(training_hours(d))
+    rows = ["| rung | runs | core-hours of training |", "|---|---:|---:|"]
+    for rung, h in sorted(hours.items(), key=lambda item: -LADDER.index(item[0])):
+        rows.append(f"| {rung} | {len(h)} | {sum(h):.1f} |")
+    total = sum(sum(h) for h in hours.values())
+    return "\n".join(rows + [f"| all | {sum(map(len, hours.values()))} | {total:.1f} |"]) + "\n"
+
+
 def report(root: Path, out: Path, parts: list[str]) -> int:
     state = State(root)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "cost.md").write_text(cost_table(root))
     for name in parts:
         text, finals = grid_table(name, state)
         (out / f"{name}_grid.md").write_text(text)

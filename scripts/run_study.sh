@@ -343,6 +343,13 @@ ARMS
     parts="dense_l4 dense_l1_l3 moe_l2 moe_l3 dense_l6 moe_l4 dense_l6_s2"
     grid_pool $L $parts
     $PY scripts/lr_grid.py report $L $out $parts
+    # per family: the multipliers per rung, budget and seed, their trend with its interval, the laws'
+    # exponents, and the trend carried to dense-0.12b's compute (an extrapolation)
+    for family in dense moe; do
+      $PY scripts/compare_runs.py $(cat $out/${family}_*_final.txt) --efficiency --reference scale=baseline \
+        --ignore optim.lr --ignore optim.scale_lr --metric val_loss --extrapolate dense-0.12b \
+        --out $out/efficiency_$family
+    done
     ;;
   *)
     echo "error: unknown part '$1'. Fix: use main (the default), lr_sweep, ladder, adamw_l3, ladder_grid_l3," \

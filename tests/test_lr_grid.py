@@ -171,3 +171,23 @@ def test_a_short_grid_and_a_check_budget_and_stages_and_fixed_picks(root, monkey
     assert "| dense-l2 | baseline adamw | **4.1000** | 4.2000 | 4.3000 | lr 0.001 | no |" in table
     pick = lr_grid.Arm(fixed, "dense-l3", "baseline", lr_grid.State(root))
     assert [r.name for r in pick.needed()] == ["dense-l3-baseline-adamw-lr0.003-scale_lr0.03-tpp10-s0"]
+
+
+def test_the_cost_is_each_runs_logged_tokens_over_its_logged_throughput(tmp_path):
+    """A trunk: 100 tokens at 10/s then 200 at 20/s (20 s); its branch counts only what follows its branch
+    point (400 tokens at 40/s, 10 s)."""
+    for name, model, records in (
+            ("trunk", "dense-l1", [{"step": 0, "tokens": 0}, {"step": 1, "tokens": 100, "tokens_per_s": 10.0},
+                                   {"step": 2, "tokens": 300, "tokens_per_s": 20.0}]),
+            ("branch", "dense-l1", [{"step": 0, "tokens": 0}, {"step": 1, "tokens": 100, "tokens_per_s": 10.0},
+                                    {"step": 1, "branch_from": "trunk/checkpoints/step_000001"},
+                                    {"step": 2, "tokens": 500, "tokens_per_s": 40.0}]),
+            ("other", "dense-l2", [{"step": 0, "tokens": 0}, {"step": 1, "tokens": 3600, "tokens_per_s": 1.0}])):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.yaml").write_text(f"model:\n  name: {model}\n")
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert lr_grid.training_hours(tmp_path / "trunk") == pytest.approx(20 / 3600)
+    assert lr_grid.training_hours(tmp_path / "branch") == pytest.approx(10 / 3600)
+    assert lr_grid.cost_table(tmp_path).splitlines()[2:] == ["| dense-l2 | 1 | 1.0 |", "| dense-l1 | 2 | 0.0 |",
+                                                             "| all | 3 | 1.0 |"]

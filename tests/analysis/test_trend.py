@@ -74,8 +74,10 @@ def test_the_known_slope_is_recovered_with_an_interval_that_covers_it(analysed):
         assert t.slope.low <= B <= t.slope.high and t.slope.high - t.slope.low < 0.1
         assert len(t.fitted) == 4 * len(budgets) and t.bounded == []
     assert fit_trend(points, (10.0,)) is None  # every point at 10 is a bound: no trend is read there
+    # pooled over every budget: 10's points, all bounds, are left out with their budget
     pooled = fit_trend(points, (2.5, 5.0, 10.0), bootstrap=100)
-    assert pooled is None  # 10's budget has no exact point to give its level
+    assert pooled.budgets == (2.5, 5.0) and pooled.slope.value == pytest.approx(B, abs=2e-3)
+    assert sorted(p.rung for p in pooled.bounded) == sorted(RUNGS) and {p.budget for p in pooled.bounded} == {10.0}
     # the pooled trend carried to 10x the largest rung's compute: M there, by the closed form
     t = fit_trend(points, (2.5, 5.0), bootstrap=400)
     far = 10 * max(p.compute for p in points)
