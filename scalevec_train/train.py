@@ -17,8 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from scalevec_train.config import CONFIG_DIR, Config, to_config, to_yaml
 from scalevec_train.costs.accounting import total_params
-from scalevec_train.data import tokenizer
 from scalevec_train.costs.tables import describe
+from scalevec_train.data import tokenizer
 from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.infra.lock import DirLock, Held, holder
 from scalevec_train.optim.groups import describe_groups

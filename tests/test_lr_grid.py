@@ -189,5 +189,6 @@ def test_the_cost_is_each_runs_logged_tokens_over_its_logged_throughput(tmp_path
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert lr_grid.training_hours(tmp_path / "trunk") == pytest.approx(20 / 3600)
     assert lr_grid.training_hours(tmp_path / "branch") == pytest.approx(10 / 3600)
-    assert lr_grid.cost_table(tmp_path).splitlines()[2:] == ["| dense-l2 | 1 | 1.0 |", "| dense-l1 | 2 | 0.0 |",
+    # smallest rung first
+    assert lr_grid.cost_table(tmp_path).splitlines()[2:] == ["| dense-l1 | 2 | 0.0 |", "| dense-l2 | 1 | 1.0 |",
                                                              "| all | 3 | 1.0 |"]

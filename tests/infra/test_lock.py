@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from scalevec_train.infra import lock as lock_module
 from scalevec_train.data import prepare_data
+from scalevec_train.infra import lock as lock_module
 from scalevec_train.infra.lock import DirLock, Held
 
 # The holders are children forked from a fork server that import this module: it imports no torch.
