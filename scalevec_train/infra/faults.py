@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from scalevec_train.infra.errors import ScalevecError
 
 if TYPE_CHECKING:
+    import torch
     from torch.distributed.checkpoint import FileSystemWriter
 
 FAULT_AT_ENV = "SCALEVEC_FAULT_AT"
@@ -64,8 +65,8 @@ def fault_point(point: str, step: int, rank: int | None = None) -> None:
     _apply(_action(point, step, rank), point, step)
 
 
-def loss_fault(loss, step: int):
-    """A micro-batch's training loss `loss` (a tensor) of `step`, with the fault the environment places
+def loss_fault(loss: "torch.Tensor", step: int) -> "torch.Tensor":
+    """A micro-batch's training loss `loss` of `step`, with the fault the environment places
     at step.loss of that step on this rank, if any."""
     action = _action("step.loss", step)
     if action == "nan":
