@@ -26,7 +26,7 @@ class StepClock(Callback):
 
     def __init__(self, times: list[float], first: bool):
         self.times, self.first = times, first
-        self.order = -2 if first else 2  # the callbacks' orders are -1 (the profiler) and 0
+        self.priority = -2 if first else 2  # the callbacks' priorities are -1 (the profiler) to 1
 
     def on_step_start(self, trainer: Trainer) -> None:
         if self.first:

@@ -43,7 +43,7 @@ CASES = {
     "async": (["train.steps=6", "checkpoint.every=2", "checkpoint.async_save=true"], {}, 0),
     "sigterm": (["train.steps=1000000", "schedule=constant", "optim=muon"], {}, 0),
     "diverged": (["train.steps=12", "train.max_bad_steps=2", "train.log_every=1"],
-                 {"SCALEVEC_FAULT_NAN_STEPS": "2,3"}, 3),
+                 {"SCALEVEC_FAULT_AT": "step.loss:2=nan,step.loss:3=nan"}, 3),
     "mesh": (None, {}, 0),
 }
 EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")

@@ -1,16 +1,13 @@
 """Fault injection at named points of a training step, of a checkpoint save and of a data preparation,
-for the tests of what a kill or a failed write leaves behind (docs/reliability.md). Unset in real runs,
-where a point costs one environment lookup. Imports no torch until a checkpoint is written: data
-preparation (and its worker processes) runs without it.
+for the tests of what a kill, a failed write or a non-finite step leaves behind (docs/reliability.md).
+Unset in real runs, where a point costs one environment lookup. Imports no torch until a checkpoint is
+written: data preparation (and its worker processes) runs without it.
 
 SCALEVEC_FAULT_AT=<point>:<step>[@<rank>][=<action>], comma-separated entries: when rank `rank` (every
-rank without @) reaches `point` of step `step` (for the save points: of the checkpoint of that step; for
-the preparation points: of that part, 0 where there is none; the rank of a preparation is its process's
-among those preparing together),
-  stop     (the default) the process stops itself (SIGSTOP), so that a test can SIGKILL it, or every
-           rank, at exactly that moment;
-  nospace  the write there fails as on a full disk (OSError ENOSPC);
-  ioerror  the write there fails as on a failing disk (OSError EIO).
+rank without @) reaches `point` (POINTS) of step `step` (for the save points: of the checkpoint of that
+step; for the preparation points: of that part, 0 where there is none; the rank of a preparation is its
+process's among those preparing together), `action` (ACTIONS; stop where none is given) happens there.
+The first entry that matches a point, step and rank applies.
 """
 
 import errno
@@ -25,11 +22,13 @@ from typing import TYPE_CHECKING
 from scalevec_train.infra.errors import ScalevecError
 
 if TYPE_CHECKING:
+    import torch
     from torch.distributed.checkpoint import FileSystemWriter
 
 FAULT_AT_ENV = "SCALEVEC_FAULT_AT"
 POINTS = {
     "step.start": "before the step draws its batches",
+    "step.loss": "each micro-batch's training loss computed, before its backward",
     "step.optimizer": "the gradients synced, before the optimizer steps",
     "step.record": "the optimizer stepped, before the step's record is written",
     "step.checkpoint": "the record written, before the step's checkpoint (if it saves one)",
@@ -49,18 +48,40 @@ POINTS = {
     "prepare.rename": "the merge: the manifests written, before the prepared folder is renamed into place",
     "prepare.cleanup": "the prepared folder in place, before the parts are removed",
 }
+ACTIONS = {
+    "stop": "the process stops itself (SIGSTOP): a test can SIGKILL it, or every rank, at exactly that moment",
+    "nospace": "the write there fails as on a full disk (OSError ENOSPC)",
+    "ioerror": "the write there fails as on a failing disk (OSError EIO)",
+    "nan": "step.loss only: the loss is made NaN, so the step is not finite",
+    "infgrad": "step.loss only: the loss stays finite, its backward starts from an infinite gradient",
+}
+LOSS_ACTIONS = ("nan", "infgrad")
 ERRNOS = {"nospace": errno.ENOSPC, "ioerror": errno.EIO}
 
 
 def fault_point(point: str, step: int, rank: int | None = None) -> None:
     """Apply the fault that the environment places at `point` of `step` on this rank (torch's, unless
     `rank` is given), if any."""
-    action = _action(point, step, rank)
-    if action == "stop":
-        os.kill(os.getpid(), signal.SIGSTOP)
-    elif action is not None:
-        code = ERRNOS[action]
-        raise OSError(code, f"{os.strerror(code)} (injected by {FAULT_AT_ENV} at {point}:{step})")
+    _apply(_action(point, step, rank), point, step)
+
+
+def loss_fault(loss: "torch.Tensor", step: int) -> "torch.Tensor":
+    """A micro-batch's training loss `loss` of `step`, with the fault the environment places
+    at step.loss of that step on this rank, if any."""
+    action = _action("step.loss", step)
+    if action == "nan":
+        return loss * float("nan")
+    if action == "infgrad":
+        loss.register_hook(lambda grad: grad * float("inf"))
+        return loss
+    _apply(action, "step.loss", step)
+    return loss
+
+
+def check_faults() -> None:
+    """Raise, naming the entry, where the environment's fault entries are malformed: a run checks them
+    before its expensive work rather than at the first point it reaches."""
+    _entries()
 
 
 def checkpoint_writer(path: Path, step: int) -> "FileSystemWriter":
@@ -75,22 +96,40 @@ def checkpoint_writer(path: Path, step: int) -> "FileSystemWriter":
 
 
 def _action(point: str, step: int, rank: int | None = None) -> str | None:
+    for name, at_step, only, action in _entries():
+        if (name, at_step) == (point, step) and (only is None or only == (_rank() if rank is None else rank)):
+            return action
+    return None
+
+
+def _entries() -> list[tuple[str, int, int | None, str]]:
+    """The environment's entries: (point, step, rank or None for every rank, action)."""
     raw = os.environ.get(FAULT_AT_ENV)
     if not raw:
-        return None
+        return []
+    entries = []
     for entry in filter(None, (e.strip() for e in raw.split(","))):
         where, _, action = entry.partition("=")
         name, _, at = where.partition(":")
         at_step, _, only = at.partition("@")
         action = action or "stop"
-        if name not in POINTS or action not in ("stop", *ERRNOS) or not at_step.isdigit() or not (
-                only == "" or only.isdigit()):
-            raise ScalevecError(FAULT_AT_ENV, f"{entry!r} is not <point>:<step>[@<rank>][=<action>] with a point "
-                                f"of {', '.join(POINTS)} and an action of stop, {', '.join(ERRNOS)}.",
-                                "unset it (it only injects faults for tests), or write e.g. save.marker:6@0=stop.")
-        if (name, int(at_step)) == (point, step) and (only == "" or int(only) == (_rank() if rank is None else rank)):
-            return action
-    return None
+        if (name not in POINTS or action not in ACTIONS or (action in LOSS_ACTIONS and name != "step.loss")
+                or not at_step.isdigit() or not (only == "" or only.isdigit())):
+            raise ScalevecError(FAULT_AT_ENV, f"{entry!r} is not <point>:<step>[@<rank>][=<action>] with a point of "
+                                f"{', '.join(POINTS)} and an action of {', '.join(ACTIONS)} "
+                                f"({' and '.join(LOSS_ACTIONS)} at step.loss only).",
+                                "unset it (it only injects faults for tests), or write e.g. save.marker:6@0=stop or "
+                                "step.loss:3=nan.")
+        entries.append((name, int(at_step), int(only) if only else None, action))
+    return entries
+
+
+def _apply(action: str | None, point: str, step: int) -> None:
+    if action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif action is not None:
+        code = ERRNOS[action]
+        raise OSError(code, f"{os.strerror(code)} (injected by {FAULT_AT_ENV} at {point}:{step})")
 
 
 def _rank() -> int:

@@ -28,6 +28,7 @@ from scalevec_train.data.mixture_loader import MixtureLoader
 from scalevec_train.data.shards import MANIFEST
 from scalevec_train.data.tokenizer import token_bytes
 from scalevec_train.infra.errors import ScalevecError
+from scalevec_train.infra.faults import check_faults
 from scalevec_train.interop.hf_import import check_init_from, init_from_hf
 from scalevec_train.model.config import architecture_diff
 from scalevec_train.model.transformer import Transformer
@@ -54,7 +55,6 @@ from scalevec_train.training.callbacks import (
 )
 from scalevec_train.training.callbacks.ema import ema_decay
 from scalevec_train.training.callbacks.evaluation import Validation
-from scalevec_train.training.guards import FaultInjection
 from scalevec_train.training.trainer import Compute, Schedule, StepRecipe, Trainer, checkpointed, training_loss
 
 
@@ -100,7 +100,7 @@ def build(cfg: Config) -> Run:
         raise ScalevecError("model.attention_backend", "flex trains on CUDA only: torch has no FlexAttention "
                             "backward on CPU.", "use model.attention_backend=auto or sdpa.")
     loss_fn = training_loss(cfg.distributed.compile)
-    faults = FaultInjection.from_env(loss_fn, rank())
+    check_faults()
     # Every rank uses rank 0's run_dir and checkpoint choice.
     run_dir = Path(broadcast_object(cfg.run_dir))
     check_run_dir(run_dir)
@@ -155,7 +155,6 @@ def build(cfg: Config) -> Run:
     ema = (WeightEMA(model, ema_decay(cfg.train.ema.half_life_tokens, tokens_per_step), validation,
                      cfg.train.eval_every) if cfg.train.ema.half_life_tokens else None)
     callbacks = [
-        *([faults] if faults else []),
         *([StepProfiler(cfg.train.profile_steps, run_dir / "profile", rank_, cfg.train.profile_record_shapes)]
           if profiles else []),
         StabilityGuard(cfg.train.max_bad_steps, cfg.train.spike_factor),
@@ -184,7 +183,7 @@ def build(cfg: Config) -> Run:
     schedule = Schedule(cfg.train.steps, partial(lr_multiplier, cfg.schedule, total_steps=cfg.train.steps),
                         cfg.train.log_every, start_step=train_state["step"] if train_state else 0)
     recipe = StepRecipe(accum=cfg.train.global_batch // (cfg.train.micro_batch * world),
-                        tokens_per_step=tokens_per_step, grad_clip=cfg.train.grad_clip, loss_fn=faults or loss_fn,
+                        tokens_per_step=tokens_per_step, grad_clip=cfg.train.grad_clip, loss_fn=loss_fn,
                         z_loss_coef=cfg.train.z_loss, documents=documents)
     trainer = Trainer(model, optimizer, train_loader, schedule, recipe,
                       Compute(device, autocast_for(cfg.train.dtype, device)), callbacks)

@@ -1,68 +1,10 @@
 """What keeps a run alive through bad numbers and pre-emption (docs/reliability.md): the bookkeeping of
-the non-finite-step guard and the loss-spike log, the SIGTERM stop request, and the fault injection
-(a wrapper around the training loss) the tests use to exercise them."""
+the non-finite-step guard and the loss-spike log, and the SIGTERM stop request. The tests exercise them
+with the faults of infra/faults.py (step.loss: a NaN loss, an infinite gradient)."""
 
 import math
-import os
 import signal
 import threading
-from collections.abc import Callable
-
-import torch
-
-from scalevec_train.infra.errors import ScalevecError
-from scalevec_train.training.trainer import Callback, Trainer
-
-# Fault injection for testing the numerical guards (docs/reliability.md), unset in real runs: steps
-# whose loss is made NaN (SCALEVEC_FAULT_NAN_STEPS=3,4), and steps whose loss stays finite while its
-# gradient is made infinite (SCALEVEC_FAULT_INF_GRAD_STEPS=5). A step applies to every rank, step@rank
-# (3@1) to that rank only.
-FAULT_NAN_ENV = "SCALEVEC_FAULT_NAN_STEPS"
-FAULT_INF_GRAD_ENV = "SCALEVEC_FAULT_INF_GRAD_STEPS"
-
-
-def fault_steps(env: str, rank: int) -> frozenset[int]:
-    """The steps that fault-injection variable `env` names for `rank`."""
-    raw = os.environ.get(env, "")
-    steps = set()
-    try:
-        for entry in filter(None, (s.strip() for s in raw.split(","))):
-            step, _, only = entry.partition("@")
-            if not only or int(only) == rank:
-                steps.add(int(step))
-    except ValueError:
-        raise ScalevecError(env, f"{raw!r} is not a comma-separated list of step numbers (each optionally "
-                            "@rank).", "unset it (it only injects faults for tests), or write e.g. 3,4 or 3@1."
-                            ) from None
-    return frozenset(steps)
-
-
-class FaultInjection(Callback):
-    """The training loss `loss_fn` with the faults of the environment's fault-injection variables for
-    this rank: made NaN on nan_steps; finite, with an infinite gradient, on inf_grad_steps. A callback
-    too: it follows the step in progress."""
-
-    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], nan_steps: frozenset[int],
-                 inf_grad_steps: frozenset[int]):
-        self.loss_fn, self.nan_steps, self.inf_grad_steps = loss_fn, nan_steps, inf_grad_steps
-        self.step = 0
-
-    @classmethod
-    def from_env(cls, loss_fn, rank: int) -> "FaultInjection | None":
-        """The wrapper the environment asks for, or None (real runs)."""
-        nan_steps, inf_grad_steps = fault_steps(FAULT_NAN_ENV, rank), fault_steps(FAULT_INF_GRAD_ENV, rank)
-        return cls(loss_fn, nan_steps, inf_grad_steps) if nan_steps or inf_grad_steps else None
-
-    def on_step_start(self, trainer: Trainer) -> None:
-        self.step = trainer.step + 1
-
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = self.loss_fn(logits, targets)
-        if self.step in self.nan_steps:
-            loss = loss * float("nan")
-        if self.step in self.inf_grad_steps:
-            loss.register_hook(lambda grad: grad * float("inf"))
-        return loss
 
 
 class StepGuard:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
 
 from scalevec_train.data.loader import IGNORE, Loader
-from scalevec_train.infra.faults import fault_point
+from scalevec_train.infra.faults import fault_point, loss_fault
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.parallel.data_parallel import (
     clip_grad_norm,
@@ -86,13 +86,11 @@ class Callback:
     the logs with trainer.record(); one that holds state to resume is Stateful (state_dict,
     load_state_dict) and names its entry of the checkpoint's train_state.json in `checkpoint_key`.
 
-    Every hook runs on the callbacks in one order (ordered()), which each callback's class declares: it
-    runs after the callbacks of the classes in `after` (it reads what they leave: records, the model's
-    state), and otherwise by `order`, lower first."""
+    Every hook runs on the callbacks in one order (ordered()): by `priority`, lower first; callbacks of
+    equal priority in the order they were given (build.py's list)."""
 
     checkpoint_key: str | None = None
-    after: tuple[type["Callback"], ...] = ()
-    order: int = 0
+    priority: int = 0
 
     def on_fit_start(self, trainer: "Trainer") -> None:
         """Before the first step (also of a resumed run)."""
@@ -121,18 +119,8 @@ class Callback:
 
 
 def ordered(callbacks: list[Callback]) -> list[Callback]:
-    """`callbacks` in the order their hooks run: each after every callback of a class in its `after`;
-    among those free to run next, the lowest `order` first, then the one given first (callbacks that
-    declare nothing between them do not depend on each other: their order only orders a record's keys)."""
-    pending, out = list(callbacks), []
-    while pending:
-        free = [i for i, cb in enumerate(pending)
-                if not any(isinstance(other, cb.after) for j, other in enumerate(pending) if j != i)]
-        if not free:
-            raise ValueError("callbacks wait on each other (Callback.after): "
-                             + ", ".join(type(cb).__name__ for cb in pending))
-        out.append(pending.pop(min(free, key=lambda i: pending[i].order)))
-    return out
+    """`callbacks` in the order their hooks run: by priority, lower first, ties as given (a stable sort)."""
+    return sorted(callbacks, key=lambda cb: cb.priority)
 
 
 def checkpointed(callbacks: list[Callback]) -> dict[str, Stateful]:
@@ -157,7 +145,7 @@ class StepRecipe:
     accum: int  # micro-batches per step on each rank
     tokens_per_step: int  # of the global batch
     grad_clip: float  # the global gradient norm clipped to; 0: no clipping
-    # the training loss, a mean over the counted targets (fault injection wraps it: guards.FaultInjection)
+    # the training loss, a mean over the counted targets
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
     z_loss_coef: float = 0.0  # the weight of z_loss() in the training loss
     documents: bool = False  # the loader's batches have document ids (model.attention_mask=document)
@@ -173,7 +161,7 @@ class Compute:
 
 class Trainer:
     """Trains `model` with `optimizer` on `loader`'s batches over `schedule`'s steps (or to an earlier
-    requested stop), each step as `recipe` says, observed by `callbacks` (run in their declared order)."""
+    requested stop), each step as `recipe` says, observed by `callbacks` (run in their priority order)."""
 
     def __init__(self, model: Transformer, optimizer: torch.optim.Optimizer, loader: Loader, schedule: Schedule,
                  recipe: StepRecipe, compute: Compute, callbacks: list[Callback]):
@@ -244,7 +232,7 @@ class Trainer:
             set_gradient_sync(self.model, micro == recipe.accum - 1)
             with self.compute.autocast():
                 logits = self.model(inputs, doc_ids=doc_ids)
-                loss = recipe.loss_fn(logits, targets)
+                loss = loss_fault(recipe.loss_fn(logits, targets), self.step + 1)
                 if z_total is not None:  # trains the logits' scale; logged apart from the loss
                     z = recipe.z_loss_coef * z_loss(logits, targets)
             del logits  # not kept alive through the next micro-batch's forward

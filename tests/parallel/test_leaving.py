@@ -21,7 +21,7 @@ import torch.distributed as dist
 from scalevec_train import train
 from scalevec_train.config import compose_raw
 from scalevec_train.data import prepare_data
-from scalevec_train.training.guards import FAULT_NAN_ENV
+from scalevec_train.infra.faults import FAULT_AT_ENV
 from tests.support.helpers import SHORT_RUN, make_config
 from tests.support.launch import spawn
 from tests.support.presets import TINY_MODEL
@@ -85,7 +85,8 @@ def test_a_finished_run_leaves_no_gloo_thread(common, tmp_path):
 
 
 def test_a_diverged_run_leaves_no_gloo_thread(common, tmp_path, monkeypatch):
-    monkeypatch.setenv(FAULT_NAN_ENV, "2,3")  # both ranks: the stability guard stops them at step 3
+    # both ranks: the stability guard stops them at step 3
+    monkeypatch.setenv(FAULT_AT_ENV, "step.loss:2=nan,step.loss:3=nan")
     ranks = leave(tmp_path, [*common, "train.max_bad_steps=2", f"run_dir={tmp_path / 'run'}"])
     for r in ranks:
         assert r["code"] == 3

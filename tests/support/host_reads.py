@@ -62,7 +62,7 @@ class CountNonLogSteps(Callback):
 
     def __init__(self, counter: ReadCounter, closing: bool):
         self.counter, self.closing = counter, closing
-        self.order = 2 if closing else -2  # the callbacks' orders are -1 (the profiler) and 0
+        self.priority = 2 if closing else -2  # the callbacks' priorities are -1 (the profiler) to 1
         self.steps = 0
 
     def on_step_start(self, trainer: Trainer) -> None:

@@ -34,7 +34,6 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from scalevec_train.checkpoint import files as checkpoint_files
 from scalevec_train.infra.faults import FAULT_AT_ENV
 from scalevec_train.parallel.process_group import shutdown
-from scalevec_train.training.guards import FAULT_INF_GRAD_ENV, FAULT_NAN_ENV
 from scalevec_train.training.logger import read_records
 from tests.support.helpers import REPO, call_main
 
@@ -42,8 +41,7 @@ from tests.support.helpers import REPO, call_main
 TIMEOUT = 600
 MARK_ENV = "SCALEVEC_TEST_PROCESS"
 LAUNCH_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                   "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", "HYDRA_FULL_ERROR", FAULT_NAN_ENV,
-                   FAULT_INF_GRAD_ENV, FAULT_AT_ENV, MARK_ENV)
+                   "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", "HYDRA_FULL_ERROR", FAULT_AT_ENV, MARK_ENV)
 
 
 @contextmanager
@@ -284,7 +282,8 @@ class Attempts:
     def __init__(self, processes: Processes, folder: Path, nproc: int = 2):
         self.folder, self.nproc, self.count = folder, nproc, 0
         folder.mkdir(parents=True)
-        self.started = processes.start([*torchrun(nproc), str(REPO / "tests" / "support" / "attempts.py"), str(folder)], folder)
+        self.started = processes.start([*torchrun(nproc), str(REPO / "tests" / "support" / "attempts.py"), str(folder)],
+                                       folder)
 
     def run(self, overrides: list[str], fault: str | None = None, kill: str = "all") -> list[int]:
         """One attempt of a run with `overrides`; returns each rank's exit code (negative: the signal).

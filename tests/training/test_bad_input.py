@@ -17,8 +17,8 @@ from scalevec_train.checkpoint import files as checkpoint_files
 from scalevec_train.data import prepare_data
 from scalevec_train.data import tokenizer as sp_tokenizer
 from scalevec_train.infra.errors import ScalevecError
+from scalevec_train.infra.faults import FAULT_AT_ENV
 from scalevec_train.train import run
-from scalevec_train.training.guards import FAULT_NAN_ENV
 from tests.support.helpers import make_config
 from tests.support.launch import child_env, train_command, train_in_process
 from tests.support.presets import SMALL_MODEL
@@ -205,7 +205,7 @@ IN_PROCESS = [
     Case("data_path", "before_model", lambda ctx: ["data.path=/nonexistent/corpus"],
          "/nonexistent/corpus is not a folder"),
     Case("empty_corpus", "before_model", lambda ctx: [f"data.path={empty_dir(ctx)}"], "empty corpus"),
-    Case("fault_env", "before_data", lambda ctx: [], f"{FAULT_NAN_ENV}: 'x' is not", env={FAULT_NAN_ENV: "x"}),
+    Case("fault_env", "before_data", lambda ctx: [], f"{FAULT_AT_ENV}: 'x' is not", env={FAULT_AT_ENV: "x"}),
 ]
 MESSAGES: dict[str, str] = {}
 

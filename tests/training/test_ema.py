@@ -20,12 +20,12 @@ from scalevec_train.checkpoint.files import COMPLETE, step_dir
 from scalevec_train.costs.memory import estimate
 from scalevec_train.evaluate import evaluate
 from scalevec_train.infra.errors import ScalevecError
+from scalevec_train.infra.faults import FAULT_AT_ENV
 from scalevec_train.interop.api import load
 from scalevec_train.interop.hf_export import export
 from scalevec_train.model import Transformer
 from scalevec_train.train import run
 from scalevec_train.training.callbacks import WeightEMA
-from scalevec_train.training.guards import FAULT_NAN_ENV
 from tests.support.helpers import REPO, SHORT_RUN, load_script, make_config
 from tests.support.launch import checkpoint_state, curve, records
 from tests.support.presets import TINY_MODEL
@@ -107,7 +107,7 @@ def test_val_loss_ema_is_the_val_loss_of_the_ema_weights(runs, tmp_path):
 
 
 def test_a_skipped_step_leaves_the_ema_as_it_was(data_overrides, tmp_path, monkeypatch):
-    monkeypatch.setenv(FAULT_NAN_ENV, "3")
+    monkeypatch.setenv(FAULT_AT_ENV, "step.loss:3=nan")
     run_dir = run(make_config(*data_overrides, *RUN, *EMA, "train.steps=5", f"run_dir={tmp_path / 'run'}"))
     states = [saved(run_dir, s, tmp_path) for s in range(1, 6)]
     assert curve(run_dir, "skipped_steps")[5] == 1

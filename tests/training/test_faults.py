@@ -16,20 +16,25 @@ Failed writes: a full disk or an I/O error while a checkpoint is written stops t
 with exit code 4 and one line naming the rank and the error; the previous complete checkpoint is
 untouched, the partial folder is gone, and resume=auto continues from that checkpoint to the
 uninterrupted run. On 1 rank (in this process) and 2 ranks, synchronous and asynchronous.
+
+The loss faults (step.loss: nan, infgrad) on their own, and malformed entries; the runs they make:
+test_reliability.py.
 """
 
 import hashlib
 import json
+import math
 import os
 import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 from scalevec_train.checkpoint import files as checkpoint_files
 from scalevec_train.data import prepare_data
 from scalevec_train.infra.errors import CheckpointWriteError, ScalevecError
-from scalevec_train.infra.faults import FAULT_AT_ENV
+from scalevec_train.infra.faults import FAULT_AT_ENV, check_faults, loss_fault
 from scalevec_train.infra.lock import DirLock
 from scalevec_train.train import run
 from tests.support.helpers import make_config
@@ -217,3 +222,31 @@ def test_a_failed_write_on_one_process_stops_it_and_keeps_the_previous_checkpoin
     steps = [r["step"] for r in records(run_dir) if "loss" in r]
     assert steps == [1, 2, 3, 4, *([5, 6] if mode == "async" else []), 3, 4, 5, 6]  # resumed after step 2
     assert newest_whole(run_dir) == STEPS
+
+
+def test_loss_faults_hit_the_steps_and_ranks_their_entries_name_and_a_malformed_entry_is_named(monkeypatch):
+    """step.loss's actions on a loss 3x (this process is rank 0): nan makes it NaN; infgrad keeps it finite
+    and makes its gradient infinite; an entry for rank 1 does nothing here. Against written values."""
+    monkeypatch.setenv(FAULT_AT_ENV, "step.loss:2=nan, step.loss:3@1=nan,step.loss:4@0=infgrad")
+    check_faults()
+
+    def loss_and_grad(step: int) -> tuple[float, float]:
+        x = torch.tensor(2.0, requires_grad=True)
+        loss = loss_fault(x * 3.0, step)
+        loss.backward()
+        return loss.item(), x.grad.item()
+
+    assert loss_and_grad(1) == (6.0, 3.0)
+    assert all(math.isnan(v) for v in loss_and_grad(2))
+    assert loss_and_grad(3) == (6.0, 3.0)
+    assert loss_and_grad(4) == (6.0, math.inf)
+
+    for entry in ["x", "step.loss:3=inf", "step.loss:three=nan", "step.loss:3@one=infgrad", "step.start:3=nan",
+                  "save.files:4=infgrad", "loss:3=nan"]:
+        monkeypatch.setenv(FAULT_AT_ENV, f"step.loss:2=nan,{entry}")
+        with pytest.raises(ScalevecError) as info:
+            check_faults()
+        message = str(info.value)
+        assert message.startswith(f"{FAULT_AT_ENV}: {entry!r} is not <point>:<step>[@<rank>][=<action>] with a "
+                                  "point of step.start, step.loss,"), message
+        assert "nan and infgrad at step.loss only" in message and " Fix: " in message and "\n" not in message

@@ -123,7 +123,7 @@ def test_a_skipped_step_between_logs_is_judged_and_logged_at_the_next_read_back(
     from scalevec_train.train import run
     from tests.support.launch import records
 
-    monkeypatch.setenv("SCALEVEC_FAULT_NAN_STEPS", "5")
+    monkeypatch.setenv("SCALEVEC_FAULT_AT", "step.loss:5=nan")
     common = [*data_overrides, *MODELS["moe"], *SHAPE, "train.steps=8", "train.eval_every=6", "optim=adamw"]
     lazy = run(make_config(*common, "train.log_every=4", f"run_dir={tmp_path / 'lazy'}"))
     eager = run(make_config(*common, "train.log_every=1", f"run_dir={tmp_path / 'eager'}"))
@@ -146,7 +146,7 @@ def test_divergence_between_logs_stops_at_the_next_log_with_the_guard_error(data
     from scalevec_train.train import run
     from tests.support.launch import records
 
-    monkeypatch.setenv("SCALEVEC_FAULT_NAN_STEPS", "2,3")
+    monkeypatch.setenv("SCALEVEC_FAULT_AT", "step.loss:2=nan,step.loss:3=nan")
     with pytest.raises(DivergedError) as caught:
         run(make_config(*data_overrides, *MODELS["dense"], *SHAPE, "train.steps=8", "train.log_every=4",
                         "train.max_bad_steps=2", f"run_dir={tmp_path / 'r'}"))

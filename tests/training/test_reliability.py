@@ -16,7 +16,7 @@ reference:
     both ranks at one step with a checkpoint and a clean exit;
   - SIGTERM to a single process, or to the torchrun launcher, must leave a complete checkpoint of the
     step the run stopped at and a clean exit; resume=auto then continues with the reference.
-Non-finite steps are injected with SCALEVEC_FAULT_NAN_STEPS and SCALEVEC_FAULT_INF_GRAD_STEPS, also on
+Non-finite steps are injected with SCALEVEC_FAULT_AT's step.loss faults (nan, infgrad), also on
 one rank only: a skipped step must leave parameters and optimizer state bit-identical on every rank,
 and too many in a row must stop every rank at the same step.
 """
@@ -32,8 +32,9 @@ import torch
 
 from scalevec_train.checkpoint import files as checkpoint_files
 from scalevec_train.data import prepare_data
+from scalevec_train.infra.faults import FAULT_AT_ENV
 from scalevec_train.train import run
-from scalevec_train.training.guards import FAULT_INF_GRAD_ENV, FAULT_NAN_ENV, StepGuard
+from scalevec_train.training.guards import StepGuard
 from tests.support.helpers import make_config
 from tests.support.launch import (
     assert_identical,
@@ -199,7 +200,7 @@ def test_sigterm_checkpoints_the_current_step_and_exits_cleanly(moe, reference, 
 # Numerical guards.
 
 def test_a_non_finite_step_is_skipped_and_counted(common, tmp_path, monkeypatch):
-    monkeypatch.setenv(FAULT_NAN_ENV, "3")
+    monkeypatch.setenv(FAULT_AT_ENV, "step.loss:3=nan")
     run_dir = run(make_config(*common, "train.micro_batch=2", "train.steps=6", "train.log_every=2",
                               "checkpoint.every=1", "checkpoint.keep_last=10", f"run_dir={tmp_path / 'r'}"))
     by_step = {r["step"]: r for r in records(run_dir)}
@@ -221,9 +222,10 @@ def test_repeated_non_finite_steps_stop_the_run_with_the_last_good_state(common,
     """The command's exit code and output, the command run in this process (a one-process launch of it:
     test_sigterm_checkpoints_the_current_step_and_exits_cleanly)."""
     run_dir = tmp_path / "diverged"
+    nan_losses = {FAULT_AT_ENV: ",".join(f"step.loss:{s}=nan" for s in (4, 5, 6, 7))}
     code, output = train_in_process([*common, "train.micro_batch=2", "train.steps=10", "checkpoint.every=3",
                                      "train.max_bad_steps=3", f"run_dir={run_dir}"],
-                                    {FAULT_NAN_ENV: "4,5,6,7"}, tmp_path, capfd, monkeypatch)
+                                    nan_losses, tmp_path, capfd, monkeypatch)
     assert code == 3, output
     assert "Traceback" not in output
     errors = [line for line in output.splitlines() if line.startswith("error:")]
@@ -249,7 +251,7 @@ def test_faults_on_one_rank_are_skipped_or_stop_every_rank_at_one_step(moe, proc
     skips the same steps (a skipped step leaves the parameters, the optimizer state and the expert
     biases of every shard bit-identical) and both stop at step 8 with the state of step 6 saved."""
     run_dir = tmp_path / "faults"
-    env = child_env(**{FAULT_NAN_ENV: "3@1,7@1,8@1", FAULT_INF_GRAD_ENV: "5@0"})
+    env = child_env(**{FAULT_AT_ENV: "step.loss:3@1=nan,step.loss:5@0=infgrad,step.loss:7@1=nan,step.loss:8@1=nan"})
     # a rank that fails makes torchrun exit with 1; the root cause it reports is the divergence, exit code 3
     output = processes.run(train_command(2, *moe, "train.steps=10", "train.max_bad_steps=2", "checkpoint.every=1",
                                          "checkpoint.keep_last=20", f"run_dir={run_dir}"), tmp_path, env, code=1)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from scalevec_train.train import run
-from scalevec_train.training.callbacks import Diagnostics, ModelMetrics, StabilityGuard, StepProfiler
+from scalevec_train.training.callbacks import Diagnostics, ModelMetrics, SigtermStop, StabilityGuard, StepProfiler
 from scalevec_train.training.trainer import Callback, ordered
 from tests.support.helpers import make_config
 from tests.support.launch import curve, records
@@ -68,19 +68,17 @@ def test_every_strategy_trains(tmp_path, data_overrides, scale):
         assert any(logged[0][key] != logged[-1][key] for key in stats), site
 
 
-def test_callbacks_run_in_the_order_their_classes_declare():
-    """Trainer hooks run on ordered(callbacks): the profiler first (order -1), Diagnostics after
-    ModelMetrics (after) wherever they were given, the rest as given; waiting on each other is an error."""
+def test_callbacks_run_in_the_order_of_their_priorities():
+    """Trainer hooks run on ordered(callbacks): lower priority first, equal priorities as given. The profiler
+    (-1) first, Diagnostics (1) after ModelMetrics (0) wherever they were given, the rest as given."""
     profiler = StepProfiler([], Path("unused"), rank=0)
     diagnostics, metrics, guard = Diagnostics(every=1, batch=None), ModelMetrics(), StabilityGuard(3, 5.0)
     assert ordered([diagnostics, guard, metrics, profiler]) == [profiler, guard, metrics, diagnostics]
     assert ordered([metrics, guard, diagnostics]) == [metrics, guard, diagnostics]
 
-    class Waits(Callback):
-        after = (Diagnostics,)
+    class Last(Callback):
+        priority = 2
 
-    class WaitedOn(Diagnostics):
-        after = (Waits,)
-
-    with pytest.raises(ValueError, match="wait on each other"):
-        ordered([Waits(), WaitedOn(every=1, batch=None)])
+    last, sigterm = Last(), SigtermStop()
+    assert ordered([last, diagnostics, sigterm, profiler, guard, metrics]) == [profiler, sigterm, guard, metrics,
+                                                                               diagnostics, last]

@@ -4,7 +4,6 @@ what and how)."""
 import torch
 
 from scalevec_train.data.loader import Batch
-from scalevec_train.training.callbacks.monitors import ModelMetrics
 from scalevec_train.training.probes import activation_stats, map_stats, site_stats, sites_before, weights_before
 from scalevec_train.training.trainer import Callback, Trainer
 
@@ -16,7 +15,7 @@ class Diagnostics(Callback):
     every time. Copies of the weights and sites are taken only for a diagnostic step, after its backward;
     a step the optimizer skips shows an update of 0, since skipping leaves the weights as they were."""
 
-    after = (ModelMetrics,)  # its forward replaces the MoE layers' losses of the step, which ModelMetrics reports
+    priority = 1  # after ModelMetrics (0): its forward replaces the step's MoE losses, which ModelMetrics reports
 
     def __init__(self, every: int, batch: Batch):
         self.every, self.batch = every, batch

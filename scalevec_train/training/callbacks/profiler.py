@@ -18,7 +18,7 @@ class StepProfiler(Callback):
     names the fused ops by their torch.library names, scalevec::rms_norm_fwd and the like); on CUDA also
     the allocations of the step as `out/step_<step>.rank<r>.memory.pickle`. Other steps are untouched."""
 
-    order = -1  # first: the trace holds the training step, not the evaluations or checkpoints of other hooks
+    priority = -1  # first: the trace holds the training step, not the evaluations or checkpoints of other hooks
 
     def __init__(self, steps: list[int], out: Path, rank: int, record_shapes: bool = False):
         self.steps, self.out, self.rank, self.record_shapes = set(steps), Path(out), rank, record_shapes
