@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's GPU checks and measurements as one command under one deadline, most valuable phase first:
-# the whole plan runs within DEADLINE_S seconds of its start (GPU_SESSION_DEADLINE), inside a command
-# timeout of COMMAND_S seconds. The GPU host it is written for has Python 3.12, torch 2.11, Triton 3.6,
+# the whole plan runs within DEADLINE_S seconds of its start (GPU_SESSION_DEADLINE, default 515), inside
+# the command's timeout of COMMAND_S (540) seconds. The GPU host it is written for has Python 3.12, torch 2.11, Triton 3.6,
 # transformers, sentencepiece and pytest-xdist, and no package registry, hydra-core or datasets: the
 # missing pure-Python packages are installed from wheels in .whl/.
 #
