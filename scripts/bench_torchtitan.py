@@ -12,8 +12,8 @@ whole attention square); the ratio of tokens/s is the comparison.
     python scripts/bench_torchtitan.py --preset dense-1b --seq-len 4096 --micro-batch 4
 
 Needs torchtitan 0.2.2 (the last release before 0.3.0's rewrite, which asks for a PyTorch nightly; the
-GPU host has torch 2.11) and the packages it imports; on the GPU host carry their wheels
-(scripts/gpu_wheels.txt, as scripts/gpu_session.sh says). Logs go to --out.
+GPU host has torch 2.11) and the packages it imports; the GPU host installs their wheels from .whl/
+(dev/gpu_wheels.txt, as dev/gpu_session.sh says). Logs go to --out.
 """
 
 import argparse
@@ -57,7 +57,7 @@ def run(name: str, cmd: list[str], log: Path, env: dict | None = None) -> str:
         f.flush()
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
     text = log.read_text()
-    if proc.returncode:  # the log's end here too: a GPU session brings back this output, not the log
+    if proc.returncode:  # the log's end here too: dev/gpu_session.sh copies back this output, not the log
         tail = "\n".join(text.splitlines()[-40:])
         sys.exit(f"{tail}\nerror: {name} exited with {proc.returncode}; its log: {log}")
     return text
@@ -131,8 +131,8 @@ def scalevec(args: argparse.Namespace) -> dict:
 def main() -> None:
     args = parse_args()
     if importlib.util.find_spec("torchtitan") is None:
-        sys.exit("error: torchtitan is not installed. Fix: pip install torchtitan==0.2.2 (on the GPU host, carry "
-                 "the wheels of scripts/gpu_wheels.txt as scripts/gpu_session.sh says).")
+        sys.exit("error: torchtitan is not installed. Fix: pip install torchtitan==0.2.2 (on the GPU host, the "
+                 "wheels of dev/gpu_wheels.txt in .whl/, as dev/gpu_session.sh says).")
     args.out.mkdir(parents=True, exist_ok=True)
     theirs = torchtitan(args)
     ours = scalevec(args)

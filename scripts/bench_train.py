@@ -112,7 +112,8 @@ def timed(owner, name: str, device: torch.device) -> Iterator[Timed]:
     """owner.<name> timed by a Timed wrapper while the context lasts. The wrapper is taken off again: left on,
     owner -> Timed -> bound method -> owner is a reference cycle that keeps owner (the optimizer: the run's
     parameters and their state) allocated after the run, until Python's cycle collector happens to run,
-    and the next run's peak memory counts it (the 2026-11-26 H200 visit's eager unified dense-1b row)."""
+    and the next run's peak memory counts it (the eager unified dense-1b row of the 2026-11-26 H200
+    measurements)."""
     wrapper, own = Timed(getattr(owner, name), device), vars(owner).get(name)
     setattr(owner, name, wrapper)
     try:

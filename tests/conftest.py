@@ -3,7 +3,7 @@
 The suite is a CPU suite on any machine: unless SCALEVEC_GPU_TESTS=1, the GPUs are hidden from this
 process and every process it starts (before anything initializes CUDA), so that `device=auto` means the
 CPU, tolerances stay the CPU's, and a 2-rank launch never asks a 1-GPU host for device 1. The GPU tests
-(tests/gpu) run with SCALEVEC_GPU_TESTS=1 (make test-gpu, scripts/gpu_session.sh), and only there.
+(tests/gpu) run with SCALEVEC_GPU_TESTS=1 (make test-gpu, dev/gpu_session.sh), and only there.
 Processes a test starts belong to the `processes` / `module_processes` fixtures (tests/support/launch.py).
 """
 

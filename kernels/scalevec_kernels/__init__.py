@@ -33,19 +33,17 @@ back in its input's dtype):
 backend: "auto" runs the Triton kernels when x is on CUDA and triton imports (and the call fits them:
 rms_norm_scales K <= 4, rows of up to 16384 features, tensors in fp32/bf16/fp16), else the PyTorch
 reference; inside torch.compile it runs the reference (which torch.compile turns into its own code) for
-the ops and shapes where the latest GPU visit measured that faster (choice.py, measured/); "triton"
-insists on the kernels (on CPU only under TRITON_INTERPRET=1, set before this package is imported)
-and raises KernelError where they cannot run; "torch" is the plain reference.
+the ops and shapes where the latest measurements on a GPU found that faster (choice.py, measured/);
+"triton" insists on the kernels (on CPU only under TRITON_INTERPRET=1, set before this package is
+imported) and raises KernelError where they cannot run; "torch" is the plain reference.
 Every error of the package is a KernelError (a ValueError): bad backend names, misshapen scales,
 residuals or offsets. Scale reparameterizations (`or`: s = beta * alpha / rms(alpha), `er`) are
 computed by the caller with ordinary torch ops, once per step; autograd carries the kernels' ds on to
 beta and alpha.
 
-scalevec_kernels.aot (imported on its own) captures the launches a workload makes and compiles them
-ahead of time for a GPU architecture without a GPU, reporting registers, spills, shared memory and
-occupancy (scripts/kernel_table.py; tests/kernels/test_compile_ahead.py); scalevec_kernels.traffic
-models each compiled variant's memory traffic from its SASS (sass.py): reads and writes of the large
-tensors, off-chip passes, vector widths and bytes in flight per SM (the same test file).
+Compiling the kernels ahead of time and modelling their memory traffic from the SASS are maintainer
+tools outside this package (dev/kernel_tools/; tests/kernels/test_compile_ahead.py): a run needs none of
+them. The kernel modules declare what those tools read: ROW_ARGS, each kernel's [rows, N] arguments.
 
 The Triton paths go through the ops `torch.ops.scalevec.rms_norm_fwd` / `rms_norm_bwd` and
 `swiglu_norm_fwd` / `swiglu_norm_bwd` (registered with torch.library, with fake implementations and

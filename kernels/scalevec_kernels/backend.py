@@ -54,10 +54,10 @@ def check_backend(backend: str, device_type: str) -> None:
 def use_triton(backend: str, x: Tensor, misfit: str | None, device_type: str | None = None,
                shape: tuple | None = None) -> bool:
     """Whether a call on x runs the kernels: `auto` takes them when they can, except inside torch.compile
-    where the latest GPU visit measured torch.compile's code of the reference faster for the op and
-    `shape` (choice.pick's arguments); `triton` insists on them. `misfit` says why the call does not fit
-    the kernels, None when it does. `device_type` decides as if x were on that device (aot.capture
-    answers for CUDA on CPU tensors)."""
+    where the latest measurements on a GPU found torch.compile's code of the reference faster for the op
+    and `shape` (choice.pick's arguments); `triton` insists on them. `misfit` says why the call does not
+    fit the kernels, None when it does. `device_type` decides as if x were on that device (the capture of
+    dev/kernel_tools/aot.py answers for CUDA on CPU tensors)."""
     device_type = (device_type or x.device.type).split(":")[0]
     check_backend(backend, device_type)
     if backend == "torch":

@@ -1,13 +1,13 @@
 """What `backend="auto"` runs inside torch.compile, per op and shape: the fused kernel, or the plain
-reference (which torch.compile turns into its own Triton code), whichever the latest GPU visit measured
-faster (forward + backward at its micro-batch, measured/<date>-<device>.json: the date, the device and
+reference (which torch.compile turns into its own Triton code), whichever the latest measurements on a GPU
+found faster (forward + backward at its micro-batch, measured/<date>-<device>.json: the date, the device and
 the versions are in the file).
 
-A shape the visit measured takes the faster one; a shape it did not measure takes the pick of the nearest
+A shape the table measured takes the faster one; a shape it did not measure takes the pick of the nearest
 measured width of the same op and outputs (K, or per-expert scales) within a factor of two; beyond that,
 the fused kernel (one pass over the row, where the reference's unfused ops take several). Every pick
-comes with its reason (scripts/kernel_table.py prints the presets' picks). Outside torch.compile,
-`auto` runs the fused kernels: there the reference would run as separate eager ops.
+comes with its reason. Outside torch.compile, `auto` runs the fused kernels: there the reference would
+run as separate eager ops.
 """
 
 import functools
@@ -22,7 +22,7 @@ NEAREST = 2.0
 
 @functools.cache
 def table() -> dict:
-    """The latest visit's table (file names sort by date)."""
+    """The latest table (file names sort by date)."""
     return json.loads(sorted(MEASURED.glob("*.json"))[-1].read_text())
 
 

@@ -36,7 +36,7 @@ from .partials import reduce_partials
 MAX_SCALES = 4
 MAX_FEATURES = 16384
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# The kernels' [rows, N] arguments: the large tensors the memory model counts (traffic.py)
+# The kernels' [rows, N] arguments: the large tensors the memory model counts (dev/kernel_tools/traffic.py)
 ROW_ARGS = {"_fwd_kernel": ("X", "R", "H", "Y0", "Y1", "Y2", "Y3"),
             "_bwd_kernel": ("X", "DH", "DX", "DY0", "DY1", "DY2", "DY3")}
 
@@ -265,7 +265,7 @@ if triton is not None:
 _FWD_TILE, _BWD_TILE = (65536, 65536) if INTERPRETED else (4096, None)
 _BWD_CHUNK = None
 # Registers within which the kernels compile without a spill on every tile the presets launch (sm_90,
-# scripts/kernel_table.py): the forward on at least 40 on a tile of one row, 48 on several (their rows'
+# dev/kernel_table.py): the forward on at least 40 on a tile of one row, 48 on several (their rows'
 # offsets and statistics: a tile of 4 rows with K = 3 outputs spilled at 40), the backward at up to 32
 # elements a thread
 FORWARD_LEAST_REGISTERS, FORWARD_LEAST_REGISTERS_ROWS, BACKWARD_WIDEST = 40, 48, 4 * BACKWARD_PER_THREAD

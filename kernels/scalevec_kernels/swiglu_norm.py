@@ -40,7 +40,7 @@ from .partials import reduce_partials
 # The widest rows the kernels take; the forward holds FORWARD_PER_THREAD elements of G and of U a thread
 MAX_FEATURES, FORWARD_PER_THREAD = 16384, 16
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# The kernels' [rows, F] arguments: the large tensors the memory model counts (traffic.py)
+# The kernels' [rows, F] arguments: the large tensors the memory model counts (dev/kernel_tools/traffic.py)
 ROW_ARGS = {"_fwd_kernel": ("G", "U", "OUT"), "_bwd_kernel": ("DOUT", "G", "U", "DG", "DU")}
 
 
@@ -346,7 +346,7 @@ if triton is not None:
 _FWD_TILE, _BWD_TILE = (65536, 65536) if INTERPRETED else (MAX_WARPS * 32 * FORWARD_PER_THREAD, None)
 _CHUNK = None
 # Registers within which the kernels compile without a spill on every tile the presets launch (sm_90,
-# scripts/kernel_table.py): the forward on at least 64, 80 with per-expert scales (their expert lookup;
+# dev/kernel_table.py): the forward on at least 64, 80 with per-expert scales (their expert lookup;
 # they spilled at 64), the backward at up to 16 elements a thread (32 spilled 264-392 B)
 FORWARD_LEAST_REGISTERS, FORWARD_LEAST_REGISTERS_PER_EXPERT, BACKWARD_WIDEST = 64, 80, 2 * BACKWARD_PER_THREAD
 

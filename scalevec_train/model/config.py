@@ -112,7 +112,7 @@ class ModelConfig:
     attention_backend: str = choice("auto", Literal["auto", "flex", "sdpa"])
     # normalization kernels, chosen when the layers are built: auto (Triton on CUDA, PyTorch elsewhere;
     # under distributed.compile, per op and shape, the Triton kernel or torch.compile's code of the
-    # reference, whichever the latest GPU visit measured faster: scalevec_kernels/choice.py, the picks in
+    # reference, whichever the latest measurements on a GPU found faster: scalevec_kernels/choice.py, the picks in
     # docs/benchmarks.md) | triton | torch. Changes no weight: a checkpoint resumes under any backend.
     kernels: str = choice("auto", Literal[BACKENDS])
     # how the init, the learning rates and the forward's multipliers follow width and depth

@@ -1,4 +1,4 @@
-"""The framework's GPU paths, run for real on CUDA (make test-gpu / scripts/gpu_session.sh; skipped
+"""The framework's GPU paths, run for real on CUDA (make test-gpu / dev/gpu_session.sh; skipped
 without CUDA): the trainer in bf16 (autocast, fused AdamW, the Triton kernels chosen by model.kernels=auto)
 for dense and MoE models under baseline and unified, eager and compiled; a compiled block on the fused
 kernels against the eager PyTorch path; MoE grouped_mm against the per-expert loop in bf16; Muon on CUDA

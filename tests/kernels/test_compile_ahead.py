@@ -1,12 +1,12 @@
 """The Triton kernels compiled ahead of time, on CPU (issues 27 and 49): every launch variant the model
-presets make, captured from the real launch code (scripts/kernel_table.py drives each preset under each
-strategy inside scalevec_kernels.aot.capture), compiles with the local Triton for sm_90 without a
+presets make, captured from the real launch code (dev/kernel_table.py drives each preset under each
+strategy inside dev/kernel_tools/aot.py's capture), compiles with the local Triton for sm_90 without a
 register spill, within a block's shared memory, and with a backward whose persistent grid (sized to
 one wave of the SMs) fits. sm_90 only here (the GPU host's architecture; the tiles are sized by a
-register model that holds on sm_80 too): `python scripts/kernel_table.py` compiles sm_80 as well.
+register model that holds on sm_80 too): `python dev/kernel_table.py` compiles sm_80 as well.
 
 The same compile's SASS bounds the memory traffic of every row kernel variant the GPU-sized presets
-launch in bf16 (their recipes train under bf16 autocast; scalevec_kernels.traffic):
+launch in bf16 (their recipes train under bf16 autocast; dev/kernel_tools/traffic.py):
 
 - every large tensor leaves the chip once: bytes per call at their floor (a chunked row's second read
   is served by L2);
@@ -19,31 +19,30 @@ costs 0.4 s of CPU a variant, more than CI can spare. That suffices because what
 SASS (which large tensors each access touches, its width, the loads a warp has in flight before it
 waits) is the same for every variant of a path: they differ in the tile's shape only; each
 variant's own registers (programs per SM) and row width (idle lanes, the L2 working set) are its own.
-`python scripts/kernel_table.py --traffic` disassembles every variant and exits 1 where one's SASS
+`python dev/kernel_table.py --traffic` disassembles every variant and exits 1 where one's SASS
 gives other traffic than its path's or a bound breaks.
 
 One capture and one compile of each variant serve every test (the module fixture `compiled`, one file so
 that one test worker does it), cached (kernel_table.CACHE) by what they depend on on top of Triton's
 compile cache. A fresh clone reads the compile from kernel_table.RECORD, written by a real compile with
-`python scripts/kernel_table.py --record`, where an entry's key (the kernel's source, the variant, the
+`python dev/kernel_table.py --record`, where an entry's key (the kernel's source, the variant, the
 target) and the Triton version match: compiling all of them took 150 s of a cold CI run (2026-11-28).
 A changed kernel compiles anew, and test_the_record_is_up_to_date_and_what_the_compiler_gives recompiles
-one variant of every kernel and checks the record against it.
+one variant of every kernel and checks the record against it (here, not with the tools' own tests in
+tests/dev/, because it needs every preset's launches: this file's capture).
 """
 
-import importlib
-
 import pytest
-import torch
 
-from scalevec_kernels import aot, backend, rms_norm, rms_norm_scales, swiglu_norm, traffic
-from scalevec_train.config import compose_config
+from dev.kernel_tools import aot
+from scalevec_kernels import backend
 from tests.support.helpers import REPO, load_script
+from tests.support.kernels import rms_norm_variants
 
 pytest.importorskip("triton")
 if backend.INTERPRETED:
     pytest.skip("TRITON_INTERPRET=1: these tests compile the kernels", allow_module_level=True)
-kernel_table = load_script(REPO / "scripts" / "kernel_table.py")
+kernel_table = load_script(REPO / "dev" / "kernel_table.py")
 CC = 90
 
 
@@ -76,7 +75,7 @@ def test_the_record_is_up_to_date_and_what_the_compiler_gives(compiled):
                     "every variant compiled here")
     missing = [v for v in users if v.cache_key(CC) not in record]
     assert not missing, (f"{len(missing)} variants not in {kernel_table.RECORD.name} (a kernel or launch changed). "
-                         "Fix: python scripts/kernel_table.py --record")
+                         "Fix: python dev/kernel_table.py --record")
     paths = set(kernel_table.code_paths(kernel_table.gpu_row_variants(users), widths).values())
     for kernel in sorted({v.kernel for v in users}):  # one of each kernel, with its SASS where it has one
         variant = min((v for v in users if v.kernel == kernel), key=lambda v: (v not in paths, repr(v)))
@@ -104,59 +103,11 @@ def test_every_preset_variant_compiles_without_spills(compiled):
     assert not crowded, crowded
 
 
-@pytest.mark.parametrize("preset,strategy", [("dense-tiny-gemma", "baseline"), ("dense-tiny", "unified-full-heads"),
-                                             ("moe-tiny", "unified-per-expert"), ("moe-tiny", "none")])
-def test_the_capture_without_weight_gradients_launches_what_training_launches(preset, strategy):
-    """The capture leaves the maps' weights without gradients (kernel_table._capture_model): with them, as
-    training has them, the same variants launch, in the same order."""
-    model = compose_config([f"model={preset}", *kernel_table.CHEAP], 1).model
-    scale = compose_config(["model=moe-tiny", *kernel_table.STRATEGIES[strategy], *kernel_table.CHEAP], 1).scale
-    frozen = kernel_table._capture_model(model, scale)
-    trained = kernel_table._capture_model(model, scale, weight_grads=True)
-    assert frozen.variants and frozen.variants == trained.variants and frozen.widths == trained.widths
-
-
-def _rms_norm_variants(n: int, k: int) -> list[aot.Variant]:
-    """The variants of K outputs with a residual at width n in bf16, forward and backward."""
-    with aot.capture() as captured:
-        x, r = (torch.randn(16, n, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-        scales = [torch.ones(n, requires_grad=True) for _ in range(k)]
-        outs = rms_norm_scales(x, scales, 1e-6, residual=r, backend="triton")
-        torch.autograd.grad(outs, [x, r, *scales], [torch.ones_like(o) for o in outs])
-    return captured.variants
-
-
 def test_widest_rows_do_not_spill_in_the_backward():
     """16384 features (the library's limit, wider than any preset) with K = 4: the chunked backward."""
-    (bwd,) = [v for v in _rms_norm_variants(16384, 4) if v.kernel == "rms_norm._bwd_kernel"]
+    (bwd,) = [v for v in rms_norm_variants(16384, 4) if v.kernel == "rms_norm._bwd_kernel"]
     assert dict(bwd.constexprs)["CHUNKED"]
     assert aot.compile_variant(bwd, CC, code=False).problems() == []
-
-
-def test_a_spilling_tile_is_caught(monkeypatch):
-    """The tiling before issue 27: whole rows of 8192 in one tile of 16 warps (16 elements a thread)
-    holding K = 4 accumulators spills, and the check says so."""
-    monkeypatch.setattr(rms_norm, "_BWD_TILE", 8192)
-    monkeypatch.setattr(backend, "MAX_WARPS", 16)
-    monkeypatch.setattr(backend, "BACKWARD_PER_THREAD", 16)
-    (bwd,) = [v for v in _rms_norm_variants(8192, 4) if v.kernel == "rms_norm._bwd_kernel"]
-    assert dict(bwd.constexprs)["BLOCK_N"] == 8192 and bwd.num_warps == 16
-    usage = aot.compile_variant(bwd, CC, code=False)
-    assert usage.spill_bytes > 0
-    assert usage.problems() == [f"spills {usage.spill_bytes} B per thread to local memory (sm_90)"]
-
-
-def test_occupancy_and_shared_memory_limits():
-    """Occupancy from registers (65536 per SM, given to warps in units of 256) and shared memory."""
-    full = aot.Usage(cc=90, registers=128, spill_bytes=0, shared_bytes=16384)
-    assert full.blocks_per_sm(16) == 1 and full.occupancy(16) == 0.25
-    assert aot.Usage(90, 64, 0, 0).occupancy(16) == 0.5
-    # 41 registers round up to 48 a thread: 1536 a warp, 65536 // (1536 * 8) = 5 blocks of 8 warps
-    assert aot.Usage(90, 41, 0, 0).blocks_per_sm(8) == 5
-    assert aot.Usage(90, 32, 0, 100 * 1024).blocks_per_sm(4) == 2  # 228 KB of shared memory an SM
-    assert aot.Usage(90, 32, 0, 200 * 1024).problems() == []
-    assert aot.Usage(80, 32, 0, 200 * 1024).problems() == [
-        f"needs {200 * 1024} B of shared memory, over sm_80's {163 * 1024} B per block"]
 
 
 def test_the_in_flight_rules():
@@ -202,35 +153,3 @@ def test_each_sm_keeps_enough_in_flight(audited):
     short = {kernel_table.describe(v): t.problems() for v, (_, t) in audited.items() if t.problems()}
     assert not short, short
     assert all(t.vector_bytes == 16 for _, t in audited.values())  # 128-bit loads and stores of every row
-
-
-def _swiglu_variants(f: int, dtype: torch.dtype) -> list[aot.Variant]:
-    with aot.capture() as captured:
-        g, u = (torch.randn(16, f, dtype=dtype, requires_grad=True) for _ in range(2))
-        scales = [torch.ones(f, requires_grad=True) for _ in range(2)]
-        out = swiglu_norm(g, u, *scales, 1e-6, backend="triton")
-        torch.autograd.grad(out, [g, u, *scales], torch.ones_like(out))
-    return captured.variants
-
-
-def test_a_second_pass_the_l2_cannot_hold_is_caught(compiled):
-    """fp32 rows of 16384 features (the library's widest) walked twice by the forward, which launches the
-    binary dense-1b's fp32 rows of 8192 do: what the device reads between a chunk's two reads is over half
-    the L2, so the second read leaves the chip and the call moves more than its floor."""
-    users = compiled[0]
-    (fwd,) = [v for v in _swiglu_variants(16384, torch.float32) if v.kernel == "swiglu_norm._fwd_kernel"]
-    assert fwd.constexpr("CHUNKED") and "dense-1b" in users[fwd]
-    t = traffic.traffic(fwd, aot.compile_variant(fwd, CC), {16384})  # its SASS: the fixture reads bf16's
-    assert t.working_set > backend.L2_BYTES // 2 and t.bytes_over_floor > 1.5
-    assert "reads G 2 times off the chip" in t.problems()
-
-
-def test_a_launch_with_too_little_in_flight_is_caught(monkeypatch):
-    """The SwiGLU backward of dense-1b at 4 elements a thread: a quarter of what its loads keep in flight."""
-    monkeypatch.setattr(importlib.import_module("scalevec_kernels.swiglu_norm"), "backward_tile",
-                        lambda *_: (1, 1024, 8, 4))
-    (bwd,) = [v for v in _swiglu_variants(8192, torch.bfloat16) if v.kernel == "swiglu_norm._bwd_kernel"]
-    t = traffic.traffic(bwd, aot.compile_variant(bwd, CC), {8192})
-    assert t.in_flight < backend.IN_FLIGHT_NEEDED
-    want = f"keeps {t.in_flight} B in flight per SM, under the {backend.IN_FLIGHT_NEEDED} B an H200 needs"
-    assert want in t.problems()

@@ -60,13 +60,13 @@ def _compiled_matches_eager(backend):
 def test_compile_traces_the_ops_in_one_graph():
     """torch.compile(fullgraph=True) of a block's norm traffic on the kernel path keeps the custom ops in
     one forward and one backward graph, and the compiled graphs launch the kernels. Off the interpreter
-    the kernels cannot run on CPU, so aot.capture records their launches (the numbers are the
+    the kernels cannot run on CPU, so aot.capture (dev/kernel_tools) records their launches (the numbers are the
     interpreter test's: test_interp_compile_fullgraph_on_triton_backend)."""
     pytest.importorskip("triton")
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    from scalevec_kernels import aot
+    from dev.kernel_tools import aot
 
     graphs = {}
 

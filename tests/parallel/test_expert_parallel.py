@@ -22,7 +22,7 @@ ranks EP=2 x expert-FSDP=2, unified per-expert with Muon, baseline with AdamW an
 Not run here: the fused norm+SwiGLU kernel (model.kernels=triton, interpreted on CPU: minutes for a
 case). Under EP it gets the call it gets on one process, from the same RoutedExperts.compute: rows
 grouped by expert with their offsets and the per-expert scales of the rank's experts (a slice of rows);
-tests/kernels/test_swiglu_norm.py covers those, experts without rows included. scripts/ep_fused_kernel.py
+tests/kernels/test_swiglu_norm.py covers those, experts without rows included. dev/ep_fused_kernel.py
 runs these cases with the kernels against one process (20 steps passed, 2026-11-27, 196 s on 2 loaded cores).
 """
 

@@ -1,5 +1,6 @@
-"""What the kernel tests share: scale sites built the model's way, tolerances, and the child process
-that runs a file's test_interp_ tests under triton's interpreter.
+"""What the kernel tests share: scale sites built the model's way, tolerances, the child process that
+runs a file's test_interp_ tests under triton's interpreter, and launches captured without running them
+(dev/kernel_tools/aot.py).
 
 Triton reads TRITON_INTERPRET when @triton.jit decorates a kernel, i.e. when scalevec_kernels is first
 imported, which in a full test session has happened long before a kernel test file runs. So each kernel
@@ -68,7 +69,7 @@ def host_ops(call) -> tuple[collections.Counter, list[str]]:
     kernel path on CPU tensors, each launch recorded instead of run) and torch's profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    from scalevec_kernels import aot
+    from dev.kernel_tools import aot
 
     with aot.capture() as launches, profile(activities=[ProfilerActivity.CPU]) as prof:
         call()
@@ -81,3 +82,17 @@ def host_ops(call) -> tuple[collections.Counter, list[str]]:
 
     ops = collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::") and not inside_op(e))
     return ops, launches.calls
+
+
+def rms_norm_variants(n: int, k: int) -> list:
+    """The compile variants (aot.Variant) of K outputs with a residual at width n in bf16, forward and
+    backward, captured on CPU tensors."""
+    from dev.kernel_tools import aot
+    from scalevec_kernels import rms_norm_scales
+
+    with aot.capture() as captured:
+        x, r = (torch.randn(16, n, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        scales = [torch.ones(n, requires_grad=True) for _ in range(k)]
+        outs = rms_norm_scales(x, scales, 1e-6, residual=r, backend="triton")
+        torch.autograd.grad(outs, [x, r, *scales], [torch.ones_like(o) for o in outs])
+    return captured.variants

@@ -10,7 +10,7 @@ position and guard counters bit-identical to the uninterrupted 2-rank run. The a
 forked from the workers of one torchrun launch (tests/support/attempts.py), about 0.6 s of CPU per rank each,
 where a launch costs seconds. The test fails if a checkpoint is marked complete before its files, or if
 its data position is not that of its step (docs/reliability.md says how that was checked).
-scripts/kill_soak.py kills at random moments for longer.
+dev/kill_soak.py kills at random moments for longer.
 
 Failed writes: a full disk or an I/O error while a checkpoint is written stops the run on every rank
 with exit code 4 and one line naming the rank and the error; the previous complete checkpoint is

@@ -1,4 +1,4 @@
-"""What one MoE layer's forward and backward dispatch, counted on the CPU by scripts/moe_account.py (issue 49,
+"""What one MoE layer's forward and backward dispatch, counted on the CPU by dev/moe_account.py (issue 49,
 item 4): no host read on the grouped path, one on the loop (its split sizes), and at most the operators
 counted when the routing was last reworked, so that an added sync, launch or grouped GEMM shows here. The
 layer is moe-l1's: moe-2b's options (softmax, renormalized top-k, z-loss, no shared expert) at width 32,
@@ -23,7 +23,7 @@ BOUNDS = {("baseline", "grouped_mm"): (47, 53, [], 9),
 
 @pytest.fixture(scope="module")
 def account():
-    return load_script(REPO / "scripts" / "moe_account.py")
+    return load_script(REPO / "dev" / "moe_account.py")
 
 
 @pytest.mark.parametrize("scale,backend", list(BOUNDS))

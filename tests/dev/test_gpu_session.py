@@ -1,8 +1,8 @@
-"""scripts/gpu_session.sh short of a GPU: its dry run checks phase names, budgets and every command's
-arguments and prints the one-command plan; a plan over the device tool's limits, an unknown phase and a
-command that would fail at its start are refused. scripts/gpu_phase.py runs each phase: skipped when too
-little time is left, stopped at its limit or the deadline, and every process it started ended with it,
-torchrun-style workers in sessions of their own included."""
+"""dev/gpu_session.sh short of a GPU: its dry run checks phase names, budgets and every command's
+arguments and prints the one-command plan; a plan past its deadline, its command's timeout or the files
+copied back, an unknown phase and a command that would fail at its start are refused. dev/gpu_phase.py
+runs each phase: skipped when too little time is left, stopped at its limit or the deadline, and every
+process it started ended with it, torchrun-style workers in sessions of their own included."""
 
 import os
 import re
@@ -16,10 +16,10 @@ import pytest
 
 from tests.support.helpers import REPO
 
-SCRIPT = REPO / "scripts" / "gpu_session.sh"
-PHASE = REPO / "scripts" / "gpu_phase.py"
-# The device tool's limits: 900 s of device time a session, 8 files back from $OUT
-SESSION_S, FILES_BACK = 900, 8
+SCRIPT = REPO / "dev" / "gpu_session.sh"
+PHASE = REPO / "dev" / "gpu_phase.py"
+# The most files of $OUT that are copied back
+FILES_BACK = 8
 
 
 def session(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -29,31 +29,30 @@ def session(*args: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def plan(out: str) -> dict:
-    """The plan the dry run prints: phases in order with (estimate, limit, min), setup, the session."""
+    """The plan the dry run prints: phases in order with (estimate, limit, min), setup, deadline, files,
+    the command's timeout."""
     phases = {m.group(1): tuple(map(int, m.groups()[1:]))
               for m in re.finditer(r"^  (\S+) +(\d+) s +(\d+) s +(\d+) s  \S+  \(estimated", out, re.M)}
     setup = int(re.search(r"^  setup +(\d+) s", out, re.M).group(1))
     deadline = int(re.search(r"estimates: \d+ s of the (\d+) s deadline", out).group(1))
     files = int(re.search(r"files back: (\d+) of", out).group(1))
-    worst = int(re.search(r"session worst case: (\d+) s of", out).group(1))
-    command = int(re.search(r"timeout_s (\d+)", out).group(1))
-    return {"phases": phases, "setup": setup, "deadline": deadline, "files": files, "worst": worst,
-            "command": command}
+    command = int(re.search(r"under a timeout of (\d+) s", out).group(1))
+    return {"phases": phases, "setup": setup, "deadline": deadline, "files": files, "command": command}
 
 
-def test_the_default_plan_is_one_command_in_the_issues_order_that_fits_the_session():
+def test_the_default_plan_is_one_command_in_the_issues_order_that_fits_its_deadline():
     done = session("--dry-run")
     assert done.returncode in (0, 1), done.stdout + done.stderr  # 1: wheels missing, nothing else
     if done.returncode:
         assert "wheels: .whl/ lacks" in done.stdout
-        assert "bash ../shared/tools/gpu-wheels.sh $(cat scripts/gpu_wheels.txt)" in done.stdout
+        assert "bash ../shared/tools/gpu-wheels.sh $(cat dev/gpu_wheels.txt)" in done.stdout
     p = plan(done.stdout)
     # issue 49's order: the kernels, dense-1b compiled with kernels auto, then triton and torch alone,
     # moe-2b with a profile, tests/gpu, torchtitan
     assert list(p["phases"]) == ["kernels", "train-1b", "train-1b-kernels", "moe-2b", "gpu-tests", "torchtitan"]
     assert p["setup"] + sum(est for est, _, _ in p["phases"].values()) <= p["deadline"]
     assert all(minimum <= est <= limit for est, limit, minimum in p["phases"].values())
-    assert p["deadline"] + p["setup"] <= p["command"] <= 600 and p["worst"] <= SESSION_S
+    assert p["deadline"] + p["setup"] <= p["command"] <= 600  # a command of at most 10 minutes
     assert p["files"] <= FILES_BACK
     checked = done.stdout.split("commands:")[1]
     assert checked.count("  ok  ") == 7 and "FAIL" not in checked  # train-1b-kernels: triton, then torch
@@ -63,7 +62,7 @@ def test_the_default_plan_is_one_command_in_the_issues_order_that_fits_the_sessi
 
 
 @pytest.mark.parametrize("args,env,problem", [
-    (["kernels"], {"GPU_SESSION_DEADLINE": "530"}, "exceed the device command's 540 s"),
+    (["kernels"], {"GPU_SESSION_DEADLINE": "530"}, "exceed the command's timeout of 540 s"),
     (["kernels", "train-1b", "gpu-tests"], {"GPU_SESSION_DEADLINE": "200"},
      "the phases' estimates add up to 280 s with the setup, over the deadline of 200 s"),
     (["kernels", "train-1b", "gpu-tests", "torchtitan", "train-1b-eager", "muon", "train-2b"], {},
@@ -83,7 +82,7 @@ def test_the_checker_names_a_command_that_would_fail_at_its_start():
              ["python3", "scripts/bench_kernels.py", "--against", "nothing"],
              ["python3", "scripts/bench_nothing.py"],
              ["python3", "scripts/bench_kernels.py", "--ops", "rms_norm", "--against", "eager"]]
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_session_check.py")], cwd=REPO,
+    done = subprocess.run([sys.executable, str(REPO / "dev" / "gpu_session_check.py")], cwd=REPO,
                           input="\n".join(shlex.join(w) for w in lines), capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'kernels'}"})
     assert done.returncode == 1, done.stderr

@@ -1,4 +1,4 @@
-"""The bit-for-bit matrix (scripts/bit_matrix.py), quick: one case recorded and checked against the
+"""The bit-for-bit matrix (dev/bit_matrix.py), quick: one case recorded and checked against the
 recording (the same 12 steps, and the run resumed from the recorded step-6 checkpoint, equal to the
 last float), and the comparison naming a step that differs."""
 
@@ -13,7 +13,7 @@ def test_one_case_records_and_checks_identical(tmp_path, corpus_dir, monkeypatch
     """The script's main() in this process (its training runs are its own subprocesses still), on the
     suite's small corpus instead of the standard library: preparing that (a tokenizer trained on all of
     it, every file encoded) would cost most of the test and is not what it checks."""
-    matrix = load_script(REPO / "scripts" / "bit_matrix.py")
+    matrix = load_script(REPO / "dev" / "bit_matrix.py")
     monkeypatch.setattr(matrix, "COMMON", [*matrix.COMMON, "data=text_dir", f"data.path={corpus_dir}"])
 
     def main(*argv):
@@ -30,7 +30,7 @@ def test_one_case_records_and_checks_identical(tmp_path, corpus_dir, monkeypatch
 
 
 def test_a_difference_is_named_by_step():
-    matrix = load_script(REPO / "scripts" / "bit_matrix.py")
+    matrix = load_script(REPO / "dev" / "bit_matrix.py")
     want = {"loss": [[7, 5.25], [8, 5.125]], "grad_norm": [[7, 1.5], [8, 1.25]], "val_loss": [[9, 5.0]]}
     got = {"loss": [[7, 5.25], [8, 5.125000000000001]], "grad_norm": [[7, 1.5], [8, 1.25]], "val_loss": []}
     assert matrix.differences("case", want, got) == [

@@ -9,7 +9,7 @@
    beside it, read back alone and read back with CRC-32 and BLAKE2b. Each row is the median of --repeats
    saves into a fresh folder.
 
-    python scripts/bench_checksums.py --mb 1024 --repeats 5
+    python dev/bench_checksums.py --mb 1024 --repeats 5
 """
 
 import argparse

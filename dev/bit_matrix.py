@@ -1,7 +1,7 @@
 """The bit-for-bit matrix: what a redesign that must not change training runs before and after itself.
 
-    python scripts/bit_matrix.py record DIR     # the code as it is: every case's runs, into DIR
-    python scripts/bit_matrix.py check DIR      # the code as it is now, against what DIR recorded
+    python dev/bit_matrix.py record DIR     # the code as it is: every case's runs, into DIR
+    python dev/bit_matrix.py check DIR      # the code as it is now, against what DIR recorded
 
 Cases: dense-tiny and moe-tiny x baseline and unified x AdamW and Muon x 1 and 2 ranks (gloo on the
 CPU, torchrun): each a run of 12 steps with a checkpoint at step 6, and a second run resumed from that
@@ -109,7 +109,7 @@ def main() -> int:
     args.dir.mkdir(parents=True, exist_ok=True)
     results_path = args.dir / "results.json"
     if args.mode == "check" and not results_path.is_file():
-        sys.exit(f"error: {results_path} does not exist. Fix: record first (python scripts/bit_matrix.py record "
+        sys.exit(f"error: {results_path} does not exist. Fix: record first (python dev/bit_matrix.py record "
                  f"{args.dir}) with the code to compare against.")
     recorded = json.loads(results_path.read_text()) if results_path.is_file() else {}
     work = args.dir if args.mode == "record" else args.dir / "check"

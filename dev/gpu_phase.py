@@ -1,4 +1,4 @@
-"""Run one phase of a GPU session (scripts/gpu_session.sh) under its limit and the session's deadline, and
+"""Run one phase of the GPU plan (dev/gpu_session.sh) under its limit and the plan's deadline, and
 end every process it started, wherever it went.
 
 The phase runs for at most --limit seconds or until --grace seconds before the --deadline (a Unix
@@ -9,7 +9,7 @@ process of the phase carries a tag in its environment (inherited through fork, e
 torchrun alike), and when the phase ends, by itself or at its limit, every process that carries the tag
 is sent SIGTERM, then SIGKILL after the grace period.
 
-    python scripts/gpu_phase.py --name kernels --limit 120 --min 30 --deadline 1790000000 \
+    python dev/gpu_phase.py --name kernels --limit 120 --min 30 --deadline 1790000000 \
         --log out/kernels.md --report out/session.txt -- python3 scripts/bench_kernels.py ...
 
 The command's output goes to --log, which starts with the command line and ends with a status line
@@ -119,7 +119,7 @@ def main() -> None:
     p.add_argument("--name", required=True, help="the phase's name, for the report")
     p.add_argument("--limit", type=float, required=True, help="seconds the command may run")
     p.add_argument("--min", type=float, default=0, help="the least time worth starting it with, seconds")
-    p.add_argument("--deadline", type=float, default=float("inf"), help="the session's deadline, a Unix time")
+    p.add_argument("--deadline", type=float, default=float("inf"), help="the plan's deadline, a Unix time")
     p.add_argument("--grace", type=float, default=10, help="seconds between SIGTERM and SIGKILL")
     p.add_argument("--log", type=Path, required=True, help="file for the command's output")
     p.add_argument("--report", type=Path, required=True, help="file that gets one line about the phase")

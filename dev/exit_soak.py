@@ -2,7 +2,7 @@
 scalevec_train.train (gloo on the CPU) and counts how each rank exited (docs/reliability.md, "Leaving
 cleanly").
 
-    python scripts/exit_soak.py --launches 200 --out /tmp/exit_soak     # both cores kept busy beside it
+    python dev/exit_soak.py --launches 200 --out /tmp/exit_soak     # both cores kept busy beside it
 
 Cases, taken in turn: `adamw` (a finished dense run), `muon` (a finished Muon run with unified scales,
 whose optimizer talks over FSDP's mesh), `async` (checkpoints written in the background over their own

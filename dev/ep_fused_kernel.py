@@ -1,7 +1,7 @@
 """Expert parallelism with the fused norm+SwiGLU kernel: the companion of tests/parallel/test_expert_parallel.py
 for the one composition it leaves out (issue 38), because the kernel, interpreted on a CPU, costs minutes.
 
-    TRITON_INTERPRET=1 python scripts/ep_fused_kernel.py --steps 20
+    TRITON_INTERPRET=1 python dev/ep_fused_kernel.py --steps 20
 
 Runs test_expert_parallel's cases with model.kernels=triton on 2 gloo ranks at EP=2 (its machinery, batches
 and tolerances): unified with per-expert sites (gate and up normalized, so the experts' SwiGLU is the fused

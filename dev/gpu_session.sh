@@ -1,26 +1,26 @@
 #!/usr/bin/env bash
-# The GPU checks and measurements of the project as ONE device command, most valuable phase first, under
-# an internal deadline: a lent GPU machine gives a session 15 min of device time in all (its start, every
-# command, the idle wait and the hand-back), so the default plan is one command of under 9 minutes. The
-# GPU host has Python 3.12, torch 2.11, Triton 3.6, transformers, sentencepiece and pytest-xdist, and no
-# registry, hydra-core or datasets: the missing pure-Python packages travel as wheels in .whl/.
+# The project's GPU checks and measurements as one command under one deadline, most valuable phase first:
+# the whole plan runs within DEADLINE_S seconds of its start (GPU_SESSION_DEADLINE, default 515), inside
+# the command's timeout of COMMAND_S (540) seconds. The GPU host it is written for has Python 3.12, torch 2.11, Triton 3.6,
+# transformers, sentencepiece and pytest-xdist, and no package registry, hydra-core or datasets: the
+# missing pure-Python packages are installed from wheels in .whl/.
 #
-#   bash ../shared/tools/gpu-wheels.sh $(cat scripts/gpu_wheels.txt)   # here, with the registry: fills .whl/
-#   bash scripts/gpu_session.sh --dry-run [PHASE ...]     # here, no GPU needed: checks, then prints the plan
-#   bash scripts/gpu_session.sh [PHASE ...]               # there: device run, carry [".whl"], timeout_s 540
+#   bash ../shared/tools/gpu-wheels.sh $(cat dev/gpu_wheels.txt)   # with a registry at hand: fills .whl/
+#   bash dev/gpu_session.sh --dry-run [PHASE ...]     # no GPU needed: checks, then prints the plan
+#   bash dev/gpu_session.sh [PHASE ...]               # on the GPU host, .whl/ in the checkout, timeout 540 s
 #
 # No PHASE: the default plan (PLAN below). Each phase starts only if at least its MIN seconds are left
 # before the deadline (GPU_SESSION_DEADLINE seconds after the start, default DEADLINE_S), and runs for at
-# most its LIMIT or what is left, whichever is less; scripts/gpu_phase.py ends every process it started,
+# most its LIMIT or what is left, whichever is less; dev/gpu_phase.py ends every process it started,
 # torchrun's workers included, before the next phase starts. Each phase writes its log into $OUT as it
 # goes (the benchmarks print each row when it is measured), and session.txt gets the device, the versions
 # and one line per phase (status, wall seconds, limit) as each phase ends: a command cut short still
-# brings back what finished. The dry run checks the phase names, the wheels, every command's arguments
-# (scripts/gpu_session_check.py), that the plan's estimates fit its deadline, that the deadline fits the
-# device command and the command the session's device time with a machine's start and the hand-back,
-# and that no more files come back than the device tool returns; it exits 2 on a plan error, 1 when only
-# wheels are missing. GPU_SESSION_LIMIT_<PHASE> (upper case, '-' as '_') overrides a phase's limit.
-# docs/benchmarks.md says how each estimate was made; session.txt tells the next visit how wrong it was.
+# leaves what finished. The dry run checks the phase names, the wheels, every command's arguments
+# (dev/gpu_session_check.py), that the plan's estimates fit its deadline, that the deadline and the setup
+# fit the command's timeout, and that $OUT gets no more files than FILES_BACK; it exits 2 on a plan error,
+# 1 when only wheels are missing. GPU_SESSION_LIMIT_<PHASE> (upper case, '-' as '_') overrides a phase's
+# limit. docs/benchmarks.md says how each estimate was made; session.txt's wall seconds beside each
+# estimate say how far off it was.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,17 +39,16 @@ declare -A LOG=([kernels]=kernels.md [train-1b]=train_1b.md [train-1b-kernels]=t
                 [train-1b-eager]=train_1b_eager.md [train-2b]=train_2b.md [muon]=muon.md [suite]=cpu_suite.log)
 # Files a phase writes into $OUT besides its log
 declare -A EXTRA_FILES=([kernels]=1)
-# The device tool's limits and the costs around the phases: a machine's start (a minute or two), the tree
-# and $OUT copied, the hand-back, the setup of the command (pip-installing .whl, session.txt's torch
-# import), and the grace a phase gets to die at its limit.
-SESSION_S=900 COMMAND_S=540 START_S=150 TRANSFER_S=20 HANDBACK_S=15 SETUP_S=20 GRACE_S=10 FILES_BACK=8
+# The command's timeout, the setup before the first phase (pip-installing .whl, session.txt's torch
+# import), the grace a phase gets to die at its limit, and the most files of $OUT that are copied back.
+COMMAND_S=540 SETUP_S=20 GRACE_S=10 FILES_BACK=8
 DEADLINE_S=${GPU_SESSION_DEADLINE:-515}
-# What ../shared/tools/gpu-wheels.sh always fetches, before the specs of scripts/gpu_wheels.txt
+# What ../shared/tools/gpu-wheels.sh always fetches, before the specs of dev/gpu_wheels.txt
 BASE_WHEELS="hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3"
 # Import names the suite uses that the GPU host lacks (its tests skip there); hidden in the dry run's collection
 HOST_LACKS="datasets wandb hydra_plugins.hydra_submitit_launcher"
 
-# Each phase's commands, through cmd: run, or under --dry-run written down for scripts/gpu_session_check.py.
+# Each phase's commands, through cmd: run, or under --dry-run written down for dev/gpu_session_check.py.
 cmd() {
   if [ -n "$dry" ]; then printf '%q ' "$@" >> "$checks" && echo >> "$checks"; else "$@"; fi
 }
@@ -97,7 +96,7 @@ phase_train_2b() {  # moe-2b runs whatever dense-2b's outcome; the phase fails i
 phase_muon() {
   cmd "$py" scripts/bench_train.py --presets dense-1b --scales baseline --seq-len 4096 --micro-batch 4 -- optim=muon
 }
-# Not in the plan: the CPU suite, on a visit with time to spare
+# Not in the default plan: the CPU suite on the GPU host (name the phase to run it)
 phase_suite() {  # the CPU suite (GPUs hidden, as on any machine), each test file on one of 12 workers
   cmd "$py" -m pytest -q -p no:cacheprovider -n 12 --dist loadfile
 }
@@ -108,7 +107,7 @@ limit() { local var=GPU_SESSION_LIMIT_${1^^}; var=${var//-/_}; echo "${!var:-${L
 dry=
 [ "${1:-}" = --dry-run ] && { dry=1; shift; }
 if [ $# -gt 0 ]; then phases=("$@"); else phases=("${PLAN[@]}"); fi
-for name in "${phases[@]}"; do  # every name checked before any device time is spent
+for name in "${phases[@]}"; do  # every name checked before anything runs
   [ -n "${LIMIT[$name]+x}" ] || error "unknown phase '$name'. Fix: use some of: ${!LIMIT[*]}."
 done
 for name in "${!LIMIT[@]}"; do
@@ -120,29 +119,27 @@ for name in "${!LIMIT[@]}"; do
   [[ $value =~ ^[1-9][0-9]*$ ]] || error "the limit of $name is '$value'. Fix: a whole number of seconds."
 done
 [[ $DEADLINE_S =~ ^[1-9][0-9]*$ ]] || error "GPU_SESSION_DEADLINE is '$DEADLINE_S'. Fix: a whole number of seconds."
-# Budgets, before anything runs: a command over the device tool's limit is killed whole, files past the
-# limit do not come back, and a plan past the session's device time never finishes.
+# Budgets, before anything runs: a command past its timeout is killed whole (the phase it cuts leaves no
+# status line), files past FILES_BACK are not copied back, and a plan estimated past its deadline would
+# skip its last phases.
 [ $((DEADLINE_S + SETUP_S)) -le "$COMMAND_S" ] || error "the deadline ($DEADLINE_S s) and the setup ($SETUP_S s) \
-exceed the device command's $COMMAND_S s. Fix: lower GPU_SESSION_DEADLINE."
-session_worst=$((START_S + COMMAND_S + TRANSFER_S + HANDBACK_S))
-[ "$session_worst" -le "$SESSION_S" ] || error "a machine's start, the $COMMAND_S s command, copying and the \
-hand-back take up to $session_worst s, over the session's $SESSION_S s of device time."
+exceed the command's timeout of $COMMAND_S s. Fix: lower GPU_SESSION_DEADLINE."
 files=1
 estimate=$SETUP_S
 for name in "${phases[@]}"; do
   files=$((files + 1 + ${EXTRA_FILES[$name]:-0}))
   estimate=$((estimate + EST[$name]))
 done
-[ "$files" -le "$FILES_BACK" ] || error "these phases write $files files into \$OUT; the device tool brings back \
-$FILES_BACK. Fix: run fewer phases in one command."
+[ "$files" -le "$FILES_BACK" ] || error "these phases write $files files into \$OUT; $FILES_BACK are copied \
+back. Fix: run fewer phases in one command."
 [ "$estimate" -le "$DEADLINE_S" ] || error "the phases' estimates add up to $estimate s with the setup, over \
-the deadline of $DEADLINE_S s. Fix: leave out a phase (name the others) or move it to a later visit."
+the deadline of $DEADLINE_S s. Fix: leave out a phase (name the others) and run it in a command of its own."
 
 if [ -n "$dry" ]; then
   py=${PYTHON:-python3}
   [ -n "${PYTHON:-}" ] || [ ! -x .venv/bin/python ] || py=.venv/bin/python
   export PYTHONPATH=$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}
-  echo "plan: one device command (run with carry [\".whl\"] and timeout_s $COMMAND_S): bash scripts/gpu_session.sh $*"
+  echo "plan: one command, .whl/ in the checkout, under a timeout of $COMMAND_S s: bash dev/gpu_session.sh $*"
   printf '  %-16s %9s %6s %5s  %s\n' phase "estimate" limit min "log in \$OUT"
   printf '  %-16s %7d s %6s %5s  %s\n' setup "$SETUP_S" - - session.txt
   end=$SETUP_S
@@ -152,11 +149,9 @@ if [ -n "$dry" ]; then
       "${MIN[$name]}" "${LOG[$name]}" "$end"
   done
   echo "  estimates: $estimate s of the $DEADLINE_S s deadline; files back: $files of $FILES_BACK"
-  echo "session worst case: $session_worst s of $SESSION_S (a machine's start $START_S s, the command \
-$COMMAND_S s, copying $TRANSFER_S s, the hand-back $HANDBACK_S s)"
   status=0
   missing=()
-  specs=($BASE_WHEELS $(cat scripts/gpu_wheels.txt))
+  specs=($BASE_WHEELS $(cat dev/gpu_wheels.txt))
   shopt -s nocaseglob
   for spec in "${specs[@]}"; do  # a wheel's file name starts with the project name, '-' and '.' as '_'
     name=${spec%%==*}
@@ -165,17 +160,17 @@ $COMMAND_S s, copying $TRANSFER_S s, the hand-back $HANDBACK_S s)"
   dupes=$(ls .whl/*.whl 2>/dev/null | sed 's|.*/||; s|-.*||' | tr 'A-Z' 'a-z' | sort | uniq -d | tr '\n' ' ')
   [ -z "$dupes" ] || { echo "wheels: .whl/ holds two versions of: $dupes(pip would refuse them all)."; status=2; }
   if [ ${#missing[@]} -eq 0 ]; then
-    echo "wheels: .whl/ holds the ${#specs[@]} that gpu-wheels.sh and scripts/gpu_wheels.txt name"
+    echo "wheels: .whl/ holds the ${#specs[@]} that gpu-wheels.sh and dev/gpu_wheels.txt name"
   else
     echo "wheels: .whl/ lacks ${missing[*]}. Fix, from the repository root, with the package registry:"
-    echo "  bash ../shared/tools/gpu-wheels.sh \$(cat scripts/gpu_wheels.txt)"
+    echo "  bash ../shared/tools/gpu-wheels.sh \$(cat dev/gpu_wheels.txt)"
     [ "$status" -ne 0 ] || status=1
   fi
   checks=$(mktemp)
   out=${OUT:-gpu_out}
   for name in "${phases[@]}"; do "phase_${name//-/_}"; done
   echo "commands:"
-  "$py" scripts/gpu_session_check.py --host-lacks "$HOST_LACKS" < "$checks" || status=2
+  "$py" dev/gpu_session_check.py --host-lacks "$HOST_LACKS" < "$checks" || status=2
   rm -f "$checks"
   exit "$status"
 fi
@@ -201,11 +196,11 @@ deadline=$(($(date +%s) + DEADLINE_S - (SECONDS - begin)))
 for name in "${phases[@]}"; do
   fn=phase_${name//-/_}
   export -f cmd "$fn"
-  "$py" scripts/gpu_phase.py --name "$name" --limit "$(limit "$name")" --min "${MIN[$name]}" --deadline "$deadline" \
+  "$py" dev/gpu_phase.py --name "$name" --limit "$(limit "$name")" --min "${MIN[$name]}" --deadline "$deadline" \
     --grace "$GRACE_S" --log "$out/${LOG[$name]}" --report "$report" --note " estimate=${EST[$name]}s" -- bash -c "$fn"
   [ $? -eq 125 ] && continue  # skipped: too little time left
   echo "== $name (${LOG[$name]})"
   tail -n 25 "$out/${LOG[$name]}"
 done
-echo "== session ($((SECONDS - begin)) s)"
+echo "== session.txt ($((SECONDS - begin)) s)"
 cat "$report"

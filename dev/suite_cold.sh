@@ -4,7 +4,7 @@
 # One line per run (exit status, seconds, load average, pytest's summary) to stdout and to OUT/summary.txt,
 # each run's log beside it (the 80 slowest tests at its end). docs/reliability.md, "The test suite".
 #
-#   bash scripts/suite_cold.sh [COMMIT] [N] [OUT]      (defaults: HEAD, 1, /tmp/suite_cold)
+#   bash dev/suite_cold.sh [COMMIT] [N] [OUT]      (defaults: HEAD, 1, /tmp/suite_cold)
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 commit=$(git -C "$repo" rev-parse --short "${1:-HEAD}") || exit 2

@@ -4,12 +4,13 @@ distinct launch variant with its tile, warps, registers, spills, shared memory a
 The launches come from the real launch code: every preset of configs/model is built (one layer, a
 small vocabulary: neither changes a kernel launch) with model.kernels=triton under each strategy that
 changes the launches, and run forward and backward on a few tokens in fp32 and under bf16 autocast
-inside scalevec_kernels.aot.capture, which records each launch instead of running it. Presets with the
+inside kernel_tools.aot.capture, which records each launch instead of running it. Presets with the
 same widths launch the same variants and run once. Each distinct variant is then compiled with the
-local venv's Triton for sm_80 and sm_90 (scalevec_kernels.aot.compile_variant). Beside the presets,
-LIMITS lists the widest calls the kernel library takes (not launched by any preset).
+local venv's Triton for sm_80 and sm_90 (kernel_tools.aot.compile_variant). Beside the presets,
+LIMIT_WIDTHS gives the widest calls the kernel library takes (not launched by any preset).
 
-    python scripts/kernel_table.py [--cc 80 90] [--presets dense-1b moe-2b] [--traffic]
+    python dev/kernel_table.py [--cc 80 90] [--presets dense-1b moe-2b] [--traffic]
+    python dev/kernel_table.py --record     # after a kernel or launch changed: the compile the tests read
 
 Prints a markdown table for docs/benchmarks.md ("Kernels compiled, not yet timed") and exits 1 when a
 preset's variant spills or needs more shared memory than a block may have; with --traffic, also when a
@@ -29,21 +30,24 @@ import re
 import sys
 from pathlib import Path
 
-import torch
-
-from scalevec_kernels import aot, rms_norm_scales, swiglu_norm, traffic
-from scalevec_train.config import compose_config
-from scalevec_train.infra.errors import ScalevecError
-from scalevec_train.model.transformer import Transformer
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402  (after the checkout's root is importable: dev.kernel_tools)
+
+from dev.kernel_tools import aot, traffic  # noqa: E402
+from scalevec_kernels import rms_norm_scales, swiglu_norm  # noqa: E402
+from scalevec_train.config import compose_config  # noqa: E402
+from scalevec_train.infra.errors import ScalevecError  # noqa: E402
+from scalevec_train.model.transformer import Transformer  # noqa: E402
+
 # Captured launches and compiled usage, by what they depend on (a fresh clone starts empty).
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "scalevec" / "kernel_aot"
 # The sm_90 compile of every preset variant (with the SASS of each code path), as `--record` wrote it from
 # a real compile: read where an entry's key (the kernel's source, the variant, the target) and the Triton
 # version match, so that a fresh clone does not compile them all again (minutes of CI) and a changed kernel
 # still compiles anew. tests/kernels/test_compile_ahead.py checks it against the compiler.
-RECORD = REPO / "scripts" / "kernel_record.json"
+RECORD = REPO / "dev" / "kernel_tools" / "kernel_record.json"
 PRESETS = sorted(p.stem for p in (REPO / "configs" / "model").glob("*.yaml"))
 # The strategies whose kernel launches differ (K outputs and scaled slots, residual, per-head and output
 # norms, per-expert scales); or/er/iwd/wd_all launch what baseline or unified launch.
@@ -125,12 +129,13 @@ def preset_launches(presets=PRESETS) -> tuple[dict[aot.Variant, list[str]], dict
 
 def _sources_hash() -> str:
     """Changes with anything that can change the presets' launches: the kernels' launch code, the model,
-    the configs, this script, torch and triton."""
+    the configs, this script and its capture, torch and triton."""
     import triton
 
     h = hashlib.sha256(f"{torch.__version__}-{triton.__version__}".encode())
     for pattern in ("kernels/scalevec_kernels/*.py", "scalevec_train/model/*.py", "scalevec_train/*.py",
-                    "configs/**/*.yaml", "scripts/kernel_table.py"):
+                    "configs/**/*.yaml", "dev/kernel_table.py",
+                    "dev/kernel_tools/aot.py"):
         for path in sorted(REPO.glob(pattern)):
             h.update(path.relative_to(REPO).as_posix().encode() + path.read_bytes())
     return h.hexdigest()[:16]
@@ -326,7 +331,8 @@ def main(argv=None) -> int:
     parser.add_argument("--traffic", action="store_true",
                         help="then the memory traffic of the GPU presets' bf16 variants on an H200 (sm_90)")
     parser.add_argument("--record", action="store_true",
-                        help=f"only write scripts/{RECORD.name}, the compile the tests read (after a kernel changed)")
+                        help=f"only write {RECORD.relative_to(REPO)}, the compile the tests read (after a kernel "
+                             "or launch changed)")
     args = parser.parse_args(argv)
     import triton
 

@@ -1,7 +1,7 @@
 """Kills at random moments: the longer, randomized companion of tests/training/test_faults.py
 (docs/reliability.md, "Kills at any moment").
 
-    python scripts/kill_soak.py --kills 300 --out /tmp/kill_soak
+    python dev/kill_soak.py --kills 300 --out /tmp/kill_soak
 
 Trains 2-rank runs (gloo on the CPU; attempts forked from one torchrun launch, tests/support/attempts.py), with
 synchronous and asynchronous saves in turn, and kills every attempt, with SIGKILL to one rank or to

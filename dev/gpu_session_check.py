@@ -1,4 +1,4 @@
-"""Checks the commands of a GPU session without a GPU (scripts/gpu_session.sh --dry-run runs it): that each
+"""Checks the commands of the GPU plan without a GPU (dev/gpu_session.sh --dry-run runs it): that each
 would get past its start on the GPU host.
 
 Reads one command a line on stdin, shell-quoted (`env VAR=VALUE ...` in front allowed), and checks
@@ -11,7 +11,7 @@ Reads one command a line on stdin, shell-quoted (`env VAR=VALUE ...` in front al
                                 of --host-lacks hidden (tests/support/hide_packages.py), as on the GPU host
 Prints one line per command; exits 1 if any would fail.
 
-    python scripts/gpu_session_check.py --host-lacks "datasets wandb" < commands
+    python dev/gpu_session_check.py --host-lacks "datasets wandb" < commands
 """
 
 import argparse
@@ -117,7 +117,7 @@ def check(line: str, host_lacks: str) -> str:
     if not (ROOT / argv[0]).is_file():
         raise CheckFailed(f"{argv[0]} does not exist")
     if name not in checks:
-        raise CheckFailed(f"no check for {argv[0]}: add one to scripts/gpu_session_check.py")
+        raise CheckFailed(f"no check for {argv[0]}: add one to dev/gpu_session_check.py")
     return checks[name](argv[1:])
 
 

@@ -2,8 +2,8 @@
 kernel launch on a GPU in eager mode), the bytes each reads and writes, the grouped matrix multiplies
 and their shapes, and the host reads (issue 49, item 4).
 
-    python scripts/moe_account.py                                # moe-2b's layer, 16,384 tokens, baseline and unified
-    python scripts/moe_account.py --preset moe-0.5b --tokens 2048 --scales baseline
+    python dev/moe_account.py                                # moe-2b's layer, 16,384 tokens, baseline and unified
+    python dev/moe_account.py --preset moe-0.5b --tokens 2048 --scales baseline
 
 One MoE layer of the preset (its real widths, experts and top-k) runs forward and backward under bf16
 autocast with random weights and balanced routing (the expert bias cancels the router's preference, as

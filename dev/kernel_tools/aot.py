@@ -1,4 +1,4 @@
-"""The kernels compiled ahead of time, without a GPU: which launch variants a workload makes, and what
+"""scalevec_kernels' kernels compiled ahead of time, without a GPU: which launch variants a workload makes, and what
 each costs in registers, spills, shared memory and occupancy on a given GPU architecture.
 
     with capture() as launches:     # the ops record their launches instead of running the kernels,
@@ -27,18 +27,20 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 
-from . import backend, sass
-from .errors import KernelError
+from scalevec_kernels import backend
+from scalevec_kernels.errors import KernelError
+
+from . import sass
 
 # Per architecture (compute capability): shared memory one block may use, and per SM.
 SHARED_PER_BLOCK = {80: 163 * 1024, 90: 227 * 1024}
 SHARED_PER_SM = {80: 164 * 1024, 90: 228 * 1024}
 MAX_WARPS_PER_SM, MAX_BLOCKS_PER_SM = 64, 32
-# The kernels by module (imported by name: the package's names rms_norm etc. are the functions, see
-# __init__.py), and the modules that route a call to them or to the reference.
+# The kernels by module of scalevec_kernels (imported by name: the package's names rms_norm etc. are the
+# functions, see its __init__.py), and the modules that route a call to them or to the reference.
 _KERNELS = {"rms_norm": ("_fwd_kernel", "_bwd_kernel"), "swiglu_norm": ("_fwd_kernel", "_bwd_kernel"),
             "partials": ("_reduce_kernel",)}
-_ROUTING_MODULES = tuple(importlib.import_module(f"{__package__}.{m}")
+_ROUTING_MODULES = tuple(importlib.import_module(f"scalevec_kernels.{m}")
                          for m in ("rms_norm", "swiglu_norm", "head_rms_norm"))
 
 
@@ -69,7 +71,7 @@ class Variant:
     def fn(self):
         """The kernel's JITFunction (looked up by name, so that a variant pickles)."""
         module, name = self.kernel.split(".")
-        fn = getattr(importlib.import_module(f"{__package__}.{module}"), name)
+        fn = getattr(importlib.import_module(f"scalevec_kernels.{module}"), name)
         return fn.fn if isinstance(fn, _Recorder) else fn
 
     def dtype(self, arg: str) -> str:
@@ -192,7 +194,7 @@ def capture(sm_count: int = 132) -> Iterator[Launches]:
 
     try:
         for module, names in _KERNELS.items():
-            module = importlib.import_module(f"{__package__}.{module}")
+            module = importlib.import_module(f"scalevec_kernels.{module}")
             for name in names:
                 patch(module, name, _Recorder(getattr(module, name), launches))
         patch(backend, "sm_count", lambda device: sm_count)

@@ -26,8 +26,8 @@ stores with loads, so at least two are asked for as well.
 import dataclasses
 import importlib
 
-from . import backend
-from .backend import IN_FLIGHT_NEEDED, MIN_PROGRAMS_PER_SM, active_share, l2_holds, rows_in_progress
+from scalevec_kernels import backend
+from scalevec_kernels.backend import IN_FLIGHT_NEEDED, MIN_PROGRAMS_PER_SM, active_share, l2_holds, rows_in_progress
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -63,7 +63,7 @@ class Traffic:
 def row_args(variant) -> tuple[str, ...]:
     """The kernel's large ([rows, N]) tensor arguments, as its module declares them (ROW_ARGS)."""
     module, name = variant.kernel.split(".")
-    return importlib.import_module(f"{__package__}.{module}").ROW_ARGS[name]
+    return importlib.import_module(f"scalevec_kernels.{module}").ROW_ARGS[name]
 
 
 def programs_per_sm(variant, usage) -> int:
