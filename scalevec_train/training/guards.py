@@ -1,4 +1,4 @@
-"""What keeps a run alive through bad numbers and pre-emption (docs/reliability.md): the bookkeeping of
+"""What keeps a run alive through bad numbers and pre-emption (docs/guides/reliability.md): the bookkeeping of
 the non-finite-step guard and the loss-spike log, the SIGTERM stop request, and the fault injection
 (a wrapper around the training loss) the tests use to exercise them."""
 
@@ -13,7 +13,7 @@ import torch
 from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.training.trainer import Callback, Trainer
 
-# Fault injection for testing the numerical guards (docs/reliability.md), unset in real runs: steps
+# Fault injection for testing the numerical guards (docs/guides/reliability.md), unset in real runs: steps
 # whose loss is made NaN (SCALEVEC_FAULT_NAN_STEPS=3,4), and steps whose loss stays finite while its
 # gradient is made infinite (SCALEVEC_FAULT_INF_GRAD_STEPS=5). A step applies to every rank, step@rank
 # (3@1) to that rank only.
