@@ -1,4 +1,4 @@
-"""What checksums cost (docs/reliability.md, "Checksums"): prints two tables.
+"""What checksums cost (docs/guides/reliability.md, "Checksums"): prints two tables.
 
 1. Throughput of candidate hashes on one core, on a buffer in memory: zlib's CRC-32 and Adler-32,
    hashlib's BLAKE2b and SHA-256, xxhash's XXH64, XXH3-64 (what scalevec records) and XXH3-128, and

@@ -1,5 +1,5 @@
 """Do 2-rank runs leave cleanly, every time? Launches many short `torchrun --nproc_per_node=2` runs of
-scalevec_train.train (gloo on the CPU) and counts how each rank exited (docs/reliability.md, "Leaving
+scalevec_train.train (gloo on the CPU) and counts how each rank exited (docs/guides/reliability.md, "Leaving
 cleanly").
 
     python dev/exit_soak.py --launches 200 --out /tmp/exit_soak     # both cores kept busy beside it

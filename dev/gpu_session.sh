@@ -19,14 +19,14 @@
 # (dev/gpu_session_check.py), that the plan's estimates fit its deadline, that the deadline and the setup
 # fit the command's timeout, and that $OUT gets no more files than FILES_BACK; it exits 2 on a plan error,
 # 1 when only wheels are missing. GPU_SESSION_LIMIT_<PHASE> (upper case, '-' as '_') overrides a phase's
-# limit. docs/benchmarks.md says how each estimate was made; session.txt's wall seconds beside each
+# limit. dev/README.md says how each estimate was made; session.txt's wall seconds beside each
 # estimate say how far off it was.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 PLAN=(kernels train-1b train-1b-kernels moe-2b gpu-tests torchtitan)
 # Per phase: the estimate (s), the limit (s), the least time worth starting it with (s), its log in $OUT.
-# The estimates are the walls measured on an H200 on 2026-11-26 (docs/benchmarks.md), rounded up by a
+# The estimates are the walls measured on an H200 on 2026-11-26 (docs/benchmarks/2026-11-26-h200.md), rounded up by a
 # quarter or more, and scaled by the work a phase added since; the limits leave room for a slower compile.
 declare -A EST=([kernels]=100 [train-1b]=90 [train-1b-kernels]=60 [moe-2b]=90 [gpu-tests]=70 [torchtitan]=80
                 [train-1b-eager]=35 [muon]=35 [train-2b]=100 [suite]=90)

@@ -12,7 +12,7 @@ LIMIT_WIDTHS gives the widest calls the kernel library takes (not launched by an
     python dev/kernel_table.py [--cc 80 90] [--presets dense-1b moe-2b] [--traffic]
     python dev/kernel_table.py --record     # after a kernel or launch changed: the compile the tests read
 
-Prints a markdown table for docs/benchmarks.md ("Kernels compiled, not yet timed") and exits 1 when a
+Prints a markdown table for docs/benchmarks/cpu.md ("Kernels compiled for sm_80 and sm_90") and exits 1 when a
 preset's variant spills or needs more shared memory than a block may have; with --traffic, also when a
 GPU preset's bf16 variant breaks a traffic bound (each one disassembled:
 tests/kernels/test_compile_ahead.py reads one SASS per code path, see code_paths).

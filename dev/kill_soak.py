@@ -1,5 +1,5 @@
 """Kills at random moments: the longer, randomized companion of tests/training/test_faults.py
-(docs/reliability.md, "Kills at any moment").
+(docs/guides/reliability.md, "Kills at any moment").
 
     python dev/kill_soak.py --kills 300 --out /tmp/kill_soak
 

@@ -2,7 +2,7 @@
 # The CI run as a new CI machine makes it, N times in a row: a fresh clone of COMMIT, `CI=true bash .ci/run`,
 # with torch's inductor and Triton caches and scalevec's kernel cache empty (pip's package cache kept).
 # One line per run (exit status, seconds, load average, pytest's summary) to stdout and to OUT/summary.txt,
-# each run's log beside it (the 80 slowest tests at its end). docs/reliability.md, "The test suite".
+# each run's log beside it (the 80 slowest tests at its end). dev/README.md, "The test suite".
 #
 #   bash dev/suite_cold.sh [COMMIT] [N] [OUT]      (defaults: HEAD, 1, /tmp/suite_cold)
 set -uo pipefail

@@ -78,7 +78,8 @@ class Config:
         self.tasks.validate()
         if self.model.parameterization == "mup" and self.optim.name == "muon" and self.optim.muon_router:
             raise ScalevecError("optim.muon_router", "under model.parameterization=mup the router is a readout "
-                                "(its logits scaled by 1 / m_N), whose rule is AdamW's (docs/parameterization.md).",
+                                "(its logits scaled by 1 / m_N), whose rule is AdamW's "
+                                "(docs/concepts/parameterization.md).",
                                 "set optim.muon_router=false.")
         if self.train.seq_len > self.model.max_seq_len:
             raise ScalevecError("train.seq_len", f"{self.train.seq_len} is longer than the model's "

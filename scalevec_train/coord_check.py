@@ -1,6 +1,6 @@
 """`python -m scalevec_train.coord_check [overrides...] [widths=1,2,4,8,16] [depths=1,2,4,8] [steps=4]
 [grow=heads] [bound=0.25] [out=coord_check]`: does the parameterization keep every coordinate's update the
-same size as the model grows? (docs/parameterization.md, "The coordinate check").
+same size as the model grows? (docs/concepts/parameterization.md, "The coordinate check").
 
 The model the overrides compose (model, scale, optim, model.parameterization, optim.lr, ...) is the base: it
 is trained at `widths` times its width (dim, ffn_dim, expert widths; `grow=heads` adds heads of the same

@@ -1,7 +1,7 @@
 """Training entry point: `python -m scalevec_train.train [hydra overrides]` (or under torchrun).
 
 config -> build (data + model + optimizer + trainer and callbacks) -> fit -> metrics and checkpoints.
-What survives crashes, signals and bad numbers, and how failures are reported: docs/reliability.md.
+What survives crashes, signals and bad numbers, and how failures are reported: docs/guides/reliability.md.
 """
 
 import json

@@ -1,5 +1,5 @@
 """Per-seed paired differences of run groups against a baseline group, and the share of a unified arm's gap
-each closes (scripts/run_study.sh adamw_l3; docs/results.md, "Why unified loses under AdamW at dense-l3").
+each closes (scripts/run_study.sh adamw_l3; docs/results/why-unified-loses-under-adamw.md).
 
     python scripts/arm_report.py OUT.md --baseline PREFIX --unified PREFIX PREFIX... [--over-training GAP.md]
 

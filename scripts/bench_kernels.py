@@ -25,7 +25,7 @@ with the byte model forward M(3Fb + 8), backward M(5Fb + 8) plus the partials of
     python scripts/bench_kernels.py [--ops rms_norm swiglu_norm] [--against eager compile liger]
         [--m 8192 16384 32768] [--n 768 1024 2048 4096] [--k 1 2 3] [--f 1024 2304 4096 8192] [--experts 0 8]
 
-Prints markdown tables (with device, versions and date) to paste into docs/benchmarks.md, then the
+Prints markdown tables (with device, versions and date) to paste into docs/benchmarks/<date>-<device>.md, then the
 issue's targets that the fused RMSNorm kernels miss and the shapes where fused SwiGLU is not the fastest.
 """
 

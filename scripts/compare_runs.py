@@ -62,9 +62,9 @@ less), read two ways:
                   bootstrap intervals over seeds (--bootstrap resamples).
 Both per point and as the geometric mean over a series' points, with the laws' residuals (loss - law).
 Pass trunks and branches together. Writes OUT/efficiency.png, OUT/efficiency.md and OUT/efficiency.csv;
-docs/experiments.md ("Compute efficiency") says which to read when they disagree.
+docs/guides/experiments.md ("Compute efficiency") says which to read when they disagree.
 
---diagnostics mode draws the diag/* metrics of runs trained with train.diagnostics_every (docs/experiments.md,
+--diagnostics mode draws the diag/* metrics of runs trained with train.diagnostics_every (docs/guides/experiments.md,
 "Diagnostics") over training, a column per run (e.g. baseline against unified), to OUT/diagnostics.png:
 the residual stream's RMS and the largest attention logit per layer; per kind of linear map (mean over
 the layers) the update-to-weight ratio, the gain of the input-side scale on the column norms, and the

@@ -1,4 +1,4 @@
-"""The ladder study's own tables (scripts/run_study.sh ladder; docs/results.md, "The ladder").
+"""The ladder study's own tables (scripts/run_study.sh ladder; docs/results/compute-multiplier-ladder.md).
 
   ladder_report.py lr OUT.md RUN_DIR...     the learning-rate grid: every arm's terminal val_loss at each
                                             peak LR; prints "scale optim lr" per arm, its best LR (lowest

@@ -1,4 +1,5 @@
-"""Learning-rate grids per ladder rung, run as a queue (scripts/run_study.sh lr_ladder; docs/results.md).
+"""Learning-rate grids per ladder rung, run as a queue (scripts/run_study.sh lr_ladder;
+docs/results/each-arm-at-its-best-lr.md).
 
   lr_grid.py next ROOT PID PART...  claims the next run to train (longest first) for the worker PID and
                                     prints its `rung run_dir override...`; prints nothing and exits 3 while the
@@ -92,7 +93,7 @@ PARTS = {
     "muon": Part("muon", LRS, seeds=(0,)),
     "mup_muon": Part("muon", LRS, seeds=(0,), overrides=MUP, tag="mup"),
 }
-# Does unified's gain grow with scale (docs/results.md)? The AdamW ladder at each arm's own best LR, upward
+# Does unified's gain grow with scale (docs/results/)? The AdamW ladder at each arm's own best LR, upward
 # from dense-l3 (whose grid picked 3e-3 for both arms, the sites at scale_lr 0.01: the grids start there),
 # and its MoE twin. dense-l4's grid trunks also branch to 2.5 tokens per parameter: where the short budget
 # picks the long one's LR, the larger rungs' grids run at 2.5 only. In the queue's order; what is cut when

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU reproduction study (docs/results.md): every arm's sweep, then one comparison per claim.
+# The CPU reproduction study (docs/results/README.md): every arm's sweep, then one comparison per claim.
 #   bash scripts/run_study.sh            the main study (from the repository root, after `make setup`)
 #   bash scripts/run_study.sh lr_sweep   the supplementary learning-rate sweep (reuses the main study's
 #                                        lr 3e-3 runs: run the main study first)
@@ -53,7 +53,7 @@ sweeps() {  # one Hydra sweep per argument (its overrides, separated by spaces),
     { echo "error: sweep $1 (${*:2}) failed; its log: runs/study_logs/$1.log" >&2; exit 1; }' "$PY"
 }
 
-# The ladder (docs/results.md, "The ladder"). A rung's batch (sequences of 128 tokens) grows with it, its
+# The ladder (docs/results/compute-multiplier-ladder.md). A rung's batch (sequences of 128 tokens) grows with it, its
 # validation is the same 128 sequences on every rung, and it evaluates about 20 times per trunk; l2 and l3
 # run compiled blocks (faster on a CPU from there on; l1's runs are shorter than the compilation).
 rung_args() {
@@ -91,7 +91,7 @@ task_run() {  # run_dir: the embedded task scored on its final checkpoint, into 
   $PY -m scalevec_train.evaluate "$1" --tasks embedded > "$1/next_line.tmp" && mv "$1/next_line.tmp" "$1/next_line.txt" ||
     { echo "error: scoring $1 failed" >&2; return 1; }
 }
-# The AdamW dense-l3 study (docs/results.md): one trunk of the ladder's settings, diagnostics on (they
+# The AdamW dense-l3 study (docs/results/why-unified-loses-under-adamw.md): one trunk of the ladder's settings, diagnostics on (they
 # change no number), in runs/adamw_l3/<rung>-<name>-s<seed>, the name giving every key the run varies.
 diag_every() { case $1 in dense-l1) echo 30 ;; *) echo 180 ;; esac; }
 arm_run() {  # rung name seed overrides...
@@ -303,7 +303,7 @@ ARMS
       $(echo "$picks" | while read -r scale optim lr; do ls -d $L/dense-l3-$scale-$optim-lr$lr-tpp10.0-s[012]; done)
     ;;
   lr_ladder)
-    # Issue 47 (docs/results.md, "The ladder at each arm's best LR"): one queue (scripts/lr_grid.py) of its
+    # The ladder at each arm's best LR (docs/results/each-arm-at-its-best-lr.md): one queue (scripts/lr_grid.py) of its
     # parts, rung by rung from the smallest: every arm's AdamW grid (sp; the sites at optim.scale_lr=0.01; 2
     # seeds, a third where the two best are within the seeds' spread; then the sites' LR either side) and its
     # ladder at the per-rung picks (3 seeds, WSD branches); the same grid under model.parameterization=mup
@@ -335,7 +335,7 @@ ARMS
     done
     ;;
   scaling)
-    # Does unified's gain grow with scale (docs/results.md)? The AdamW ladder at each arm's own best LR on
+    # Does unified's gain grow with scale (docs/results/)? The AdamW ladder at each arm's own best LR on
     # dense-l4 and dense-l6 and on moe-l2..l4 (scripts/lr_grid.py's SCALING parts, in the order that cuts
     # dense-l6's third seed first, then moe-l4), then each rung's grid, picks and tables
     L=runs/scaling

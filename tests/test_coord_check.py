@@ -1,4 +1,4 @@
-"""The coordinate check (python -m scalevec_train.coord_check, docs/parameterization.md): mup passes it on
+"""The coordinate check (python -m scalevec_train.coord_check, docs/concepts/parameterization.md): mup passes it on
 dense and MoE models under baseline and unified with AdamW and Muon; sp fails it, and so does mup with its
 readout multiplier taken out. The models are tiny (width 16 to 16 x 16, depth 1 to 8) and train 3 steps."""
 

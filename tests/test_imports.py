@@ -1,4 +1,4 @@
-"""The package's shape (docs/architecture.md): imports point down the layers and never form a cycle,
+"""The package's shape (docs/concepts/architecture.md): imports point down the layers and never form a cycle,
 the kernel library and the analysis package stand beside it, and no module grows past about 500 lines.
 Read from the source with ast, so imports inside functions count too."""
 
@@ -15,11 +15,12 @@ MAX_LINES = 500
 
 
 def documented_layers() -> dict[str, int]:
-    """docs/architecture.md's layer table, {module or package: layer}: lower layers never import higher
+    """docs/concepts/architecture.md's layer table, {module or package: layer}: lower layers never import higher
     ones; modules of one group may import each other (without cycles), groups of the same layer may not.
     The package's own __init__ sits above them all."""
     layers = {}
-    for layer, names in re.findall(r"^\| (\d+) \| (.+?) \|", (REPO / "docs" / "architecture.md").read_text(), re.M):
+    table = (REPO / "docs" / "concepts" / "architecture.md").read_text()
+    for layer, names in re.findall(r"^\| (\d+) \| (.+?) \|", table, re.M):
         for name in re.findall(r"`([\w/.]+)`", names):
             layers["scalevec_train." + name.removesuffix("/").removesuffix(".py").replace("/", ".")] = int(layer)
     layers["scalevec_train"] = max(layers.values()) + 1

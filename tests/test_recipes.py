@@ -124,42 +124,55 @@ def test_tokens_per_param_sets_the_steps_from_the_non_embedding_parameters():
         make_config_shared("train.tokens_per_param=0")
 
 
-def readme_train_overrides() -> list[tuple[list[str], tuple[int, ...]]]:
-    """The overrides of every training command in the README's code blocks, one list per sweep point,
-    each with the world sizes it must compose at: the one its torchrun line names (nnodes x
-    nproc_per_node), else 1 and 8 (a plain command, or a launcher script taking the size elsewhere)."""
-    commands, lines = [], []
-    for line in (REPO / "README.md").read_text().splitlines():
-        if lines and lines[-1].endswith("\\"):  # a command continued on the next line
-            lines[-1] = lines[-1][:-1] + line.strip()
-        else:
-            lines.append(line)
-    for line in lines:
-        if not line.startswith("    ") or not any(k in line for k in ("scalevec_train.train", "launch_multinode.sh",
-                                                                      "slurm.sbatch")):
-            continue
-        words = shlex.split(line.split(" #")[0])
-        start = next(i for i, w in enumerate(words) if w.endswith(("scalevec_train.train", ".sh", ".sbatch"))) + 1
-        launcher = dict(w.removeprefix("--").split("=", 1) for w in words[:start] if w.startswith("--") and "=" in w)
-        sizes = ((int(launcher.get("nnodes", 1)) * int(launcher["nproc_per_node"]),)
-                 if "nproc_per_node" in launcher else (1, 8))
-        # Hydra's own settings (a launcher) are not the run's config; tests/run/test_sweeps.py runs them
-        args = [w for w in words[start:] if w != "-m" and not w.startswith(("hydra/", "hydra."))]
-        axes = [[f"{w.split('=', 1)[0]}={v}" for v in w.split("=", 1)[1].split(",")] if "," in w else [w]
-                for w in args]
-        commands.extend((list(point), sizes) for point in itertools.product(*axes))
+DOCUMENTED = ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs" / "guides").glob("*.md"))]
+
+
+def documented_train_overrides() -> list[tuple[str, list[str], tuple[int, ...]]]:
+    """The overrides of every training command in the code blocks of README.md and the guides
+    (docs/guides/), one list per sweep point, each with the file it is in and the world sizes it must
+    compose at: the one its torchrun line names (nnodes x nproc_per_node), else 1 and 8 (a plain command,
+    or a launcher script taking the size elsewhere)."""
+    commands = []
+    for name in DOCUMENTED:
+        lines = []
+        for line in (REPO / name).read_text().splitlines():
+            if lines and lines[-1].endswith("\\"):  # a command continued on the next line
+                lines[-1] = lines[-1][:-1] + line.strip()
+            else:
+                lines.append(line)
+        for line in lines:
+            if not line.startswith("    ") or not any(k in line for k in ("scalevec_train.train", "launch_multinode.sh",
+                                                                          "slurm.sbatch")):
+                continue
+            words = shlex.split(line.split(" #")[0])
+            start = next(i for i, w in enumerate(words) if w.endswith(("scalevec_train.train", ".sh", ".sbatch"))) + 1
+            launcher = dict(w.removeprefix("--").split("=", 1) for w in words[:start]
+                            if w.startswith("--") and "=" in w)
+            sizes = ((int(launcher.get("nnodes", 1)) * int(launcher["nproc_per_node"]),)
+                     if "nproc_per_node" in launcher else (1, 8))
+            # Hydra's own settings (a launcher) are not the run's config; tests/run/test_sweeps.py runs them.
+            # "..." (more overrides of the reader's) and `key=...` (a value the reader fills in) are left out.
+            args = [w for w in words[start:] if w != "-m" and not w.startswith(("hydra/", "hydra."))
+                    and w != "..." and not w.endswith("=...")]
+            # a sweep's comma-separated values, not the commas of a list or dict value
+            axes = [[f"{w.split('=', 1)[0]}={v}" for v in w.split("=", 1)[1].split(",")]
+                    if "," in w and not w.split("=", 1)[1].startswith(("[", "{")) else [w] for w in args]
+            commands.extend((name, list(point), sizes) for point in itertools.product(*axes))
     return commands
 
 
-def test_every_readme_training_command_composes_at_its_world_size():
-    """At the world size its torchrun line names (an expert-parallel command needs its ranks), else at 1
-    and 8 ranks."""
-    commands = readme_train_overrides()
-    overrides = [c for c, _ in commands]
+def test_every_documented_training_command_composes_at_its_world_size():
+    """Every training command in README.md and the guides runs as written: each composes at the world
+    size its torchrun line names (an expert-parallel command needs its ranks), else at 1 and 8 ranks."""
+    commands = documented_train_overrides()
+    overrides = [c for _, c, _ in commands]
     assert ["model=dense-1b"] in overrides and len(commands) >= 8
     assert any("train.tokens_per_param=50" in c and any(w.startswith("branch_from=") for w in c) for c in overrides)
-    assert (["model=moe-2b", "distributed.expert_parallel=8"], (8,)) in commands
-    for command, sizes in commands:
+    assert ("docs/guides/scaling-out.md", ["model=moe-2b", "distributed.expert_parallel=8"], (8,)) in commands
+    # the guides that hold training commands are all read
+    assert {"docs/guides/training.md", "docs/guides/experiments.md", "docs/guides/scaling-out.md",
+            "docs/guides/data.md", "docs/guides/interop.md"} <= {name for name, _, _ in commands}
+    for _, command, sizes in commands:
         make_config_at(command, sizes)
 
 

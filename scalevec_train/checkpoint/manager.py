@@ -18,7 +18,7 @@ so that a process killed at any moment never leaves a marked directory with miss
 A write that fails (a full disk, an I/O error) on any rank stops the run: the ranks compare their
 outcomes before the marker and after the rename, rank 0 removes the partial folder, and every rank
 raises the same CheckpointWriteError (exit code 4) naming the failing rank and error; the previous
-complete checkpoint is untouched (docs/reliability.md, "A checkpoint that cannot be written").
+complete checkpoint is untouched (docs/guides/reliability.md, "A checkpoint that cannot be written").
 
 Asynchronous saves (checkpoint.async_save) stage a CPU copy of the state and write it in a background
 thread, which talks over its own gloo process group so that its collectives never interleave with the

@@ -11,7 +11,7 @@ precision and the kernels:
                     as well as the input and 1/rms).
   Precision.gpu()   bf16 autocast (matmul inputs and outputs bf16), the Triton norm kernels (they
                     keep only the input and 1/rms), the residual stream in bf16 (one precision
-                    regime on one process and under FSDP: docs/architecture.md, "Precision"); the
+                    regime on one process and under FSDP: docs/concepts/architecture.md, "Precision"); the
                     weights the forward reads are FSDP's bf16 copies, or the fp32 master weights on
                     one process.
 

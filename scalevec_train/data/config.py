@@ -82,7 +82,7 @@ class DataConfig(SourceOptions):
     # [{name: code, source: stdlib, weight: 3}, {name: docs, source: text_dir, path: docs, weight: 1}].
     # data.source, data.path and the other source-specific options above then go unused. All sources share
     # one tokenizer: data.tokenizer_path, or one trained on the sources' training text in proportion to
-    # their weights. docs/data.md: how samples are drawn, and what val_loss means for a mixture.
+    # their weights. docs/guides/data.md: how samples are drawn, and what val_loss means for a mixture.
     mixture: list[MixtureSource] = field(default_factory=list)
     # warn at the start when the run would go over the training data (with a mixture: over any one
     # source's) more than this many times: up to about 4 passes repeated tokens are worth nearly as much

@@ -1,5 +1,5 @@
 """Fault injection at named points of a training step, of a checkpoint save and of a data preparation,
-for the tests of what a kill, a failed write or a non-finite step leaves behind (docs/reliability.md).
+for the tests of what a kill, a failed write or a non-finite step leaves behind (docs/guides/reliability.md).
 Unset in real runs, where a point costs one environment lookup. Imports no torch until a checkpoint is
 written: data preparation (and its worker processes) runs without it.
 

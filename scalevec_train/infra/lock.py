@@ -1,5 +1,5 @@
 """One holder at a time of a folder (a run directory, a data cache), across processes and hosts that
-share its file system; docs/reliability.md, "One writer per run directory".
+share its file system; docs/guides/reliability.md, "One writer per run directory".
 
 The lock is `<folder>/.lock`. Its holder keeps an flock on it (released by the kernel when the holder
 dies, however it dies) and writes its record there: host, pid, start time, and a beat that a thread

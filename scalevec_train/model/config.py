@@ -89,9 +89,9 @@ class ModelConfig:
     max_seq_len: int = 1024
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
-    # per-head RMSNorm of q and k with an output scale site (docs/scale-vectors.md's g_q, g_k)
+    # per-head RMSNorm of q and k with an output scale site (docs/concepts/scale-vectors.md's g_q, g_k)
     qk_norm: bool = False
-    # Gemma/OLMo-2 style normalization of each sub-layer's output (docs/scale-vectors.md's g_o, g_down)
+    # Gemma/OLMo-2 style normalization of each sub-layer's output (docs/concepts/scale-vectors.md's g_o, g_down)
     post_norm: bool = False
     # share the token embedding with the output head
     tie_embeddings: bool = True
@@ -101,7 +101,7 @@ class ModelConfig:
     moe: MoEConfig | None = None
     # attention over the training window: causal (every earlier token, across document boundaries) |
     # document (only the earlier tokens of the same document; the loader gives the boundaries, and the
-    # target after each EOS is not counted: docs/data.md). Changes no weight.
+    # target after each EOS is not counted: docs/guides/data.md). Changes no weight.
     attention_mask: str = choice("causal", Literal["causal", "document"])
     # under attention_mask=document, RoPE positions restart at 0 at each document start (Megatron's
     # reset_position_ids); false: positions count from the window's start
@@ -113,10 +113,10 @@ class ModelConfig:
     # normalization kernels, chosen when the layers are built: auto (Triton on CUDA, PyTorch elsewhere;
     # under distributed.compile, per op and shape, the Triton kernel or torch.compile's code of the
     # reference, whichever the latest measurements on a GPU found faster: scalevec_kernels/choice.py, the picks in
-    # docs/benchmarks.md) | triton | torch. Changes no weight: a checkpoint resumes under any backend.
+    # docs/benchmarks/2026-11-26-h200.md) | triton | torch. Changes no weight: a checkpoint resumes under any backend.
     kernels: str = choice("auto", Literal[BACKENDS])
     # how the init, the learning rates and the forward's multipliers follow width and depth
-    # (docs/parameterization.md): sp (one init std and one LR at every size) | mup (muP for width, Tensor
+    # (docs/concepts/parameterization.md): sp (one init std and one LR at every size) | mup (muP for width, Tensor
     # Programs V; CompleteP for depth, Dey et al. 2025: an LR tuned at the base shape below carries over)
     parameterization: str = choice("sp", Literal["sp", "mup"])
     # mup only: the width (model.dim) of the base model the LR is tuned at; null: dim (this model is the base)
@@ -220,7 +220,8 @@ class ScaleConfig:
     # dual_norm: the output-side site sits behind a normalization (DNP)
     placement: str = choice("pre", Literal["pre", "dual", "dual_norm"])
     # the linear maps that get dual placement: any of q, k, v, o, gate, up, down. The default is the
-    # pre-norm maps (docs/scale-vectors.md, revision 2); [q, k, o, down] is revision 1's reading (QK-norm + post-norms)
+    # pre-norm maps (docs/concepts/scale-vectors.md, revision 2); [q, k, o, down] is revision 1's reading
+    # (QK-norm + post-norms)
     targets: list[str] = field(default_factory=lambda: list(PRE_NORM_MAPS))
     # shape of the sites behind per-head normalizations (q, k, v): head_dim (shared by heads) | full
     head_site_shape: str = choice("head_dim", Literal["head_dim", "full"])

@@ -1,4 +1,4 @@
-"""Folding: absorb every foldable scale site into the adjacent linear map (docs/scale-vectors.md, "Folding").
+"""Folding: absorb every foldable scale site into the adjacent linear map (docs/concepts/scale-vectors.md, "Folding").
 
 Each row of the model's plan says how its site folds: input sites into their maps' columns
 (W <- W diag(s)), output sites without a normalization into their maps' rows (W <- diag(u) W); sites

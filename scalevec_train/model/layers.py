@@ -15,7 +15,7 @@ from scalevec_train.model.strategies import ScaleSite
 
 
 def scaled(x: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
-    """x * s in x's dtype: s stays fp32 (docs/scale-vectors.md, precision), only the product takes the
+    """x * s in x's dtype: s stays fp32 (docs/concepts/scale-vectors.md, precision), only the product takes the
     activations' dtype."""
     return x if s is None else (x * s).to(x.dtype)
 

@@ -1,7 +1,7 @@
 """Attention within documents (model.attention_mask=document): the masks and RoPE positions that
 follow from the document ids the loader gives with each window.
 
-doc_ids [batch, seq] numbers the documents of a row in order (the loader's rule, docs/data.md: an EOS
+doc_ids [batch, seq] numbers the documents of a row in order (the loader's rule, docs/guides/data.md: an EOS
 belongs to the document it ends). Query i attends key j when j <= i and doc_ids[i] == doc_ids[j]:
 block-causal. Two kernels compute it:
   flex  FlexAttention with a BlockMask: blocks that the mask empties are skipped, so the cost follows

@@ -1,6 +1,6 @@
 """The parameterization (`model.parameterization`): how each parameter's initialization, the forward's
 multipliers and, through the optimizer (optim/groups.py), each parameter's LR follow the model's width
-and depth. docs/parameterization.md gives every rule with its source.
+and depth. docs/concepts/parameterization.md gives every rule with its source.
 
     sp    one init std (model.init_std; the maps into the residual stream / sqrt(2 n_layers)) and one
           LR at every size: every multiplier 1

@@ -1,6 +1,6 @@
 """The scale plan: every scale site a strategy puts on a model, decided in one place.
 
-`ScalePlan.build(ModelConfig, ScaleConfig)` applies the strategy's rules (docs/scale-vectors.md) once and
+`ScalePlan.build(ModelConfig, ScaleConfig)` applies the strategy's rules (docs/concepts/scale-vectors.md) once and
 gives one row per site (`SiteRow`), in the model's parameter order: its module path, shape, role and
 parameterization; the linear maps it scales and on which side; the normalization whose output it
 multiplies; the normalizations that cancel its magnitude; how it folds; and, per parameter, the decay
@@ -154,7 +154,8 @@ class SiteRow:
     @property
     def cancelled_by(self) -> str | None:
         """The normalization(s) that cancel the site's overall magnitude: an input-side site whose every
-        map is normalized right after (docs/scale-vectors.md, "Sites whose magnitude does not reach the loss")."""
+        map is normalized right after (docs/concepts/scale-vectors.md, "Sites whose magnitude does not reach the
+        loss")."""
         if self.side is not Side.IN or self.param == "fixed" or not all(m.norm for m in self.maps):
             return None
         return ", ".join(dict.fromkeys(m.norm.label for m in self.maps))
@@ -255,7 +256,7 @@ class ScalePlan:
 
 
 class _Rules:
-    """The strategy's rules (docs/scale-vectors.md, "The strategies"), applied to one model."""
+    """The strategy's rules (docs/concepts/scale-vectors.md, "The strategies"), applied to one model."""
 
     def __init__(self, model: ModelConfig, scale: ScaleConfig, folded: bool):
         self.m, self.s, self.folded = model, scale, folded

@@ -1,4 +1,4 @@
-"""The scale site (docs/scale-vectors.md): a learnable vector s multiplying a tensor elementwise, built
+"""The scale site (docs/concepts/scale-vectors.md): a learnable vector s multiplying a tensor elementwise, built
 from a row of the scale plan (plan.py, which decides where sites go under a strategy), and the model's
 sites seen with the maps they scale.
 

@@ -113,7 +113,7 @@ class Transformer(nn.Module):
         self._moe = {i: b.ffn for i, b in enumerate(self.layers) if isinstance(b.ffn, MoEFeedForward)}
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of `tokens` [batch, seq]. doc_ids [batch, seq] (the loader's, docs/data.md) confine
+        """Logits of `tokens` [batch, seq]. doc_ids [batch, seq] (the loader's, docs/guides/data.md) confine
         attention to documents under model.attention_mask=document; without them (or under causal)
         attention is causal over the row, which is the same for a row of one document."""
         if tokens.shape[-1] > self.cfg.max_seq_len:
@@ -126,7 +126,7 @@ class Transformer(nn.Module):
         x = self.tok_emb(tokens)
         if torch.is_autocast_enabled(x.device.type):
             # The residual stream in the autocast dtype, as FSDP's bf16 parameters give it: one precision
-            # regime on one process and on many (docs/architecture.md, "Precision").
+            # regime on one process and on many (docs/concepts/architecture.md, "Precision").
             x = x.to(torch.get_autocast_dtype(x.device.type))
         stream = Residual(x)
         for layer in self.layers:

@@ -4,7 +4,7 @@ Every parameter gets exactly one kind, decided by its name (never by its shape):
 the group the model's plan gives it (model/plan.py: its decay rule under the strategy's policy); the
 token embedding and the output head decay by the optimizer config; every other parameter is a hidden
 matrix. Under model.parameterization=mup each kind's LR, decoupled weight decay and Adam eps are
-multiplied as `rates` says (docs/parameterization.md).
+multiplied as `rates` says (docs/concepts/parameterization.md).
 """
 
 from dataclasses import dataclass

@@ -88,8 +88,8 @@ def parallelize(model: Transformer, cfg: DistributedConfig, device: torch.device
     # bf16 weights for compute, fp32 gradient reduction, fp32 master weights.
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if uses_bf16(dtype, device) else MixedPrecisionPolicy())
-    # Scale sites stay whole and fp32 on every rank (docs/scale-vectors.md's precision rule: FSDP would hand them to
-    # the forward in bf16, where their small updates vanish): FSDP ignores them, and their gradients are
+    # Scale sites stay whole and fp32 on every rank (docs/concepts/scale-vectors.md's precision rule: FSDP would
+    # hand them to the forward in bf16, where their small updates vanish): FSDP ignores them, and their gradients are
     # averaged in one all-reduce per step (reduce_replicated_grads).
     sites = {p for _, site in scale_sites(model) for p in site.parameters()}
     if expert_mesh is not None:

@@ -74,7 +74,7 @@ def shutdown(finished: bool = False) -> None:
     begun finalizing had to take the GIL to release the work's tensors; Python ends such a thread with
     pthread_exit, whose unwinding through the work's noexcept destructor calls std::terminate
     ("terminate called without an active exception", SIGABRT, after a run that had saved everything;
-    docs/reliability.md, "Leaving cleanly"). Unlinking every mesh from its groups and collecting frees
+    docs/guides/reliability.md, "Leaving cleanly"). Unlinking every mesh from its groups and collecting frees
     the groups here, and freeing one joins its workers (with the GIL released) while Python is whole.
     The caller must no longer hold the run's model or checkpointer: FSDP and the async checkpoint hold
     groups too."""

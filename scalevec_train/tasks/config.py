@@ -17,7 +17,7 @@ class TaskConfig:
     # (ctx_a/ctx_b/activity_label/endings/label, lm-eval's preprocessing) | arc (question, choices
     # {text, label}, answerKey; also the original {"question": {"stem", "choices"}} layout) | piqa
     # (goal/sol1/sol2 with a label field or tasks.items[].labels) | next_line (generated from the held-out
-    # documents of the run's corpus, no file: docs/experiments.md, "Downstream tasks")
+    # documents of the run's corpus, no file: docs/guides/experiments.md, "Downstream tasks")
     format: str = choice("jsonl", Literal["jsonl", "hellaswag", "arc", "piqa", "next_line"])
     # the task's file (JSON lines); relative paths are under tasks.dir
     path: str = ""

@@ -12,7 +12,7 @@ characters without their indentation, with enough names for num_choices - 1 dist
 the whole line with its newline.
 
 (Choices drawn from other held-out files, of the same indentation and length, were tried first: a
-dense-tiny trained by `make demo` scored 0.23 on them, chance 0.25 (docs/experiments.md).)
+dense-tiny trained by `make demo` scored 0.23 on them, chance 0.25 (docs/guides/experiments.md).)
 """
 
 import keyword

@@ -58,16 +58,16 @@ class TrainConfig:
     # compute precision: auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16. bf16 is one regime on one process
     # and on many: fp32 master weights, gradient reduction and optimizer states; bf16 activations and
     # residual stream (autocast, plus FSDP's bf16 copies of the weights when sharded); fp32 scale sites and
-    # fp32 arithmetic inside the fused norms, the router and the loss (docs/architecture.md, "Precision")
+    # fp32 arithmetic inside the fused norms, the router and the loss (docs/concepts/architecture.md, "Precision")
     dtype: str = choice("auto", Literal["auto", "fp32", "bf16"])
     # a step with a non-finite loss or gradient norm is skipped (no parameter changes); after this many
-    # in a row the run saves a checkpoint and stops (docs/reliability.md)
+    # in a row the run saves a checkpoint and stops (docs/guides/reliability.md)
     max_bad_steps: int = 5
     # log a loss spike when a step's loss exceeds this times the running average of recent losses;
     # 0 disables the check
     spike_factor: float = 1.5
     # profile these steps (numbered from 1), each on its own: a Chrome trace of the step, and on CUDA a
-    # memory snapshot, under run_dir/profile/ (docs/experiments.md, "Traces of chosen steps"); empty: off
+    # memory snapshot, under run_dir/profile/ (docs/guides/experiments.md, "Traces of chosen steps"); empty: off
     profile_steps: list[int] = field(default_factory=list)
     # record every op's input shapes in those traces (larger files)
     profile_record_shapes: bool = False
@@ -76,7 +76,7 @@ class TrainConfig:
     # measure the paper's mechanism every this many steps, a multiple of log_every (diag/* metrics: the
     # residual stream's and each normalization's RMS, the largest attention logit per layer, and per linear
     # map its weight RMS, update-to-weight ratio and column norms with and without its input-side scale;
-    # docs/experiments.md, "Diagnostics"); 0: off, and the run is the same as without the option
+    # docs/guides/experiments.md, "Diagnostics"); 0: off, and the run is the same as without the option
     diagnostics_every: int = 0
     ema: EMAConfig = field(default_factory=EMAConfig)
 

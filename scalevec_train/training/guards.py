@@ -1,4 +1,4 @@
-"""What keeps a run alive through bad numbers and pre-emption (docs/reliability.md): the bookkeeping of
+"""What keeps a run alive through bad numbers and pre-emption (docs/guides/reliability.md): the bookkeeping of
 the non-finite-step guard and the loss-spike log, and the SIGTERM stop request. The tests exercise them
 with the faults of infra/faults.py (step.loss: a NaN loss, an infinite gradient)."""
 

@@ -1,4 +1,4 @@
-"""The paper's mechanism, measured (train.diagnostics_every; docs/experiments.md, "Diagnostics"): what the
+"""The paper's mechanism, measured (train.diagnostics_every; docs/guides/experiments.md, "Diagnostics"): what the
 diagnostics callback records, as functions of the model. Every value is a 0-dim fp32 tensor on the
 device, keyed `diag/layer<i>/<what>/<stat>` (`diag/final/...`, `diag/head/...` outside the blocks).
 
@@ -15,7 +15,7 @@ site_maps() says which, as for folding):
     col_gain                   eff_col_rms / col_rms: what g adds to the map } an input-side scale
     g_col_corr                 Pearson correlation of |g_j| and c_j over the columns (0 where either is constant)
 Under gradient flow the column j of W diag(g) moves with the preconditioner g_j^2 I + w_j w_j^T
-(docs/scale-vectors.md): a spread of e beyond that of c, and a positive correlation of g with c, are
+(docs/concepts/scale-vectors.md): a spread of e beyond that of c, and a positive correlation of g with c, are
 the self-amplification the paper describes. Sharded (DTensor) weights are reduced by DTensor's own
 collectives, so every rank computes the same values on any mesh, from the fp32 shards.
 

@@ -66,7 +66,7 @@ def micro_weights(batches: list, device: torch.device) -> torch.Tensor:
 
 def training_loss(compiled: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """cross_entropy, or compiled as one graph (distributed.compile): fused, the fp32 logits, softmax and
-    its gradient take fewer passes (about 2x faster on a CPU at dense-study's shape, docs/benchmarks.md)."""
+    its gradient take fewer passes (about 2x faster on a CPU at dense-study's shape, docs/benchmarks/cpu.md)."""
     return torch.compile(cross_entropy, fullgraph=True) if compiled else cross_entropy
 
 

@@ -1,4 +1,4 @@
-"""model.parameterization=mup (docs/parameterization.md): every multiplier against a table written here from
+"""model.parameterization=mup (docs/concepts/parameterization.md): every multiplier against a table written here from
 the rules' sources, the forward against a plain sp model with its weights scaled by hand, and mup at its
 own base shape against sp bit for bit."""
 
@@ -29,7 +29,7 @@ SIGMA, LR, WD, EPS = 0.02, 0.01, 0.1, 1e-8
 
 def expected(kind: str, name: str, optim: str, lr_adjust: str = "match_rms_adamw") -> dict:
     """Tensor Programs V's Adam rule (multiplier form), CompleteP at alpha = 1, and for Muon the spectral
-    condition, written out for m_N = 4, m_L = 2 (docs/parameterization.md's table)."""
+    condition, written out for m_N = 4, m_L = 2 (docs/concepts/parameterization.md's table)."""
     writes_residual = name.endswith(("wo.weight", "w_down.weight")) or ".experts.w_down" in name
     if kind == "hidden":
         init = SIGMA / 2 / (math.sqrt(2 * 2) if writes_residual else 1)  # / sqrt(m_N), / sqrt(2 base_layers)

@@ -1,7 +1,7 @@
 """The scale plan is the model: for every strategy preset (configs/scale) on a dense and an MoE model, the
 sites a built model has (path, shape, role, parameterization, behind a normalization or not, and each
 parameter's optimizer group in the optimizer the trainer builds) are exactly the plan's rows, in order;
-and the rows are the ones written out here by hand from docs/scale-vectors.md (so that a changed rule
+and the rows are the ones written out here by hand from docs/concepts/scale-vectors.md (so that a changed rule
 fails: the plan cannot agree with the model by construction and also with this table by accident). A
 folded model has exactly the sites of its folded plan."""
 

@@ -1,5 +1,5 @@
 """Leaving the process group ends it: when the training command returns on 2 gloo ranks, its groups are
-freed and no gloo thread runs on (docs/reliability.md, "Leaving cleanly").
+freed and no gloo thread runs on (docs/guides/reliability.md, "Leaving cleanly").
 
 A gloo group's worker threads end only when the group is freed, and destroy_process_group() does not
 free a group that something still holds: FSDP2's DeviceMesh (kept by torch's DTensor caches for the life

@@ -1,4 +1,4 @@
-"""One precision regime (docs/architecture.md, "Precision"): train.dtype=bf16 on one process (autocast)
+"""One precision regime (docs/concepts/architecture.md, "Precision"): train.dtype=bf16 on one process (autocast)
 and on 2 gloo ranks (autocast + FSDP2 bf16 mixed precision) hand the fused ops the same dtypes, call by
 call, for dense and MoE models under baseline and unified: the residual stream and every activation
 bf16, every scale fp32, the outputs bf16, and the same dtypes saved for the backward.

@@ -118,7 +118,7 @@ def test_branch_from_and_another_start_are_refused():
 @pytest.mark.parametrize("model", [f"{family}-l{rung}" for family in ("dense", "moe")
                                    for rung in (4, 6, 8, 12, 16, 20)])
 def test_gpu_ladder_branches_start_at_their_budget_checkpoints(model):
-    """docs/results.md's GPU ladder: WSD trunks of 100 tokens per parameter saving every 20 give branches to
+    """docs/guides/experiments.md's GPU ladder: WSD trunks of 100 tokens per parameter saving every 20 give branches to
     25 and 50 that start from the 20 and 40 checkpoints, so that each costs only its decay."""
     wsd = [f"model={model}", "schedule=wsd"]
     trunk = make_config(*wsd, "train.tokens_per_param=100", "checkpoint.every_tokens_per_param=20")

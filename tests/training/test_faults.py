@@ -1,4 +1,4 @@
-"""Kills at any moment, and checkpoint writes that fail, with real processes (docs/reliability.md).
+"""Kills at any moment, and checkpoint writes that fail, with real processes (docs/guides/reliability.md).
 
 Kills: a 2-rank run is stopped at fault points (scalevec_train/infra/faults.py) chosen to land in each phase
 of a step and of a checkpoint, synchronous and asynchronous (before, during and after the shard files,
@@ -9,7 +9,7 @@ the next attempt resumes with resume=auto. The run then ends with parameters, op
 position and guard counters bit-identical to the uninterrupted 2-rank run. The attempts are children
 forked from the workers of one torchrun launch (tests/support/attempts.py), about 0.6 s of CPU per rank each,
 where a launch costs seconds. The test fails if a checkpoint is marked complete before its files, or if
-its data position is not that of its step (docs/reliability.md says how that was checked).
+its data position is not that of its step (docs/guides/reliability.md says how that was checked).
 dev/kill_soak.py kills at random moments for longer.
 
 Failed writes: a full disk or an I/O error while a checkpoint is written stops the run on every rank

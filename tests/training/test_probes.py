@@ -28,7 +28,7 @@ ON = "train.diagnostics_every=2"
 MOE = [*TINY_MOE, "model.moe.num_experts=4", "model.vocab_size=512"]
 NUMBERS = ("step", "loss", "grad_norm", "val_loss", "val_bpb")
 
-# The maps that read each input-side site under a strategy, written out here from docs/scale-vectors.md:
+# The maps that read each input-side site under a strategy, written out here from docs/concepts/scale-vectors.md:
 # {map path within a block: the site path within the block}; maps not listed have no input-side scale.
 INPUT_SITES = {
     "baseline": {"attn.wq": "attn_norm.sites.attn", "attn.wk": "attn_norm.sites.attn",

@@ -1,5 +1,5 @@
 """Traces on demand: a PyTorch profiler trace of chosen steps (Chrome format) and, on CUDA, a memory
-snapshot of them (docs/experiments.md, "Traces of chosen steps")."""
+snapshot of them (docs/guides/experiments.md, "Traces of chosen steps")."""
 
 from pathlib import Path
 

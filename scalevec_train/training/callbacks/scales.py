@@ -1,4 +1,4 @@
-"""The scale sites' statistics (docs/scale-vectors.md, "What is logged"): every log step, mean, std,
+"""The scale sites' statistics (docs/concepts/scale-vectors.md, "What is logged"): every log step, mean, std,
 min and max of each site's s (and of its magnitude beta under or/er) and the norm of its parameters'
 gradient, per layer and over layers by site name."""
 

@@ -1,4 +1,4 @@
-"""What keeps a run alive (docs/reliability.md): the non-finite-step guard with the loss-spike log, and
+"""What keeps a run alive (docs/guides/reliability.md): the non-finite-step guard with the loss-spike log, and
 a clean stop with a checkpoint on SIGTERM. Both read the device only on steps that read back."""
 
 import sys
