@@ -3,6 +3,7 @@ L heads of 32, SwiGLU 3 x width, so N = 13 L width^2 non-embedding parameters; t
 feed-forward into 8 experts of 1.5 x width, top-2. Sizes are counted on a meta-device model and compared
 with the rule's closed forms."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -65,18 +66,23 @@ def test_the_ladder_spans_the_study_model_to_dense_0_12b():
 PRESETS = sorted(p.stem for p in (Path(CONFIG_DIR) / "model").glob("*.yaml"))
 
 
+@pytest.fixture(scope="module")
+def strategies() -> dict:
+    return {name: make_config(f"scale={name}").scale for name in ("baseline", "unified", "dnp")}
+
+
 @pytest.mark.parametrize("preset", PRESETS)
-def test_the_size_the_config_derives_is_the_built_models(preset):
+def test_the_size_the_config_derives_is_the_built_models(preset, strategies):
     """train.tokens_per_param reads N from the shapes (ModelConfig.non_embedding_params, no model built):
-    it is the count of the built model's parameters under every strategy (sites are not counted), and a
-    shared expert counts whole."""
-    for overrides in (["scale=baseline"], ["scale=unified"], ["scale=dnp", "model.qk_norm=true"],
-                      ["scale=baseline", "model.post_norm=true"]):
-        cfg = make_config(f"model={preset}", *overrides)
+    it is the count of the built model's parameters under every strategy (sites are not counted), with
+    QK-norm and post-norm too, and a shared expert counts whole."""
+    model_cfg = make_config(f"model={preset}").model
+    variants = [(model_cfg, strategies["baseline"]), (model_cfg, strategies["unified"]),
+                (dataclasses.replace(model_cfg, qk_norm=True), strategies["dnp"]),
+                (dataclasses.replace(model_cfg, post_norm=True), strategies["baseline"])]
+    if model_cfg.moe is not None:
+        moe = dataclasses.replace(model_cfg.moe, num_shared_experts=2, shared_expert_dim=48)
+        variants.append((dataclasses.replace(model_cfg, moe=moe), strategies["unified"]))
+    for model, scale in variants:
         with torch.device("meta"):
-            model = Transformer(cfg.model, cfg.scale)
-        assert cfg.model.non_embedding_params() == non_embedding_params(model), overrides
-    if preset == "moe-tiny":
-        cfg = make_config("model=moe-tiny", "model.moe.num_shared_experts=2", "model.moe.shared_expert_dim=48")
-        with torch.device("meta"):
-            assert cfg.model.non_embedding_params() == non_embedding_params(Transformer(cfg.model, cfg.scale))
+            assert model.non_embedding_params() == non_embedding_params(Transformer(model, scale)), scale.name
