@@ -20,10 +20,11 @@ from omegaconf import OmegaConf
 from scalevec_train.checkpoint.files import AVERAGED, read_train_state
 from scalevec_train.config import CONFIG_DIR, Config
 from scalevec_train.data import check_vocab, prepare_data
+from scalevec_train.data.loaders import validation_batches
 from scalevec_train.data.tokenizer import token_bytes
 from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.interop.api import load, read_config, resolve
-from scalevec_train.run.build import autocast_for, resolve_device, validation_batches
+from scalevec_train.run.build import autocast_for, resolve_device
 from scalevec_train.tasks.config import TasksConfig
 from scalevec_train.tasks.load import load_tasks
 from scalevec_train.tasks.scoring import score
@@ -47,8 +48,10 @@ def evaluate(path: str | Path, tasks: str = "", verify: bool = True) -> tuple[di
     encoded = load_tasks(tasks_cfg, cfg.data, tok, cfg.model.max_seq_len) if tasks_cfg else []
     model, _ = load(checkpoint, device=device, verify=verify)
     # the trainer's own validation on the same batches: the same val_loss, val_bpb and a mixture's per source
-    validation = Validation(validation_batches(cfg, data, 0, 1), token_bytes(tok),
-                            {m.name: m.weight for m in cfg.data.mixture} or None)
+    batches = validation_batches(data, cfg.train.seq_len, cfg.train.micro_batch,
+                                 cfg.train.eval_batches * cfg.train.global_batch, 0, 1,
+                                 cfg.model.attention_mask == "document")
+    validation = Validation(batches, token_bytes(tok), {m.name: m.weight for m in cfg.data.mixture} or None)
     autocast = autocast_for(cfg.train.dtype, device)
     metrics = {name: value.item() for name, value in validation.metrics(model, device, autocast).items()}
     for task in encoded:
