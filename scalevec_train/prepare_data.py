@@ -13,23 +13,8 @@ from dataclasses import dataclass
 
 from scalevec_train.data import prepare_share
 from scalevec_train.data.mixture import MixtureData
-from scalevec_train.infra.errors import ScalevecError
+from scalevec_train.data.parts import launch_processes
 from scalevec_train.run import cli
-
-
-def processes(env: dict[str, str]) -> tuple[int, int, int]:
-    """(rank, world size, processes on this node) of the preparation this process takes part in."""
-    if "WORLD_SIZE" in env:
-        rank, world, local = int(env.get("RANK", 0)), int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", 1))
-    elif "SLURM_ARRAY_TASK_COUNT" in env:
-        rank = int(env["SLURM_ARRAY_TASK_ID"]) - int(env.get("SLURM_ARRAY_TASK_MIN", 0))
-        world, local = int(env["SLURM_ARRAY_TASK_COUNT"]), 1
-    else:
-        return 0, 1, 1
-    if not 0 <= rank < world:
-        raise ScalevecError("process", f"rank {rank} is outside [0, {world}).",
-                            "launch under torchrun, or as a SLURM array with consecutive task ids (--array=0-N).")
-    return rank, world, local
 
 
 @dataclass
@@ -42,7 +27,7 @@ def run(_: Options, raw) -> int:
     # neither Hydra nor the config (which imports torch) to start (cli composes the config lazily too).
     from scalevec_train.config import to_config
 
-    rank, world, local = processes(dict(os.environ))
+    rank, world, local = launch_processes(dict(os.environ))
     data = prepare_share(to_config(raw).data, rank, world, local)
     if data is None:
         print(f"process {rank} of {world}: its parts are written; the last process to finish merges them")
