@@ -17,12 +17,12 @@ from scalevec_train import evaluate as evaluate_cli
 from scalevec_train.checkpoint.averaging import average
 from scalevec_train.checkpoint.files import COMPLETE, STATE_FILE, SafeReader, find_resume, step_dir
 from scalevec_train.checkpoint.manager import ModelState
-from scalevec_train.run.checkpoint_eval import evaluate
 from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.interop.api import load, read_config
 from scalevec_train.interop.hf_export import export
 from scalevec_train.model import Transformer
 from scalevec_train.parallel.data_parallel import parallelize
+from scalevec_train.run.checkpoint_eval import evaluate
 from scalevec_train.train import run
 from scalevec_train.training.logger import read_records
 from tests.support.helpers import SHORT_RUN, make_config

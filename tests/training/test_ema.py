@@ -18,11 +18,11 @@ from scalevec_train import average as average_cli
 from scalevec_train.checkpoint.averaging import ema_model
 from scalevec_train.checkpoint.files import COMPLETE, step_dir
 from scalevec_train.costs.memory import estimate
-from scalevec_train.run.checkpoint_eval import evaluate
 from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.interop.api import load
 from scalevec_train.interop.hf_export import export
 from scalevec_train.model import Transformer
+from scalevec_train.run.checkpoint_eval import evaluate
 from scalevec_train.train import run
 from scalevec_train.training.callbacks import WeightEMA
 from scalevec_train.training.guards import FAULT_NAN_ENV

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 import scalevec_train
 from scalevec_train.checkpoint.files import step_dir
 from scalevec_train.data import prepare_data
+from scalevec_train.data.loaders import validation_batches
 from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.model import Transformer, scale_sites
-from scalevec_train.data.loaders import validation_batches
 from scalevec_train.train import run
 from scalevec_train.training.probes import activation_stats
 from tests.support.helpers import SHORT_RUN, make_config
