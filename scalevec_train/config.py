@@ -15,6 +15,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from scalevec_train.checkpoint.config import CheckpointConfig
 from scalevec_train.data.config import DataConfig
 from scalevec_train.infra.errors import ScalevecError, check_choices, choice
 from scalevec_train.model.config import ModelConfig, ScaleConfig
@@ -23,7 +24,7 @@ from scalevec_train.parallel.config import DistributedConfig
 from scalevec_train.parallel.data_parallel import mesh_shape
 from scalevec_train.parallel.expert_parallel import check as check_expert_parallel
 from scalevec_train.tasks.config import TasksConfig
-from scalevec_train.training.config import CheckpointConfig, LoggerConfig, TrainConfig
+from scalevec_train.training.config import LoggerConfig, TrainConfig
 
 # configs/ at the repository root (the package is installed in editable mode next to it).
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
@@ -162,18 +163,6 @@ def compose_raw(overrides: list[str]) -> DictConfig:
     to_config turns into a Config for any world size)."""
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
         return compose(config_name="config", overrides=list(overrides))
-
-
-def split_options(argv: list[str], defaults: dict[str, str]) -> tuple[dict[str, str], list[str]]:
-    """A tool's command line: its own `key=value` options (`defaults` names them) and the config overrides."""
-    options, overrides = dict(defaults), []
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key in options:
-            options[key] = value
-        else:
-            overrides.append(arg)
-    return options, overrides
 
 
 def compose_config(overrides: list[str], world_size: int = 1) -> Config:

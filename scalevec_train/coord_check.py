@@ -37,51 +37,40 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from hydra.errors import HydraException
 
-from scalevec_train.config import compose_raw, split_options, to_config
+from scalevec_train.config import to_config
 from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.model.config import ModelConfig, ScaleConfig
 from scalevec_train.model.parameterization import Kind
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.optim.config import OptimConfig
 from scalevec_train.optim.groups import build_optimizer
+from scalevec_train.run import cli
 
 FLOOR = -0.5  # the steepest shrinking a quantity may show (see the docstring)
-OPTIONS = {"widths": "1,2,4,8,16", "depths": "1,2,4,8", "steps": "4", "grow": "heads", "bound": "0.25",
-           "out": "coord_check", "seed": "0", "batch": "4", "seq": "32"}
 
 
 @dataclass(frozen=True)
 class Options:
-    widths: tuple[int, ...]
-    depths: tuple[int, ...]
-    steps: int
-    grow: str
-    bound: float
-    out: Path
-    seed: int
-    batch: int
-    seq: int
+    widths: tuple[int, ...] = cli.option("the multiples of the base model's width trained", (1, 2, 4, 8, 16))
+    depths: tuple[int, ...] = cli.option("the depths (blocks) trained at the base width", (1, 2, 4, 8))
+    steps: int = cli.option("optimizer steps of each model", 4)
+    grow: str = cli.option("heads (more heads of the same width) or head_dim (wider heads)", "heads")
+    bound: float = cli.option("the largest slope that passes", 0.25)
+    out: Path = cli.option("the folder of table.md and plot.png", Path("coord_check"))
+    seed: int = cli.option("seeds the models and the synthetic batches", 0)
+    batch: int = cli.option("sequences per batch", 4)
+    seq: int = cli.option("tokens per sequence", 32)
 
-    @classmethod
-    def parse(cls, given: dict[str, str]) -> "Options":
-        try:
-            widths, depths = (tuple(int(x) for x in given[k].split(",")) for k in ("widths", "depths"))
-            o = cls(widths, depths, int(given["steps"]), given["grow"], float(given["bound"]), Path(given["out"]),
-                    int(given["seed"]), int(given["batch"]), int(given["seq"]))
-        except ValueError as e:
-            raise ScalevecError("coord_check", f"an option is not a number ({e}).",
-                                "give widths=1,2,4,8 depths=1,2,4,8 steps=4 bound=0.25 as numbers.") from None
-        if len(set(o.widths)) < 2 or min(o.widths) < 1 or len(set(o.depths)) < 2 or min(o.depths) < 1:
+    def __post_init__(self) -> None:
+        if len(set(self.widths)) < 2 or min(self.widths) < 1 or len(set(self.depths)) < 2 or min(self.depths) < 1:
             raise ScalevecError("widths/depths", "a slope needs at least two different positive sizes.",
                                 "give e.g. widths=1,2,4,8,16 depths=1,2,4,8.")
-        if o.grow not in ("heads", "head_dim"):
-            raise ScalevecError("grow", f"unknown value {o.grow!r}.", "use grow=heads or grow=head_dim.")
-        if o.steps < 1 or o.bound <= 0 or o.batch < 1 or o.seq < 2:
+        if self.grow not in ("heads", "head_dim"):
+            raise ScalevecError("grow", f"unknown value {self.grow!r}.", "use grow=heads or grow=head_dim.")
+        if self.steps < 1 or self.bound <= 0 or self.batch < 1 or self.seq < 2:
             raise ScalevecError("steps/bound/batch/seq", "must be positive (seq at least 2).",
                                 "give steps=4 bound=0.25 batch=4 seq=32.")
-        return o
 
 
 def shaped(base: ModelConfig, width: int, layers: int, grow: str) -> ModelConfig:
@@ -278,17 +267,11 @@ def plot(sweeps: tuple[Sweep, ...], path: Path, title: str) -> bool:
     return True
 
 
-def main(argv: list[str]) -> int:
-    given, overrides = split_options(argv, OPTIONS)
-    try:
-        o = Options.parse(given)
-        cfg = to_config(compose_raw(overrides))
-        title = (f"{cfg.model.name} {cfg.scale.name} {cfg.optim.name} lr {cfg.optim.lr:g}, "
-                 f"parameterization {cfg.model.parameterization}")
-        sweeps = run(copy.deepcopy(cfg), o)
-    except (ScalevecError, HydraException) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def check(o: Options, raw) -> int:
+    cfg = to_config(raw)
+    title = (f"{cfg.model.name} {cfg.scale.name} {cfg.optim.name} lr {cfg.optim.lr:g}, "
+             f"parameterization {cfg.model.parameterization}")
+    sweeps = run(copy.deepcopy(cfg), o)
     o.out.mkdir(parents=True, exist_ok=True)
     text, failed = table(sweeps, o.bound, title)
     (o.out / "table.md").write_text(text)
@@ -302,6 +285,10 @@ def main(argv: list[str]) -> int:
         return 1
     print(f"coordinate check passed: every slope within [{FLOOR:g}, {o.bound:g}]")
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return cli.main(argv, Options, check, overrides=True)
 
 
 if __name__ == "__main__":

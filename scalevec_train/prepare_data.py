@@ -9,40 +9,26 @@ last to finish writes the prepared folder, the same as one process would (data/p
 
 import os
 import sys
+from dataclasses import dataclass
 
 from scalevec_train.data import prepare_share
 from scalevec_train.data.mixture import MixtureData
-from scalevec_train.infra.errors import ScalevecError
+from scalevec_train.data.parts import launch_processes
+from scalevec_train.run import cli
 
 
-def processes(env: dict[str, str]) -> tuple[int, int, int]:
-    """(rank, world size, processes on this node) of the preparation this process takes part in."""
-    if "WORLD_SIZE" in env:
-        rank, world, local = int(env.get("RANK", 0)), int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", 1))
-    elif "SLURM_ARRAY_TASK_COUNT" in env:
-        rank = int(env["SLURM_ARRAY_TASK_ID"]) - int(env.get("SLURM_ARRAY_TASK_MIN", 0))
-        world, local = int(env["SLURM_ARRAY_TASK_COUNT"]), 1
-    else:
-        return 0, 1, 1
-    if not 0 <= rank < world:
-        raise ScalevecError("process", f"rank {rank} is outside [0, {world}).",
-                            "launch under torchrun, or as a SLURM array with consecutive task ids (--array=0-N).")
-    return rank, world, local
+@dataclass
+class Options:
+    """prepare_data has no options of its own: its arguments are config overrides (data=..., data.*)."""
 
 
-def main(argv: list[str]) -> int:
+def run(_: Options, raw) -> int:
     # Imported here, not above: the encoding worker processes import this module again, and need
-    # neither Hydra nor the config (which imports torch) to start.
-    from hydra.errors import HydraException
+    # neither Hydra nor the config (which imports torch) to start (cli composes the config lazily too).
+    from scalevec_train.config import to_config
 
-    from scalevec_train.config import compose_config
-
-    try:
-        rank, world, local = processes(dict(os.environ))
-        data = prepare_share(compose_config(argv).data, rank, world, local)
-    except (ScalevecError, HydraException) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    rank, world, local = launch_processes(dict(os.environ))
+    data = prepare_share(to_config(raw).data, rank, world, local)
     if data is None:
         print(f"process {rank} of {world}: its parts are written; the last process to finish merges them")
         return 0
@@ -52,6 +38,10 @@ def main(argv: list[str]) -> int:
             print(f"{split}: {manifest['num_tokens']:,} tokens in {len(manifest['shards'])} shards")
     print(f"tokenizer {data.tokenizer_path} (vocab {data.vocab_size}, sha256 {data.tokenizer_hash[:12]})")
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return cli.main(argv, Options, run, overrides=True)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@
                                             val_loss and val_bpb (mean and sample std over seeds), and
                                             unified minus baseline per seed (paired by seed); and the
                                             embedded task's accuracy where a run directory holds
-                                            next_line.txt (`python -m scalevec_train.evaluate RUN --tasks
-                                            embedded` on its final checkpoint)
+                                            next_line.txt (`python -m scalevec_train.evaluate RUN
+                                            tasks=embedded` on its final checkpoint)
 
 Terminal: the last logged value (the trainer evaluates at the final step). Budgets are tokens per
 non-embedding parameter (train.tokens_per_param).

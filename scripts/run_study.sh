@@ -88,7 +88,7 @@ study800_run() {  # scale seed: the 5x-budget check, dense-study, AdamW, cosine,
 }
 task_run() {  # run_dir: the embedded task scored on its final checkpoint, into run_dir/next_line.txt
   test -f "$1/next_line.txt" && return
-  $PY -m scalevec_train.evaluate "$1" --tasks embedded > "$1/next_line.tmp" && mv "$1/next_line.tmp" "$1/next_line.txt" ||
+  $PY -m scalevec_train.evaluate "$1" tasks=embedded > "$1/next_line.tmp" && mv "$1/next_line.tmp" "$1/next_line.txt" ||
     { echo "error: scoring $1 failed" >&2; return 1; }
 }
 # The AdamW dense-l3 study (docs/results/why-unified-loses-under-adamw.md): one trunk of the ladder's settings, diagnostics on (they

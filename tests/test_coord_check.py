@@ -6,6 +6,7 @@ import pytest
 
 from scalevec_train import coord_check
 from scalevec_train.model.parameterization import Parameterization
+from scalevec_train.run import cli
 from tests.support.helpers import make_config_shared
 
 DENSE = ["model=dense-l1", "model.dim=16", "model.ffn_dim=48", "model.vocab_size=128"]
@@ -17,7 +18,7 @@ OPTIONS = ["widths=1,2,4,16", "depths=1,2,4,8", "steps=3", "batch=2", "seq=16"]
 
 def check(model: str, scale: str, optim: str, parameterization: str) -> list[str]:
     """The quantities whose slope fails the check (empty: it passes)."""
-    options = coord_check.Options.parse({**coord_check.OPTIONS, **dict(o.split("=") for o in OPTIONS)})
+    options, _ = cli.parse(OPTIONS, coord_check.Options)
     # one Hydra compose per model, strategy and optimizer: the mup and sp checks of one share it
     cfg = make_config_shared(*MODELS[model], f"scale={scale}", f"optim={optim}", "optim.lr=0.01",
                              f"model.parameterization={parameterization}")

@@ -37,7 +37,7 @@ COMPLETE = "COMPLETE"
 STATE_FILE = "train_state.json"
 TMP_PREFIX = ".tmp_step_"
 METADATA_FILE = ".metadata"  # DCP's name for it
-AVERAGED = "averaged_from"  # the train_state.json entry of an averaged checkpoint (average.py)
+AVERAGED = "averaged_from"  # the train_state.json entry of an averaged checkpoint (averaging.py)
 
 # One process without a process group is our normal single-device mode (and how load() and averaging
 # read), not a mistake to warn about.

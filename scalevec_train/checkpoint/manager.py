@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from scalevec_train.checkpoint.config import CheckpointConfig
 from scalevec_train.checkpoint.files import (
     DAMAGED,
     STATE_FILE,
@@ -130,6 +131,12 @@ class CheckpointManager:
         self.keep_last, self.async_save, self.optional = keep_last, async_save, optional
         self.pending: _Save | None = None
         self.async_group = None
+
+    @classmethod
+    def from_config(cls, cfg: CheckpointConfig, run_dir: Path, tensors: dict[str, Stateful],
+                    records: dict[str, Stateful], info: dict,
+                    optional: frozenset[str] = frozenset()) -> "CheckpointManager":
+        return cls(run_dir, tensors, records, info, cfg.keep_last, cfg.async_save, optional)
 
     def save(self, step: int) -> Path:
         """Save a checkpoint of `step`; every rank calls it. Returns the final path (complete on return

@@ -15,10 +15,11 @@ the experts' all-to-alls (communication.py)."""
 
 
 import copy
+import json
 from typing import get_args
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from scalevec_train.config import to_config
 from scalevec_train.costs.accounting import (
@@ -38,6 +39,26 @@ from scalevec_train.model.strategies import site_display_name
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.optim.groups import param_groups, rates
 from scalevec_train.parallel.config import ActivationCheckpointing
+
+# the keys of a site in describe's JSON
+JSON_SITE_KEYS = ("name", "role", "param", "shape", "behind_norm", "lr", "weight_decay", "decayed",
+                  "magnitude_cancelled_by", "side", "maps", "folds")
+
+
+def report(raw: DictConfig, world: int, device_gb: float) -> dict:
+    """describe's report of a composed config: its sites and costs, and its memory on `world` ranks."""
+    # the sites and their costs do not depend on the ranks: described as on one process
+    d = describe(to_config(OmegaConf.merge(raw, {"distributed": {"expert_parallel": 1}})))
+    d["memory"] = memory(raw, world, device_gb)
+    return d
+
+
+def as_json(d: dict) -> str:
+    return json.dumps(dict(d, sites=[{k: s[k] for k in JSON_SITE_KEYS} for s in d["sites"]]))
+
+
+def as_text(d: dict) -> str:
+    return "\n\n".join([format_table(d), format_parameters(d), format_memory(d["memory"])])
 
 
 def build_meta(model_cfg, scale_cfg) -> Transformer:

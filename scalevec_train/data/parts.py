@@ -199,3 +199,18 @@ def _link(src: Path, dst: Path) -> None:
         os.link(src, dst)
     except OSError:
         shutil.copyfile(src, dst)
+
+
+def launch_processes(env: dict[str, str]) -> tuple[int, int, int]:
+    """(rank, world size, processes on this node) of the preparation this process takes part in."""
+    if "WORLD_SIZE" in env:
+        rank, world, local = int(env.get("RANK", 0)), int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", 1))
+    elif "SLURM_ARRAY_TASK_COUNT" in env:
+        rank = int(env["SLURM_ARRAY_TASK_ID"]) - int(env.get("SLURM_ARRAY_TASK_MIN", 0))
+        world, local = int(env["SLURM_ARRAY_TASK_COUNT"]), 1
+    else:
+        return 0, 1, 1
+    if not 0 <= rank < world:
+        raise ScalevecError("process", f"rank {rank} is outside [0, {world}).",
+                            "launch under torchrun, or as a SLURM array with consecutive task ids (--array=0-N).")
+    return rank, world, local

@@ -64,7 +64,7 @@ def resolve(path: Path) -> tuple[Path, Path]:
         raise ScalevecError(str(path), "does not exist.", "pass a run directory or one of its "
                             "checkpoints/step_* directories.")
     if (path / COMPLETE).is_file():
-        # An averaged checkpoint (checkpoint/average.py) carries its run's config and tokenizer.
+        # An averaged checkpoint (checkpoint/averaging.py) carries its run's config and tokenizer.
         return (path if (path / CONFIG_FILE).is_file() else path.parent.parent), path
     if path.name.startswith("step_") or path.name.startswith(TMP_PREFIX):
         raise ScalevecError(str(path), f"is not a complete checkpoint (no {COMPLETE} marker: "

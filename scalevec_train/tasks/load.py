@@ -1,5 +1,5 @@
 """The configured tasks (tasks.items), read or generated and tokenized: what the training loop's
-TaskEvaluator and `python -m scalevec_train.evaluate --tasks` score."""
+TaskEvaluator and `python -m scalevec_train.evaluate tasks=...` score."""
 
 import logging
 from pathlib import Path

@@ -17,12 +17,12 @@ from scalevec_train import evaluate as evaluate_cli
 from scalevec_train.checkpoint.averaging import average
 from scalevec_train.checkpoint.files import COMPLETE, STATE_FILE, SafeReader, find_resume, step_dir
 from scalevec_train.checkpoint.manager import ModelState
-from scalevec_train.evaluate import evaluate
 from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.interop.api import load, read_config
 from scalevec_train.interop.hf_export import export
 from scalevec_train.model import Transformer
 from scalevec_train.parallel.data_parallel import parallelize
+from scalevec_train.run.checkpoint_eval import evaluate
 from scalevec_train.train import run
 from scalevec_train.training.logger import read_records
 from tests.support.helpers import SHORT_RUN, make_config
@@ -159,7 +159,8 @@ def test_evaluate_records_the_average_for_compare_runs(runs, averaged, capsys):
     step (a second code path); an averaged folder gets a metrics record that compare_runs reads as a
     run of its own, labelled by its steps."""
     trained = [r for r in read_records(runs["dense"] / "metrics.jsonl") if "val_loss" in r]
-    loss, written = evaluate(step_dir(runs["dense"], 6))
+    metrics, written = evaluate(step_dir(runs["dense"], 6))
+    loss = metrics["val_loss"]
     assert written is None and trained[-1]["step"] == 6
     assert loss == pytest.approx(trained[-1]["val_loss"], rel=1e-6)
     assert evaluate_cli.main([str(averaged["dense"])]) == 0

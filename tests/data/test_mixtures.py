@@ -249,9 +249,9 @@ def test_resumed_on_1_and_2_ranks_and_per_source_val_losses(folders, tmp_path):
     cross-entropy under the final model, computed here with plain PyTorch, and val_loss is their
     0.75/0.25 weighted mean."""
     from scalevec_train.checkpoint import files as checkpoint_files
-    from scalevec_train.evaluate import evaluate_metrics
+    from scalevec_train.data.loaders import validation_batches
     from scalevec_train.interop.api import load
-    from scalevec_train.run.build import validation_batches
+    from scalevec_train.run.checkpoint_eval import evaluate
     from scalevec_train.train import run
 
     overrides = run_overrides(folders, tmp_path / "cache")
@@ -275,7 +275,9 @@ def test_resumed_on_1_and_2_ranks_and_per_source_val_losses(folders, tmp_path):
     cfg = make_config(*overrides, f"run_dir={reference}")
     model, _ = load(checkpoint_files.step_dir(reference, 6))
     final = {r["step"]: r for r in records(reference)}[6]
-    sets = validation_batches(cfg, prepare_data(cfg.data), 0, 1)
+    t = cfg.train
+    sets = validation_batches(prepare_data(cfg.data), t.seq_len, t.micro_batch, t.eval_batches * t.global_batch, 0, 1,
+                              cfg.model.attention_mask == "document")
     with torch.no_grad():
         direct = {name: float(np.mean([F.cross_entropy(model(b.inputs).flatten(0, 1), b.targets.flatten()).item()
                                        for b in batches])) for name, batches in sets.items()}
@@ -285,7 +287,7 @@ def test_resumed_on_1_and_2_ranks_and_per_source_val_losses(folders, tmp_path):
     assert final["val_loss"] == pytest.approx(0.75 * direct["a"] + 0.25 * direct["b"], rel=1e-5)
     assert {"val_bpb/a", "val_bpb/b", "epochs/a", "epochs/b"} <= final.keys()
     # the evaluate command on the final checkpoint: the trainer's validation numbers at that step
-    evaluated, _ = evaluate_metrics(reference)
+    evaluated, _ = evaluate(reference)
     assert evaluated.keys() == {"val_loss", "val_bpb", "val_loss/a", "val_loss/b", "val_bpb/a", "val_bpb/b"}
     for key, value in evaluated.items():
         assert value == pytest.approx(final[key], rel=1e-5), key

@@ -14,6 +14,7 @@ import pytest
 from scalevec_train import prepare_data as prepare_cli
 from scalevec_train.data import PreparedData, prepare_data
 from scalevec_train.data.encode import Batch, encode_batches
+from scalevec_train.data.parts import launch_processes
 from scalevec_train.data.split import ValSplit
 from scalevec_train.infra.errors import ScalevecError
 from tests.support.corpora import VOCAB, folder_bytes, split_texts, split_tokens, text_cfg, write_corpus
@@ -117,13 +118,13 @@ def test_slurm_array_tasks_in_any_order_prepare_what_one_process_does(one_proces
 
 
 def test_process_environment():
-    assert prepare_cli.processes({}) == (0, 1, 1)
+    assert launch_processes({}) == (0, 1, 1)
     torchrun = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "SLURM_ARRAY_TASK_COUNT": "3"}
-    assert prepare_cli.processes(torchrun) == (5, 8, 4)
+    assert launch_processes(torchrun) == (5, 8, 4)
     slurm = {"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "4", "SLURM_ARRAY_TASK_COUNT": "4"}
-    assert prepare_cli.processes(slurm) == (3, 4, 1)
+    assert launch_processes(slurm) == (3, 4, 1)
     with pytest.raises(ScalevecError, match="--array=0-N"):
-        prepare_cli.processes({**slurm, "SLURM_ARRAY_TASK_ID": "9"})
+        launch_processes({**slurm, "SLURM_ARRAY_TASK_ID": "9"})
 
 
 def test_a_script_that_prepares_at_import_fails_instead_of_hanging(corpus, processes, tmp_path):

@@ -181,7 +181,7 @@ def task_overrides(tmp_path) -> list[str]:
 def test_scoring_tasks_leaves_training_unchanged(tmp_path, data_overrides, capsys):
     """A MoE run (its routers' bias moves with every training forward) scores a task at steps 0, 2 and 4:
     its losses, gradient norms and validation numbers are bit for bit those of the run without tasks.
-    `evaluate --tasks run` on its final checkpoint scores what the trainer scored at the last step."""
+    `evaluate tasks=run` on its final checkpoint scores what the trainer scored at the last step."""
     scored = run(make_config(*data_overrides, *RUN, *task_overrides(tmp_path), f"run_dir={tmp_path / 'tasks'}"))
     plain = run(make_config(*data_overrides, *RUN, f"run_dir={tmp_path / 'plain'}"))
     with_tasks = records(scored)
@@ -190,15 +190,15 @@ def test_scoring_tasks_leaves_training_unchanged(tmp_path, data_overrides, capsy
     assert [{k: r[k] for k in NUMBERS if k in r} for r in with_tasks] == \
         [{k: r[k] for k in NUMBERS if k in r} for r in records(plain)]
     capsys.readouterr()  # the runs' own output
-    assert evaluate_cli.main([str(scored), "--tasks", "run"]) == 0
+    assert evaluate_cli.main([str(scored), "tasks=run"]) == 0
     printed = dict(line.split() for line in capsys.readouterr().out.splitlines())
     last = with_tasks[-1]
     for metric in ("acc", "acc_norm", "bpb", "chance"):
         assert float(printed[f"task/toy/{metric}"]) == pytest.approx(last[f"task/toy/{metric}"], abs=1e-6)
     assert float(printed["val_loss"]) == pytest.approx(last["val_loss"], rel=1e-6)
     assert float(printed["val_bpb"]) == pytest.approx(last["val_bpb"], rel=1e-5)
-    assert evaluate_cli.main([str(scored), "--tasks", "nonesuch"]) == 2
-    assert "--tasks: 'nonesuch' is no preset" in capsys.readouterr().err
+    assert evaluate_cli.main([str(scored), "tasks=nonesuch"]) == 2
+    assert "tasks: 'nonesuch' is no preset" in capsys.readouterr().err
 
 
 def test_scoring_under_compile_compiles_nothing(tmp_path, data_overrides, monkeypatch):

@@ -18,12 +18,12 @@ from scalevec_train import average as average_cli
 from scalevec_train.checkpoint.averaging import ema_model
 from scalevec_train.checkpoint.files import COMPLETE, step_dir
 from scalevec_train.costs.memory import estimate
-from scalevec_train.evaluate import evaluate
 from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.infra.faults import FAULT_AT_ENV
 from scalevec_train.interop.api import load
 from scalevec_train.interop.hf_export import export
 from scalevec_train.model import Transformer
+from scalevec_train.run.checkpoint_eval import evaluate
 from scalevec_train.train import run
 from scalevec_train.training.callbacks import WeightEMA
 from tests.support.helpers import REPO, SHORT_RUN, load_script, make_config
@@ -97,7 +97,8 @@ def test_val_loss_ema_is_the_val_loss_of_the_ema_weights(runs, tmp_path):
     ema = saved(runs["on"], STEPS, tmp_path)["ema"]["weights"]
     model, _ = load(out)
     assert all(torch.equal(model.state_dict()[n], w) for n, w in ema.items())
-    loss, written = evaluate(out)
+    metrics, written = evaluate(out)
+    loss = metrics["val_loss"]
     assert written == out / "metrics.jsonl"
     assert loss == pytest.approx(curve(runs["on"], "val_loss_ema")[STEPS], rel=1e-6)
     assert loss != pytest.approx(curve(runs["on"], "val_loss")[STEPS], rel=1e-4)

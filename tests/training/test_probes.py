@@ -14,9 +14,9 @@ import torch.nn.functional as F
 import scalevec_train
 from scalevec_train.checkpoint.files import step_dir
 from scalevec_train.data import prepare_data
+from scalevec_train.data.loaders import validation_batches
 from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.model import Transformer, scale_sites
-from scalevec_train.run.build import validation_batches
 from scalevec_train.train import run
 from scalevec_train.training.probes import activation_stats
 from tests.support.helpers import SHORT_RUN, make_config
@@ -198,7 +198,9 @@ def test_values_are_those_computed_from_the_weights_and_a_plain_forward(tmp_path
     model, _ = scalevec_train.load(step_dir(out, 4))
     before, _ = scalevec_train.load(step_dir(out, 3))
     cfg = make_config(*overrides)
-    batch = validation_batches(cfg, prepare_data(cfg.data), 0, 1)[0]  # the val split's first micro-batch
+    t = cfg.train  # the val split's first micro-batch:
+    batch = validation_batches(prepare_data(cfg.data), t.seq_len, t.micro_batch, t.eval_batches * t.global_batch, 0, 1,
+                               cfg.model.attention_mask == "document")[0]
     expected = expected_weights(model, before, case) | expected_activations(model, batch.inputs, batch.doc_ids)
     assert sorted(got) == sorted(expected)
     for key, value in expected.items():

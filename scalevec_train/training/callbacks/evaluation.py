@@ -84,7 +84,7 @@ class Validation:
                 suffix: str = "") -> dict[str, torch.Tensor]:
         """{val_loss<suffix>: ..., val_bpb<suffix>: ...} of `model` as it is, on the device; for a mixture
         each source's val_loss<suffix>/<name> (val_bpb<suffix>/<name>) first. The Evaluator records them
-        (the weight EMA with suffix "_ema"); scalevec_train/evaluate.py prints them for a checkpoint."""
+        (the weight EMA with suffix "_ema"); run/checkpoint_eval.py computes them for a checkpoint."""
         results = self.evaluate(model, device, autocast)
         out = {}
         if "" in results:
@@ -129,7 +129,7 @@ def validation_loss(model: torch.nn.Module, batches: list[Batch], device: torch.
                     counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The mean loss of `model` over this rank's validation `batches` and all ranks, and this rank's summed
     NLL in nats (fp64; `counts`: the counted targets of each batch), on the device (also how an averaged
-    checkpoint is evaluated: scalevec_train/evaluate.py)."""
+    checkpoint is evaluated: run/checkpoint_eval.py)."""
     model.eval()
     total = torch.zeros((), device=device)
     nll = torch.zeros((), device=device, dtype=torch.float64)
