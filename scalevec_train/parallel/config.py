@@ -24,6 +24,17 @@ class DistributedConfig:
     # (each holds num_experts / N of them, tokens travel to them by all-to-all) and sharded by FSDP over
     # the rest of the data-parallel ranks; 1 = every expert sharded by FSDP like any other weight
     expert_parallel: int = 1
+    # seconds a collective may wait until this process's first step has finished: joining the group, data
+    # preparation, the checkpoint load and the first compile come before
+    init_timeout_s: float = 1800.0
+    # seconds a collective may wait once the first step has finished (checkpoint saves' too): then it fails
+    # (gloo raises; NCCL's watchdog ends the process, its flight recorder dumping where TORCH_NCCL_* allow)
+    timeout_s: float = 300.0
+    # the hang watchdog (parallel/watchdog.py), after the first step: a step, evaluation or checkpoint save
+    # lasting longer than this many seconds and 5x the slowest recent step (and of its own kind) is a hang,
+    # or one lasting 10 s after a SIGTERM: every rank dumps its stacks to run_dir/hang/, the log names the
+    # ranks that did not arrive and the phase, and the run exits with code 5; 0: off
+    hang_s: float = 180.0
 
     def validate(self) -> None:
         check_choices(self, "distributed.")
@@ -33,3 +44,12 @@ class DistributedConfig:
         if self.expert_parallel < 1:
             raise ScalevecError("distributed.expert_parallel", f"{self.expert_parallel} is below 1.",
                                 "use 1 (no expert parallelism) or a divisor of the number of experts.")
+        for key in ("init_timeout_s", "timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ScalevecError(f"distributed.{key}", f"{getattr(self, key)} is not a positive number of "
+                                    "seconds.", "use a positive number of seconds (a collective waits this long).")
+        if not 0 <= self.hang_s < self.timeout_s:
+            raise ScalevecError("distributed.hang_s", f"{self.hang_s} is not in [0, distributed.timeout_s="
+                                f"{self.timeout_s}): a collective would time out before the watchdog named the "
+                                "rank it waits for.", "use a number of seconds below distributed.timeout_s, or 0 "
+                                "(no watchdog).")

@@ -44,6 +44,7 @@ from scalevec_train.training.callbacks import (
     Diagnostics,
     EpochMonitor,
     Evaluator,
+    HangWatchdog,
     ModelMetrics,
     ScaleMonitor,
     SigtermStop,
@@ -179,7 +180,7 @@ def build(cfg: Config) -> Run:
     if resume_from is not None:
         manager.load(resume_from, train_state)
     checkpointer = Checkpointer(manager, cfg.checkpoint.every)
-    callbacks.append(checkpointer)
+    callbacks += [checkpointer, HangWatchdog(cfg.distributed, run_dir)]
     schedule = Schedule(cfg.train.steps, partial(lr_multiplier, cfg.schedule, total_steps=cfg.train.steps),
                         cfg.train.log_every, start_step=train_state["step"] if train_state else 0)
     recipe = StepRecipe(accum=cfg.train.global_batch // (cfg.train.micro_batch * world),
