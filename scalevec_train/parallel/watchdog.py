@@ -215,7 +215,7 @@ def culprits(first: dict[int, dict] | None, second: dict[int, dict] | None, me: 
     if first is None or second is None:
         return "The other ranks are unknown: the process group's store did not answer"
     silent = [r for r in second if r != me and (second[r] is None or second[r] == first[r])]
-    live = {r: p for r, p in second.items() if r not in silent}
+    live = {r: p for r, p in second.items() if r not in silent and p is not None}
     if silent:
         seen = {r: second[r] for r in silent if second[r] is not None}
         places = {(p["step"], p["phase"]) for p in seen.values()}
@@ -224,13 +224,15 @@ def culprits(first: dict[int, dict] | None, second: dict[int, dict] | None, me: 
             last = f"last seen in {phase} of step {step}"
         else:
             last = f"last seen: {_places(seen, durations=False)}" if seen else "never seen"
-        return (f"{_ranks(silent).capitalize()} {'shows' if len(silent) == 1 else 'show'} no sign of life "
-                f"(stopped, frozen, or its host lost; {last}); running: {_places(live)}")
+        one = len(silent) == 1
+        return (f"{_ranks(silent).capitalize()} {'shows' if one else 'show'} no sign of life (stopped, frozen, or "
+                f"{'its' if one else 'their'} host lost; {last}){'; running: ' + _places(live) if live else ''}")
     behind = min((p["step"], ORDER[p["phase"]]) for p in live.values())
     late = {r: p for r, p in live.items() if (p["step"], ORDER[p["phase"]]) == behind}
     if len(late) == len(live):
-        return (f"Every rank is in {_places(live)}: one is stuck there, or a collective does not complete (the "
-                "stacks show which)")
+        step, phase = next(iter(live.values()))["step"], next(iter(live.values()))["phase"]
+        return (f"Every rank is in {phase} of step {step} ({min(p['elapsed'] for p in live.values()):.0f} s): one "
+                "is stuck there, or a collective does not complete (the stacks show which)")
     return (f"{_ranks(list(late)).capitalize()} did not arrive: {_places(late)}, while the others wait: "
             f"{_places({r: p for r, p in live.items() if r not in late})}")
 
