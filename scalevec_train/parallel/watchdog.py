@@ -16,7 +16,7 @@ The main thread is stuck: only another thread can.
 
 SIGTERM reaches the thread through the signal module's wakeup file even while the main thread waits in a
 collective (Python runs a handler only once that thread is back in the interpreter). From then on a span
-of a kind measured before ends after SIGTERM_GRACE_S and SIGTERM_FACTOR times the kind's slowest: a
+of a kind measured before ends after SIGTERM_GRACE_S or SIGTERM_FACTOR times the slowest (the larger): a
 healthy step goes on to the clean stop at the next log step (training/callbacks/stability.py), a stuck
 one ends within seconds.
 """
@@ -88,13 +88,16 @@ class Watchdog:
             os.close(write)
 
     def bound(self, phase: str) -> tuple[float, str]:
-        """How long a span may last in `phase` before it is a hang, and why."""
+        """How long a span may last in `phase` before it is a hang, and why. A kind's first span (a first
+        evaluation or save: its length unknown) is not judged; the collectives' timeout bounds it."""
         kind = PHASES[phase][1]
+        if not self.progress.recent.get(kind):
+            return float("inf"), f"the first {kind}"
         scale = max(self.progress.slowest("step"), self.progress.slowest(kind))
         slowest = f"the slowest recent step{'' if kind == 'step' else ' or ' + kind} ({scale:.2f} s)"
         bound = max(self.floor_s, FACTOR * scale)
         why = f"the larger of distributed.hang_s={self.floor_s:g} and {FACTOR}x {slowest}"
-        if self.sigterm_at is not None and self.progress.recent.get(kind):
+        if self.sigterm_at is not None:
             after = max(SIGTERM_GRACE_S, SIGTERM_FACTOR * scale)
             if after < bound:
                 bound = after

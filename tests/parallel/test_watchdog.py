@@ -29,7 +29,7 @@ from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.infra.faults import FAULT_AT_ENV, check_faults
 from scalevec_train.infra.progress import Progress
 from scalevec_train.parallel import process_group
-from scalevec_train.parallel.watchdog import culprits
+from scalevec_train.parallel.watchdog import Watchdog, culprits
 from tests.support.helpers import make_config
 from tests.support.launch import Attempts, _state, assert_same_checkpoint, spawn
 from tests.support.presets import TINY_MODEL
@@ -273,3 +273,24 @@ def test_the_timeouts_and_the_floor_are_checked():
 def test_the_hang_actions_and_the_loader_point_are_faults(monkeypatch):
     monkeypatch.setenv(FAULT_AT_ENV, "data.batch:3@1=hang,step.start:2=sleep,data.batch:4")
     check_faults()
+
+
+def test_the_bound_follows_the_slowest_recent_span_and_shortens_after_sigterm(tmp_path):
+    """One process (no store): max(floor, 5x the slowest recent step and span of the phase's kind); a kind
+    not measured yet is not judged; after SIGTERM, max(10 s, 3x that scale) where it is shorter."""
+    progress = Progress()
+    watchdog = Watchdog(progress, 10.0, tmp_path)
+    assert watchdog.bound("data")[0] == watchdog.bound("checkpoint")[0] == float("inf")
+    progress.recent = {"step": (1.0, 3.0, 0.5)}
+    assert watchdog.bound("optimizer") == (
+        15.0, "the larger of distributed.hang_s=10 and 5x the slowest recent step (3.00 s)")
+    assert watchdog.bound("evaluation")[0] == float("inf")
+    progress.recent["checkpoint"] = (4.0,)
+    assert watchdog.bound("checkpoint") == (
+        20.0, "the larger of distributed.hang_s=10 and 5x the slowest recent step or checkpoint (4.00 s)")
+    progress.recent["step"] = (1.0,)
+    assert watchdog.bound("record")[0] == 10.0
+    watchdog.sigterm_at = 0.0
+    assert watchdog.bound("record")[0] == 10.0  # max(10, 3x1) is not shorter
+    assert watchdog.bound("checkpoint") == (
+        12.0, "after a SIGTERM, the larger of 10 s and 3x the slowest recent step or checkpoint (4.00 s)")
