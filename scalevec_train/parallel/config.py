@@ -24,16 +24,15 @@ class DistributedConfig:
     # (each holds num_experts / N of them, tokens travel to them by all-to-all) and sharded by FSDP over
     # the rest of the data-parallel ranks; 1 = every expert sharded by FSDP like any other weight
     expert_parallel: int = 1
-    # seconds a collective may wait until this process's first step has finished: joining the group, data
-    # preparation, the checkpoint load and the first compile come before
+    # seconds a collective may wait until this process's first step has finished (joining the group, data
+    # preparation, the checkpoint load and the first compile come before it)
     init_timeout_s: float = 1800.0
-    # seconds a collective may wait once the first step has finished (checkpoint saves' too): then it fails
-    # (gloo raises; NCCL's watchdog ends the process, its flight recorder dumping where TORCH_NCCL_* allow)
+    # seconds a collective may wait after the first step, checkpoint saves' included: then gloo raises and
+    # NCCL's watchdog ends the process (the TORCH_NCCL_* defaults set: parallel/process_group.py)
     timeout_s: float = 300.0
-    # the hang watchdog (parallel/watchdog.py), after the first step: a step, evaluation or checkpoint save
-    # lasting longer than this many seconds and 5x the slowest recent step (and of its own kind) is a hang,
-    # or one lasting 10 s after a SIGTERM: every rank dumps its stacks to run_dir/hang/, the log names the
-    # ranks that did not arrive and the phase, and the run exits with code 5; 0: off
+    # the hang watchdog's floor in seconds (parallel/watchdog.py): after the first step, a step, evaluation or
+    # save lasting longer than this and 5x the slowest recent one ends the run (exit code 5), the ranks that
+    # did not arrive named and every rank's stacks in run_dir/hang/; 0: no watchdog
     hang_s: float = 180.0
 
     def validate(self) -> None:

@@ -1,5 +1,6 @@
-"""The process group: joining it under torchrun, who is who, and the few collectives the training
-code uses directly. On one process (no torchrun) every function does the single-process thing."""
+"""The process group: joining it under torchrun, how long its collectives may wait, who is who, and the
+few collectives the training code uses directly. On one process (no torchrun) every function does the
+single-process thing."""
 
 import gc
 import os
@@ -14,9 +15,10 @@ from torch.distributed.tensor import DTensor
 from scalevec_train.parallel.config import DistributedConfig
 
 # What NCCL does about a collective that times out, where the user has not said: its flight recorder
-# keeps the last 2000 collectives of every group and dumps them on a timeout (to the files that
-# TORCH_NCCL_DEBUG_INFO_TEMP_FILE names, /tmp/nccl_trace_rank_<rank> by default), for torch's
-# flight-recorder analyser to name the collective and the ranks that did not join it.
+# keeps the records of the last 2000 collectives and dumps them on a timeout (to the files that
+# TORCH_NCCL_DEBUG_INFO_TEMP_FILE names, /tmp/nccl_trace_rank_<rank> by default; the hang watchdog
+# dumps them into run_dir/hang/), for torch's flight-recorder analyser to name the collective and the
+# ranks that did not join it.
 NCCL_DEFAULTS = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
 _timeout: timedelta | None = None  # set_timeout()'s, for the groups made after it
 

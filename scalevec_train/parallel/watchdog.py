@@ -92,7 +92,7 @@ class Watchdog:
         evaluation or save: its length unknown) is not judged; the collectives' timeout bounds it."""
         kind = PHASES[phase][1]
         if not self.progress.recent.get(kind):
-            return float("inf"), f"the first {kind}"
+            return float("inf"), ""
         scale = max(self.progress.slowest("step"), self.progress.slowest(kind))
         slowest = f"the slowest recent step{'' if kind == 'step' else ' or ' + kind} ({scale:.2f} s)"
         bound = max(self.floor_s, FACTOR * scale)
@@ -202,13 +202,15 @@ class Watchdog:
                 f.write(f"{header}\n\n")
                 f.flush()
                 faulthandler.dump_traceback(f, all_threads=True)
-            _dump_flight_recorder(self.hang_dir / f"nccl_trace_rank_{self.rank}")
         finally:
             prefix = f"[rank {self.rank}] " if self.world > 1 else ""
             sys.stdout.flush()
             sys.stderr.write(f"{prefix}error: {message}\n")
             sys.stderr.flush()
-            os._exit(HungError.exit_code)
+            try:  # last: a dump that blocks can only delay the exit
+                _dump_flight_recorder(self.hang_dir / f"nccl_trace_rank_{self.rank}")
+            finally:
+                os._exit(HungError.exit_code)
 
 
 def culprits(first: dict[int, dict] | None, second: dict[int, dict] | None, me: int) -> str:
@@ -266,7 +268,8 @@ def _ranks(ranks: list[int]) -> str:
 
 def _dump_flight_recorder(path: Path) -> None:
     """On NCCL, the collectives its flight recorder holds (TORCH_NCCL_TRACE_BUFFER_SIZE), in the file
-    torch's flight-recorder analyser reads; given up after a few seconds, so that the process ends."""
+    torch's flight-recorder analyser reads: NCCL dumps them itself only at its own timeout, which the
+    watchdog comes before. Given up after 10 s."""
     dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
     if dump is None or not torch.cuda.is_available():
         return
