@@ -121,12 +121,11 @@ def test_a_stopped_rank_is_named_by_the_others_which_end_the_run_and_it_resumes(
                            tmp_path)
 
 
-def test_a_rank_blocked_alive_in_the_loader_did_not_arrive_and_both_dump_their_stacks(common, attempts, reference,
-                                                                                     tmp_path):
+def test_a_rank_blocked_alive_in_the_loader_did_not_arrive_and_both_dump_their_stacks(common, attempts, tmp_path):
     """Its main thread blocked (a stuck read), its watchdog alive: the rank behind the other is named, and
-    its own stacks show where it is stuck. Both ranks end."""
+    its own stacks show where it is stuck. Both ranks end (a resume after a hang: the stopped ranks')."""
     run_dir = tmp_path / "blocked"
-    overrides = [*common, FLOOR, f"run_dir={run_dir}", "resume=auto"]
+    overrides = [*common, FLOOR, f"run_dir={run_dir}"]
     assert hung(attempts, overrides, "data.batch:3@1=hang", None) == [5, 5]
     errors = error_lines(attempts, run_dir)
     assert 1 <= len(errors) <= 2, errors  # one a rank, or one rank's: the other may follow the flag first
@@ -137,16 +136,12 @@ def test_a_rank_blocked_alive_in_the_loader_did_not_arrive_and_both_dump_their_s
     assert "in next_batch" in stacks[1] and "in wait" in stacks[1]
     assert "in next_batch" not in stacks[0] and "in train_step" in stacks[0]
 
-    assert attempts.run(overrides) == [0, 0]
-    assert_same_checkpoint(checkpoint_files.step_dir(run_dir, STEPS), checkpoint_files.step_dir(reference, STEPS),
-                           tmp_path)
-
 
 def test_a_slow_rank_is_not_a_hang(common, attempts, reference, tmp_path):
-    """Rank 1 sleeps 1 s in every step, longer than a step and than the floor (0.5 s): the bound follows
-    the measured steps, and the run ends as the uninterrupted one."""
+    """Rank 1 sleeps 1 s in each of the first 3 steps, longer than a step and than the floor (0.5 s): the
+    bound follows the measured steps, and the run ends as the uninterrupted one."""
     run_dir = tmp_path / "slow"
-    slow = ",".join(f"step.start:{s}@1=sleep" for s in range(1, STEPS + 1))
+    slow = ",".join(f"step.start:{s}@1=sleep" for s in range(1, 4))
     assert attempts.run([*common, "distributed.hang_s=0.5", f"run_dir={run_dir}"], slow) == [0, 0]
     assert not error_lines(attempts, run_dir) and not (run_dir / "hang").exists()
     assert_same_checkpoint(checkpoint_files.step_dir(run_dir, STEPS), checkpoint_files.step_dir(reference, STEPS),
