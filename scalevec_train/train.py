@@ -51,12 +51,13 @@ def run(cfg: Config) -> Path:
 @hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="config")
 def main(raw: DictConfig) -> None:
     """Exit codes: 0 done, or stopped by SIGTERM with a checkpoint; 1 a bug (with its traceback) or a
-    Hydra error; 2 bad input (one line naming the key or file and the fix); 3 diverged (see run())."""
+    Hydra error; 2 bad input (one line naming the key or file and the fix); 3 diverged (see run()); 4 a
+    checkpoint that could not be written; 5 a hang (training/callbacks/watchdog.py)."""
     finished, exit_code = False, 0
     try:
         # Checked before joining the process group: a bad config fails at once, on every rank.
         cfg = to_config(raw, process_group.world_size())
-        process_group.init()
+        process_group.init(cfg.distributed.init_timeout_s)
         run(cfg)
         finished = True
     except ScalevecError as e:

@@ -67,11 +67,12 @@ from scalevec_train.checkpoint.files import (
     step_dir,
 )
 from scalevec_train.checkpoint.integrity import entry, hash_files, rank_shards, seal
+from scalevec_train.infra import progress
 from scalevec_train.infra.checksums import digest
 from scalevec_train.infra.errors import CheckpointWriteError, ScalevecError
 from scalevec_train.infra.faults import checkpoint_writer, fault_point
 from scalevec_train.model.transformer import Transformer
-from scalevec_train.parallel.process_group import broadcast_object, gather_all, is_main, rank, world_size
+from scalevec_train.parallel.process_group import broadcast_object, gather_all, is_main, new_group, rank, world_size
 
 
 class ModelState(Stateful):
@@ -142,6 +143,10 @@ class CheckpointManager:
         """Save a checkpoint of `step`; every rank calls it. Returns the final path (complete on return
         unless async_save: then after the next save() or finish()). Raises CheckpointWriteError on every
         rank if a rank could not write (this save's, or the pending async one's)."""
+        with progress.current.phase("checkpoint", step):
+            return self._save(step)
+
+    def _save(self, step: int) -> Path:
         self.finish()
         final = step_dir(self.run_dir, step)
         tmp = final.parent / broadcast_object(f"{TMP_PREFIX}{step:06d}_{uuid.uuid4().hex[:8]}")
@@ -175,6 +180,10 @@ class CheckpointManager:
         if self.pending is None:
             return None
         done, self.pending = self.pending, None
+        with progress.current.phase("checkpoint", done.step):
+            return self._finish(done)
+
+    def _finish(self, done: _Save) -> Path:
         self._agree(done, done.error or _attempt(lambda: self._write_rest(done)))
         hashed = {name: record for records in gather_all(done.hashed) for name, record in records.items()}
         self._agree(done, _attempt(lambda: self._complete(done, hashed)) if is_main() else None)
@@ -253,7 +262,7 @@ class CheckpointManager:
     def _async_group(self):
         """A gloo group for async saves; created on first use (by every rank, at the same save)."""
         if dist.is_initialized() and self.async_group is None:
-            self.async_group = dist.new_group(backend="gloo")
+            self.async_group = new_group("gloo")
         return self.async_group
 
     def _retain(self, step: int) -> None:

@@ -20,7 +20,9 @@ import torch
 from scalevec_train.data.permutation import permute
 from scalevec_train.data.prepare import PreparedData
 from scalevec_train.data.shards import TokenStream
+from scalevec_train.infra import progress
 from scalevec_train.infra.errors import ScalevecError
+from scalevec_train.infra.faults import fault_point
 
 IGNORE = -100  # a target the loss does not count (F.cross_entropy's default ignore_index)
 
@@ -77,6 +79,7 @@ class TokenLoader:
 
     def next_batch(self) -> Batch:
         """This rank's next batch_size rows (and with `documents`, their document ids)."""
+        fault_point("data.batch", progress.current.where[0])
         first = self.position + self.rank * self.batch_size
         self.position += self.world_size * self.batch_size
         return self.read(np.arange(first, first + self.batch_size, dtype=np.int64))

@@ -9,7 +9,9 @@ import torch
 from scalevec_train.data.loader import Batch, TokenLoader, checked_position, mean_attended_keys
 from scalevec_train.data.mixing import SourceSchedule
 from scalevec_train.data.mixture import MixtureData
+from scalevec_train.infra import progress
 from scalevec_train.infra.errors import ScalevecError
+from scalevec_train.infra.faults import fault_point
 
 
 class MixtureLoader:
@@ -31,6 +33,7 @@ class MixtureLoader:
 
     def next_batch(self) -> Batch:
         """This rank's next batch_size rows (and with `documents`, their document ids)."""
+        fault_point("data.batch", progress.current.where[0])
         first = self.position + self.rank * self.batch_size
         self.position += self.world_size * self.batch_size
         return self.read(np.arange(first, first + self.batch_size, dtype=np.int64))

@@ -36,6 +36,14 @@ class CheckpointWriteError(ScalevecError):
     exit_code = 4
 
 
+class HungError(ScalevecError):
+    """The run made no progress within the hang watchdog's bound (parallel/watchdog.py), or got SIGTERM
+    while it made none: it names the ranks that did not arrive and where. Not raised: the watchdog's
+    thread prints it and ends the process, whose main thread is stuck. Its own exit code tells it apart."""
+
+    exit_code = 5
+
+
 def listing(items: list[str], limit: int = 5) -> str:
     """The first `limit` items and how many more: for error messages that name what is wrong."""
     shown = ", ".join(items[:limit])

@@ -1,7 +1,7 @@
 """Fault injection at named points of a training step, of a checkpoint save and of a data preparation,
-for the tests of what a kill, a failed write or a non-finite step leaves behind (docs/guides/reliability.md).
-Unset in real runs, where a point costs one environment lookup. Imports no torch until a checkpoint is
-written: data preparation (and its worker processes) runs without it.
+for the tests of what a kill, a hang, a failed write or a non-finite step leaves behind
+(docs/guides/reliability.md). Unset in real runs, where a point costs one environment lookup. Imports no torch
+until a checkpoint is written: data preparation (and its worker processes) runs without it.
 
 SCALEVEC_FAULT_AT=<point>:<step>[@<rank>][=<action>], comma-separated entries: when rank `rank` (every
 rank without @) reaches `point` (POINTS) of step `step` (for the save points: of the checkpoint of that
@@ -14,6 +14,8 @@ import errno
 import io
 import os
 import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,12 +28,14 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint import FileSystemWriter
 
 FAULT_AT_ENV = "SCALEVEC_FAULT_AT"
+SLEEP_S = 1.0
 POINTS = {
     "step.start": "before the step draws its batches",
     "step.loss": "each micro-batch's training loss computed, before its backward",
     "step.optimizer": "the gradients synced, before the optimizer steps",
     "step.record": "the optimizer stepped, before the step's record is written",
     "step.checkpoint": "the record written, before the step's checkpoint (if it saves one)",
+    "data.batch": "the loader, before it reads a micro-batch (the step: the one in progress, infra/progress.py)",
     "save.folder": "rank 0, before it makes the checkpoint's temporary folder",
     "save.files": "halfway through the first write of this rank's shard file (an async save: in its thread)",
     "save.agree": "this rank's files written, before the ranks compare their outcomes",
@@ -50,6 +54,8 @@ POINTS = {
 }
 ACTIONS = {
     "stop": "the process stops itself (SIGSTOP): a test can SIGKILL it, or every rank, at exactly that moment",
+    "hang": "the main thread blocks there for good, the process alive (a stuck read, a deadlocked data worker)",
+    "sleep": f"the process sleeps {SLEEP_S:g} s there, then goes on (a slow rank)",
     "nospace": "the write there fails as on a full disk (OSError ENOSPC)",
     "ioerror": "the write there fails as on a failing disk (OSError EIO)",
     "nan": "step.loss only: the loss is made NaN, so the step is not finite",
@@ -57,6 +63,7 @@ ACTIONS = {
 }
 LOSS_ACTIONS = ("nan", "infgrad")
 ERRNOS = {"nospace": errno.ENOSPC, "ioerror": errno.EIO}
+_before_stop: list[Callable[[], None]] = []  # on_stop()
 
 
 def fault_point(point: str, step: int, rank: int | None = None) -> None:
@@ -76,6 +83,13 @@ def loss_fault(loss: "torch.Tensor", step: int) -> "torch.Tensor":
         return loss
     _apply(action, "step.loss", step)
     return loss
+
+
+def on_stop(hook: Callable[[], None] | None) -> None:
+    """Call `hook` (None: nothing) just before this process stops itself at a fault: the hang watchdog
+    publishes there where its rank is, as it would have for a rank stuck there for longer than the
+    moment between its phase's mark and a stop."""
+    _before_stop[:] = [] if hook is None else [hook]
 
 
 def check_faults() -> None:
@@ -126,7 +140,13 @@ def _entries() -> list[tuple[str, int, int | None, str]]:
 
 def _apply(action: str | None, point: str, step: int) -> None:
     if action == "stop":
+        for hook in _before_stop:
+            hook()
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif action == "hang":
+        threading.Event().wait()
+    elif action == "sleep":
+        time.sleep(SLEEP_S)
     elif action is not None:
         code = ERRNOS[action]
         raise OSError(code, f"{os.strerror(code)} (injected by {FAULT_AT_ENV} at {point}:{step})")

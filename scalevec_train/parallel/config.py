@@ -24,6 +24,16 @@ class DistributedConfig:
     # (each holds num_experts / N of them, tokens travel to them by all-to-all) and sharded by FSDP over
     # the rest of the data-parallel ranks; 1 = every expert sharded by FSDP like any other weight
     expert_parallel: int = 1
+    # seconds a collective may wait until this process's first step has finished (joining the group, data
+    # preparation, the checkpoint load and the first compile come before it)
+    init_timeout_s: float = 1800.0
+    # seconds a collective may wait after the first step, checkpoint saves' included: then gloo raises and
+    # NCCL's watchdog ends the process (the TORCH_NCCL_* defaults set: parallel/process_group.py)
+    timeout_s: float = 300.0
+    # the hang watchdog's floor in seconds (parallel/watchdog.py): after the first step, a step, evaluation or
+    # save lasting longer than this and 5x the slowest recent one ends the run (exit code 5), the ranks that
+    # did not arrive named and every rank's stacks in run_dir/hang/; 0: no watchdog
+    hang_s: float = 180.0
 
     def validate(self) -> None:
         check_choices(self, "distributed.")
@@ -33,3 +43,12 @@ class DistributedConfig:
         if self.expert_parallel < 1:
             raise ScalevecError("distributed.expert_parallel", f"{self.expert_parallel} is below 1.",
                                 "use 1 (no expert parallelism) or a divisor of the number of experts.")
+        for key in ("init_timeout_s", "timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ScalevecError(f"distributed.{key}", f"{getattr(self, key)} is not a positive number of "
+                                    "seconds.", "use a positive number of seconds (a collective waits this long).")
+        if not 0 <= self.hang_s < self.timeout_s:
+            raise ScalevecError("distributed.hang_s", f"{self.hang_s} is not in [0, distributed.timeout_s="
+                                f"{self.timeout_s}): a collective would time out before the watchdog named the "
+                                "rank it waits for.", "use a number of seconds below distributed.timeout_s, or 0 "
+                                "(no watchdog).")

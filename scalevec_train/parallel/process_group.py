@@ -1,29 +1,70 @@
-"""The process group: joining it under torchrun, who is who, and the few collectives the training
-code uses directly. On one process (no torchrun) every function does the single-process thing."""
+"""The process group: joining it under torchrun, how long its collectives may wait, who is who, and the
+few collectives the training code uses directly. On one process (no torchrun) every function does the
+single-process thing."""
 
 import gc
 import os
 import uuid
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 from torch.distributed.tensor import DTensor
 
+from scalevec_train.parallel.config import DistributedConfig
 
-def init() -> None:
-    """Join the process group that torchrun describes in the environment (nothing on one process)."""
+# What NCCL does about a collective that times out, where the user has not said: its flight recorder
+# keeps the records of the last 2000 collectives and dumps them on a timeout (to the files that
+# TORCH_NCCL_DEBUG_INFO_TEMP_FILE names, /tmp/nccl_trace_rank_<rank> by default; the hang watchdog
+# dumps them into run_dir/hang/), for torch's flight-recorder analyser to name the collective and the
+# ranks that did not join it.
+NCCL_DEFAULTS = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+_timeout: timedelta | None = None  # set_timeout()'s, for the groups made after it
+
+
+def init(timeout_s: float = DistributedConfig.init_timeout_s) -> None:
+    """Join the process group that torchrun describes in the environment (nothing on one process); its
+    collectives time out after `timeout_s` (distributed.init_timeout_s) until set_timeout()."""
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
+        global _timeout
+        _timeout = timeout = timedelta(seconds=timeout_s)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(local_rank())
+            for key, value in NCCL_DEFAULTS.items():
+                os.environ.setdefault(key, value)
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            dist.init_process_group(backend, store=_attempt_store(rank, world), rank=rank, world_size=world)
+            dist.init_process_group(backend, store=_attempt_store(rank, world, timeout), rank=rank,
+                                    world_size=world, timeout=timeout)
         else:
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, timeout=timeout)
 
 
-def _attempt_store(rank: int, world: int) -> dist.Store:
+def set_timeout(timeout_s: float) -> None:
+    """From now on every collective of every group this process is in (and of the groups new_group()
+    makes) times out after `timeout_s`."""
+    global _timeout
+    if dist.is_initialized():
+        _timeout = timedelta(seconds=timeout_s)
+        for group in list(distributed_c10d._world.pg_map):  # the default group, the meshes', the async save's
+            if not distributed_c10d._rank_not_in_group(group):
+                distributed_c10d._set_pg_timeout(_timeout, group)
+
+
+def new_group(backend: str) -> dist.ProcessGroup:
+    """A new group of every rank on `backend`, whose collectives time out as the default group's do now."""
+    return dist.new_group(backend=backend, timeout=_timeout)
+
+
+def store_client() -> dist.Store | None:
+    """A client of the process group's key-value store (torchrun's, or the rendezvous'), of its own: a
+    thread may use it while others use the group (None on one process)."""
+    return distributed_c10d._get_default_store().clone() if dist.is_initialized() else None
+
+
+def _attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
     """torchrun's key-value store under a prefix that only the processes of this attempt share.
 
     torchrun hands its workers its own store and keeps it across restarts (--max-restarts), so a new
@@ -33,12 +74,8 @@ def _attempt_store(rank: int, world: int) -> dist.Store:
     own, and proceeds once rank 0 has answered that id. Rank 0 only answers joins under its own token,
     and ids are new in every process, so no value of an earlier attempt is ever taken for this one.
     """
-    from datetime import timedelta
-
-    from torch.distributed.constants import default_pg_timeout
-
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=default_pg_timeout)
+                          timeout=timeout)
     me = uuid.uuid4().hex
     if rank == 0:
         store.set("scalevec/leader", me)

@@ -42,6 +42,7 @@ from scalevec_train.training.callbacks import (
     Diagnostics,
     EpochMonitor,
     Evaluator,
+    HangWatchdog,
     ModelMetrics,
     ScaleMonitor,
     SigtermStop,
@@ -124,7 +125,7 @@ def build(cfg: Config) -> Run:
     if start.checkpoint is not None:
         manager.load(start.checkpoint, start.train_state)
     checkpointer = Checkpointer(manager, cfg.checkpoint.every)
-    callbacks.append(checkpointer)
+    callbacks += [checkpointer, HangWatchdog(cfg.distributed, start.run_dir)]
 
     schedule = Schedule(cfg.train.steps, partial(lr_multiplier, cfg.schedule, total_steps=cfg.train.steps),
                         cfg.train.log_every, start_step=start.train_state["step"] if start.train_state else 0)

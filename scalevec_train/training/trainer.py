@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
 
 from scalevec_train.data.loader import IGNORE, Loader
+from scalevec_train.infra import progress
 from scalevec_train.infra.faults import fault_point, loss_fault
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.parallel.data_parallel import (
@@ -224,6 +225,7 @@ class Trainer:
         total = torch.zeros((), device=device)
         z_total = torch.zeros((), device=device) if recipe.z_loss_coef else None
         batches = [self.loader.next_batch() for _ in range(recipe.accum)]
+        progress.current.mark("forward/backward", self.step + 1)
         # the mean over micro-batches (1 / accum each), or each one's share of the counted targets
         weights = micro_weights(batches, device) if recipe.documents else None
         for micro, batch in enumerate(batches):
@@ -250,6 +252,7 @@ class Trainer:
         reduce_replicated_grads(self.replicated)
         for cb in self.callbacks:
             cb.on_backward_end(self)
+        progress.current.mark("optimizer", self.step + 1)
         fault_point("step.optimizer", self.step + 1)
         grad_norm = clip_grad_norm(self.model, recipe.grad_clip if recipe.grad_clip > 0 else float("inf"))
         mean_loss = all_reduce_mean(total / recipe.accum if weights is None else total)
@@ -267,6 +270,7 @@ class Trainer:
         """Train to the schedule's last step, writing records to `logger`; returns the reason of an early
         stop (None when the run is complete), or raises the error a callback stopped the run with."""
         self.logger = logger
+        progress.current.reset(self.step)
         try:
             for cb in self.callbacks:
                 cb.on_fit_start(self)
@@ -284,11 +288,13 @@ class Trainer:
 
     def _one_step(self) -> None:
         self._log_requested = self._read_back_requested = False
+        progress.current.mark("data", self.step + 1)
         for cb in self.callbacks:
             cb.on_step_start(self)
         fault_point("step.start", self.step + 1)
         result = self.train_step()
         self.step += 1
+        progress.current.mark("record", self.step)
         for cb in self.callbacks:
             cb.on_step_end(self, result)
         self.logger.advance()

@@ -8,6 +8,7 @@
     diagnostics.py   Diagnostics: the paper's mechanism measured every N steps (off by default)
     checkpointer.py  Checkpointer: periodic, final and stop checkpoints
     stability.py     StabilityGuard: non-finite steps and loss spikes; SigtermStop: a clean stop
+    watchdog.py      HangWatchdog: collectives' timeouts, and a run that makes no progress ended
     profiler.py      StepProfiler: traces and memory snapshots of chosen steps
     tasks.py         TaskEvaluator: downstream multiple-choice tasks (accuracy, bits per byte)
 """
@@ -21,6 +22,7 @@ from scalevec_train.training.callbacks.monitors import ModelMetrics, SpeedMonito
 from scalevec_train.training.callbacks.profiler import StepProfiler
 from scalevec_train.training.callbacks.scales import ScaleMonitor
 from scalevec_train.training.callbacks.stability import SigtermStop, StabilityGuard
+from scalevec_train.training.callbacks.watchdog import HangWatchdog
 
-__all__ = ["Checkpointer", "Diagnostics", "EpochMonitor", "Evaluator", "ModelMetrics", "ScaleMonitor", "SigtermStop",
-           "SpeedMonitor", "StabilityGuard", "StepProfiler", "TaskEvaluator", "WeightEMA"]
+__all__ = ["Checkpointer", "Diagnostics", "EpochMonitor", "Evaluator", "HangWatchdog", "ModelMetrics", "ScaleMonitor",
+           "SigtermStop", "SpeedMonitor", "StabilityGuard", "StepProfiler", "TaskEvaluator", "WeightEMA"]

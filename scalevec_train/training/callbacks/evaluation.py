@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from scalevec_train.data.loader import IGNORE, Batch
+from scalevec_train.infra import progress
 from scalevec_train.parallel.process_group import all_reduce_mean, all_reduce_sum
 from scalevec_train.parallel.wrap import eager_blocks
 from scalevec_train.tasks.scoring import EncodedTask, score
@@ -28,7 +29,8 @@ class Periodic(Callback):
 
     def on_fit_start(self, trainer: Trainer) -> None:
         if trainer.step == 0:
-            self.record(trainer)
+            with progress.current.phase("evaluation", 0):
+                self.record(trainer)
 
     def on_step_start(self, trainer: Trainer) -> None:
         if self.due(trainer, trainer.step + 1):
@@ -36,7 +38,8 @@ class Periodic(Callback):
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         if self.due(trainer, trainer.step):
-            self.record(trainer)
+            with progress.current.phase("evaluation", trainer.step):
+                self.record(trainer)
 
 
 class Validation:
