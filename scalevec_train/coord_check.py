@@ -20,11 +20,11 @@ initialization on a probe batch:
 
 muP (and CompleteP for depth) keeps every one of them the same size at every width (depth); sp does not:
 under Adam a hidden matrix's update grows with the width. Each quantity's log-log slope against width (and
-against depth: the last block's, the logits and each kind of matrix) is fitted by least squares; the check
-fails, exit 1, when a slope exceeds `bound` (growth: 0 under mup, at least 0.5 for sp's hidden activations
-and updates under Adam or Muon, about 1 for its logits) or falls below -0.5 (an update that vanishes with
-the size; at small sizes a quantity under mup may shrink, but no faster than the n^-1/2 of the
-initialization's share in it, e.g. the logits' W_0 dh / m_N). It writes OUT/table.md (values, slopes,
+against depth: the logits, each kind of matrix and, from depth 2 on, the last block's) is fitted by least
+squares; the check fails, exit 1, when a slope exceeds `bound` (growth: 0 under mup, at least 0.5 for sp's
+hidden activations and updates under Adam or Muon, about 1 for its logits) or falls below -0.5 (an update
+that vanishes with the size; at small sizes a quantity under mup may shrink, but no faster than the n^-1/2
+of the initialization's share in it, e.g. the logits' W_0 dh / m_N). It writes OUT/table.md (values, slopes,
 verdicts) and, with matplotlib, OUT/plot.png.
 """
 
@@ -63,8 +63,10 @@ class Options:
     seq: int = cli.option("tokens per sequence", 32)
 
     def __post_init__(self) -> None:
-        if len(set(self.widths)) < 2 or min(self.widths) < 1 or len(set(self.depths)) < 2 or min(self.depths) < 1:
-            raise ScalevecError("widths/depths", "a slope needs at least two different positive sizes.",
+        if (len(set(self.widths)) < 2 or min(self.widths) < 1 or min(self.depths) < 1
+                or len({d for d in self.depths if d >= 2}) < 2):
+            raise ScalevecError("widths/depths", "a slope needs at least two different positive sizes (the last "
+                                "block's against depth: two of 2 layers or more).",
                                 "give e.g. widths=1,2,4,8,16 depths=1,2,4,8.")
         if self.grow not in ("heads", "head_dim"):
             raise ScalevecError("grow", f"unknown value {self.grow!r}.", "use grow=heads or grow=head_dim.")
@@ -192,10 +194,13 @@ def slope(sizes: list[float], values: list[float]) -> float:
 
 
 def _by_depth(values: dict[str, float], layers: int) -> dict[str, float]:
-    """The quantities that exist at every depth: the last block's, the logits, and each kind of matrix's
-    update (RMS over the blocks)."""
-    out = {"layer(last)": values[f"layer{layers - 1}"], "attention(last)": values[f"attention{layers - 1}"],
-           "logits": values["logits"]}
+    """The quantities that mean the same at every depth: the logits, each kind of matrix's update (RMS over
+    the blocks) and, from 2 layers on, the last block's. One layer's last block is the first, which reads
+    the embedding instead of the residual stream, and its change is not the later blocks' (at dense-tiny's
+    shape its attention logits move half as much: docs/parameterization.md, "The coordinate check")."""
+    out = {} if layers == 1 else {"layer(last)": values[f"layer{layers - 1}"],
+                                  "attention(last)": values[f"attention{layers - 1}"]}
+    out["logits"] = values["logits"]
     kinds: dict[str, list[float]] = {}
     for k, v in values.items():
         if k.startswith("update:"):
@@ -210,19 +215,24 @@ def _by_depth(values: dict[str, float], layers: int) -> dict[str, float]:
 class Sweep:
     axis: str  # width | depth
     sizes: list[int]
-    values: dict[str, list[float]]  # quantity -> one value per size
+    values: dict[str, dict[int, float]]  # quantity -> size -> value, at the sizes that have the quantity
+
+    @classmethod
+    def of(cls, axis: str, sizes: list[int], runs: list[dict[str, float]]) -> "Sweep":
+        """runs: each size's quantities; the run with the most of them has them all, in the table's order."""
+        keys = max(runs, key=len)
+        return cls(axis, sizes, {k: {n: r[k] for n, r in zip(sizes, runs, strict=True) if k in r} for k in keys})
 
     def slopes(self) -> dict[str, float]:
-        return {k: slope(self.sizes, v) for k, v in self.values.items()}
+        return {k: slope(list(v), list(v.values())) for k, v in self.values.items()}
 
 
 def run(cfg, o: Options) -> tuple[Sweep, Sweep]:
     base = cfg.model
     width_runs = [measure(shaped(base, w, base.n_layers, o.grow), cfg.scale, cfg.optim, o) for w in o.widths]
     depth_runs = [_by_depth(measure(shaped(base, 1, d, o.grow), cfg.scale, cfg.optim, o), d) for d in o.depths]
-    width = Sweep("width", [base.dim * w for w in o.widths], {k: [r[k] for r in width_runs] for k in width_runs[0]})
-    depth = Sweep("depth", list(o.depths), {k: [r[k] for r in depth_runs] for k in depth_runs[0]})
-    return width, depth
+    return (Sweep.of("width", [base.dim * w for w in o.widths], width_runs),
+            Sweep.of("depth", list(o.depths), depth_runs))
 
 
 def table(sweeps: tuple[Sweep, ...], bound: float, title: str) -> tuple[str, list[str]]:
@@ -236,7 +246,8 @@ def table(sweeps: tuple[Sweep, ...], bound: float, title: str) -> tuple[str, lis
             ok = FLOOR <= sl <= bound
             if not ok:
                 failed.append(f"{s.axis}: {k} (slope {sl:+.2f})")
-            lines.append(f"| {k} | " + " | ".join(f"{v:.3g}" for v in s.values[k]) + f" | {sl:+.2f} | "
+            row = [f"{s.values[k][n]:.3g}" if n in s.values[k] else "-" for n in s.sizes]
+            lines.append(f"| {k} | " + " | ".join(row) + f" | {sl:+.2f} | "
                          + ("ok" if ok else "FAIL") + " |")
         lines.append("")
     return "\n".join(lines), failed
@@ -256,7 +267,7 @@ def plot(sweeps: tuple[Sweep, ...], path: Path, title: str) -> bool:
         for ax, group in zip(row, groups, strict=True):
             for k, v in s.values.items():
                 if k.startswith(group):
-                    ax.plot(s.sizes, v, marker="o", linewidth=1, label=k.removeprefix("update:"))
+                    ax.plot(list(v), list(v.values()), marker="o", linewidth=1, label=k.removeprefix("update:"))
             ax.set(xscale="log", yscale="log", xlabel=s.axis, title=f"{group.rstrip(':')} against {s.axis}")
             if group == "update:" and len(ax.lines) <= 12:
                 ax.legend(fontsize=6)
