@@ -112,9 +112,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--diagnostics", action="store_true",
                    help="draw the runs' diag/* metrics side by side (OUT/diagnostics.png)")
     p.add_argument("--extrapolate", action="append", default=[], metavar="MODEL",
-                   help="--efficiency: carry each strategy's pooled trend (OUT/trend.md) to this model preset at "
-                        "the ladder's settings (configs/experiment/ladder.yaml) and 2.5 and 5 tokens per "
-                        "parameter: an extrapolation, written as one (repeatable)")
+                   help="--efficiency: carry each strategy's pooled trend (OUT/trend.md) to this model preset "
+                        "with the runs' sequence length and vocabulary, at each of --budgets: an extrapolation, "
+                        "written as one (repeatable)")
+    p.add_argument("--budgets", type=float, nargs="+", default=[2.5, 5.0], metavar="TPP",
+                   help="--extrapolate: the tokens per parameter to extrapolate at (default 2.5 5)")
     p.add_argument("--bootstrap", type=int, default=1000,
                    help="--efficiency: bootstrap resamples over seeds for the law's intervals (default 1000)")
     args = p.parse_args(argv)
@@ -133,18 +135,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def ladder_compute(model: str, budget: float) -> float:
-    """The training compute of the model preset at the ladder's settings and `budget` tokens per
-    parameter: its training FLOPs per token (the ladder's sequence and vocabulary) times budget x N."""
+def ladder_compute(model: str, budget: float, runs) -> float:
+    """The training compute of the model preset at `budget` tokens per parameter with the runs' sequence
+    length and vocabulary: its training FLOPs per token there times budget x N."""
     import torch
 
     from scalevec_train.config import compose_config
     from scalevec_train.costs.accounting import train_flops_per_token
     from scalevec_train.model.transformer import Transformer
 
-    cfg = compose_config(["+experiment=ladder", f"model={model}", f"train.tokens_per_param={budget}"])
+    shapes = {(r.config.get("train.seq_len"), r.config.get("model.vocab_size")) for r in runs}
+    if len(shapes) != 1:
+        raise ScalevecError("--extrapolate", f"the runs differ in sequence length or vocabulary "
+                            f"({sorted(shapes)}).", "extrapolate a ladder whose runs share train.seq_len and "
+                            "model.vocab_size.")
+    (seq_len, vocab), = shapes
+    cfg = compose_config([f"model={model}", f"model.vocab_size={vocab}", f"train.seq_len={seq_len}"])
     with torch.device("meta"):
-        flops = train_flops_per_token(Transformer(cfg.model, cfg.scale), cfg.train.seq_len)
+        flops = train_flops_per_token(Transformer(cfg.model, cfg.scale), seq_len)
     return flops * budget * cfg.model.non_embedding_params()
 
 
@@ -162,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.diagnostics:
             table = write_diagnostics(runs, args.out, args.ignore)
         elif args.efficiency:
+            at = [(m, ladder_compute(m, b, runs), b) for m in args.extrapolate for b in args.budgets]
             table = write_efficiency(runs, args.reference, args.out, args.metric, args.last_k,
-                                     args.series or ["scale"], args.ignore, args.bootstrap,
-                                     [(m, ladder_compute(m, b), b) for m in args.extrapolate for b in (2.5, 5.0)])
+                                     args.series or ["scale"], args.ignore, args.bootstrap, at)
         else:
             table = write_comparison(runs, args.reference, args.out, args.metric, args.last_k, args.ema,
                                      args.logx, args.logy, args.ignore)

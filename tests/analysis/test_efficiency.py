@@ -86,8 +86,14 @@ def test_compare_runs_efficiency_writes_plot_and_tables(tmp_path):
     dirs = write_ladder(tmp_path / "runs", 1.25)
     out = tmp_path / "out"
     assert cli.main([*map(str, dirs), "--efficiency", "--reference", "scale=baseline", "--out", str(out),
-                     "--bootstrap", "100"]) == 0
+                     "--bootstrap", "100", "--extrapolate", "dense-0.12b", "--budgets", "2.5"]) == 0
     assert (out / "efficiency.png").stat().st_size > 10_000
+    # trend.md: a section per strategy, and the extrapolation's row at dense-0.12b's compute with these
+    # runs' sequence and vocabulary (their terminal points are beyond the reference's curves: no trend)
+    trend = (out / "trend.md").read_text()
+    compute = cli.ladder_compute("dense-0.12b", 2.5, [load_run_dir(d) for d in dirs[:1]])
+    assert trend.startswith("## scale=unified against scale=baseline")
+    assert f"| dense-0.12b | {compute:.4g} | 2.5 | no pooled trend at this budget |" in trend
     rows = list(csv.DictReader((out / "efficiency.csv").open()))
     assert [r["point"] for r in rows][-1] == SUMMARY
     assert float(rows[-1]["law_at_fit"]) == pytest.approx(1.25, rel=1e-6)
