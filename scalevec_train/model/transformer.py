@@ -187,6 +187,7 @@ class Transformer(nn.Module):
         self.init_buffers()
 
     def init_buffers(self) -> None:
+        """Initialize the buffers in place (after the parameters, also under FSDP)."""
         for m in self.modules():
             if m is not self and hasattr(m, "init_buffers"):
                 m.init_buffers()

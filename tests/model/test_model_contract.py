@@ -27,6 +27,8 @@ def test_models_offer_what_the_training_code_calls(preset):
     assert isinstance(model.plan, ScalePlan) and isinstance(model.parameterization, Parameterization)
     for name, params in CALLED.items():
         assert list(inspect.signature(getattr(model, name)).parameters) == params, name
+    # each is documented where it is defined: what the caller may rely on
+    assert all(inspect.getdoc(getattr(model, name)) for name in CALLED if name != "forward"), CALLED
 
 
 def test_a_module_without_the_methods_lacks_them():
