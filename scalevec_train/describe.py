@@ -10,7 +10,14 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from scalevec_train.config import compose_raw, split_options, to_config
-from scalevec_train.costs.tables import describe, format_memory, format_parameters, format_table, memory
+from scalevec_train.costs.tables import (
+    describe,
+    format_memory,
+    format_parameters,
+    format_precisions,
+    format_table,
+    memory,
+)
 from scalevec_train.infra.errors import ScalevecError
 
 
@@ -44,6 +51,8 @@ def main(argv: list[str]) -> int:
         print()
         print(format_parameters(d))
         print()
+        if "fp8" in d:
+            print(format_precisions(d), end="\n\n")
         print(format_memory(d["memory"]))
     return 0
 

@@ -8,6 +8,7 @@
     diagnostics.py   Diagnostics: the paper's mechanism measured every N steps (off by default)
     checkpointer.py  Checkpointer: periodic, final and stop checkpoints
     stability.py     StabilityGuard: non-finite steps and loss spikes; SigtermStop: a clean stop
+    fp8.py           Fp8Scales: the scales of weights all-gathered in FP8, after each step (model.fp8)
     profiler.py      StepProfiler: traces and memory snapshots of chosen steps
     tasks.py         TaskEvaluator: downstream multiple-choice tasks (accuracy, bits per byte)
 """
@@ -17,10 +18,11 @@ from scalevec_train.training.callbacks.diagnostics import Diagnostics
 from scalevec_train.training.callbacks.ema import WeightEMA
 from scalevec_train.training.callbacks.epochs import EpochMonitor
 from scalevec_train.training.callbacks.evaluation import Evaluator, TaskEvaluator
+from scalevec_train.training.callbacks.fp8 import Fp8Scales
 from scalevec_train.training.callbacks.monitors import ModelMetrics, SpeedMonitor
 from scalevec_train.training.callbacks.profiler import StepProfiler
 from scalevec_train.training.callbacks.scales import ScaleMonitor
 from scalevec_train.training.callbacks.stability import SigtermStop, StabilityGuard
 
-__all__ = ["Checkpointer", "Diagnostics", "EpochMonitor", "Evaluator", "ModelMetrics", "ScaleMonitor", "SigtermStop",
-           "SpeedMonitor", "StabilityGuard", "StepProfiler", "TaskEvaluator", "WeightEMA"]
+__all__ = ["Checkpointer", "Diagnostics", "EpochMonitor", "Evaluator", "Fp8Scales", "ModelMetrics", "ScaleMonitor",
+           "SigtermStop", "SpeedMonitor", "StabilityGuard", "StepProfiler", "TaskEvaluator", "WeightEMA"]
