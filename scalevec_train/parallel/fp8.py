@@ -19,6 +19,8 @@ and imports it only when model.fp8 is not none.
 import logging
 import math
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -128,6 +130,23 @@ class Fp8Matmul:
         self.config, self.mm_config = config, mm_config
         self._apply, self._is_fp8 = matmul_with_hp_or_float8_args.apply, tensor_already_casted_to_fp8
 
+    @torch.no_grad()
+    def cast_shares(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(underflow, saturated) of x cast as this matmul casts its input (with the recipe's scales): the
+        share of x's nonzero values the cast flushes to 0, and the share at the format's largest magnitude."""
+        from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
+        from torchao.float8.float8_training_tensor import GemmInputRole
+
+        cast = self.config.cast_config_input
+        fp8 = hp_tensor_to_float8_dynamic(
+            x, cast.target_dtype, self.mm_config, gemm_input_role=GemmInputRole.INPUT,
+            scaling_granularity=cast.scaling_granularity,
+            axiswise_dim=get_maybe_axiswise_dim(-1, cast.scaling_granularity),
+            round_scales_to_power_of_2=self.config.round_scales_to_power_of_2)._data.float()
+        nonzero = x != 0
+        underflow = ((fp8 == 0) & nonzero).sum() / nonzero.sum().clamp_min(1)
+        return underflow, (fp8.abs() == torch.finfo(cast.target_dtype).max).float().mean()
+
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         device = x.device.type
         if torch.is_autocast_enabled(device):
@@ -137,6 +156,20 @@ class Fp8Matmul:
                 w = w.to(dtype)
         with torch.autocast(device, enabled=False):
             return self._apply(x, w.t(), self.mm_config, self.config)
+
+
+@contextmanager
+def bf16_matmuls(model: nn.Module) -> Iterator[None]:
+    """Within the context every map computes with F.linear (the class's matmul shows through): the
+    reference the diagnostics measure FP8's gradients against."""
+    converted = [(m, vars(m)["matmul"]) for m in model.modules() if isinstance(m, Linear) and "matmul" in vars(m)]
+    for m, _ in converted:
+        del m.matmul
+    try:
+        yield
+    finally:
+        for m, matmul in converted:
+            m.matmul = matmul
 
 
 def gathered_in_fp8(model: nn.Module) -> list[nn.Parameter]:

@@ -1,7 +1,11 @@
 """FP8 training (model.fp8, parallel/fp8.py), emulated on the CPU: which maps convert on every preset (a
 table written here from torchao's thresholds), each converted map against bf16 by signal-to-noise, the
 forward and backward on 2 gloo ranks against one process, torch.compile without a graph break,
-activation checkpointing equal to none, and the default path without torchao."""
+activation checkpointing equal to none, the default path without torchao, and the diagnostics of FP8's
+casts and gradients."""
+
+from contextlib import nullcontext
+from functools import partial
 
 import pytest
 import torch
@@ -14,6 +18,7 @@ from scalevec_train.parallel.data_parallel import parallelize, reduce_replicated
 from scalevec_train.parallel.fp8 import map_precisions
 from scalevec_train.parallel.process_group import full_value
 from scalevec_train.parallel.wrap import wrap_block
+from scalevec_train.training.probes import fp8_grad_snr, map_input_stats
 from scalevec_train.training.trainer import cross_entropy
 from tests.support.helpers import hide_package, make_config_shared
 from tests.support.launch import compile_backend, gloo_group, spawn
@@ -219,3 +224,42 @@ def test_the_default_path_never_imports_torchao_and_fp8_without_it_says_how_to_i
     assert all(m.matmul is F.linear for m in model.modules() if isinstance(m, Linear))
     with pytest.raises(ScalevecError, match=r"model.fp8: needs torchao.*pip install torchao==0.18.0"):
         small_model("model.fp8=rowwise")
+
+
+def test_fp8_diagnostics_are_the_casts_and_gradients_computed_here():
+    """map_input_stats' FP8 shares against torch's own float8 cast of each input with tensorwise's scale
+    (the format's largest value over the input's amax), and fp8_grad_snr against the gradients of a
+    second model with the same weights and no FP8."""
+    model = small_model("model.fp8=tensorwise", "model.fp8_filter=all")
+    tokens = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(0))
+    inputs, matmuls = {}, {}
+    for name, m in model.named_modules():
+        if isinstance(m, Linear):
+            matmuls[name] = m.matmul
+            m.matmul = lambda x, w, name=name: (inputs.__setitem__(name, x.detach()), matmuls[name](x, w))[1]
+    with torch.no_grad():
+        model(tokens[:, :-1])
+    for name, m in model.named_modules():
+        if isinstance(m, Linear):
+            m.matmul = matmuls[name]
+    got = map_input_stats(model, tokens[:, :-1], None, nullcontext)
+    assert len(inputs) == 14 and len(got) == 4 * 14
+    e4m3 = torch.finfo(torch.float8_e4m3fn).max
+    for name, x in inputs.items():
+        key = "diag/layer" + name.removeprefix("layers.").replace(".", "/", 1)
+        fp8 = (x * (e4m3 / x.abs().max())).to(torch.float8_e4m3fn).float()
+        got_ = {k.removeprefix(key + "/"): float(v) for k, v in got.items() if k.startswith(key + "/")}
+        assert got_["fp8_underflow"] == pytest.approx(float(((fp8 == 0) & (x != 0)).sum() / (x != 0).sum()), abs=1e-6)
+        assert got_["fp8_saturated"] == pytest.approx(float((fp8.abs() == e4m3).float().mean()), abs=1e-6)
+        assert got_["fp8_saturated"] > 0  # the amax itself
+        assert got_["in_max_rms"] == pytest.approx(float(x.abs().max() / x.square().mean().sqrt()), rel=1e-5)
+    snr = fp8_grad_snr(model, tokens[:, :-1], tokens[:, 1:], None, partial(torch.autocast, "cpu", dtype=torch.bfloat16))
+    assert all(p.grad is None for p in model.parameters())  # dropped after
+    reference = small_model()
+    reference.load_state_dict(model.state_dict())
+    _, fp8_grads = loss_and_grads(model, tokens)
+    _, bf16_grads = loss_and_grads(reference, tokens)
+    for name in inputs:
+        key = "diag/layer" + name.removeprefix("layers.").replace(".", "/", 1) + "/fp8_grad_snr_db"
+        weight = f"{name}.weight"
+        assert float(snr[key]) == pytest.approx(snr_db(fp8_grads[weight], bf16_grads[weight]), rel=1e-4), key

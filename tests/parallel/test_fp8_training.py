@@ -1,6 +1,7 @@
 """FP8 training end to end on the CPU (emulated): a tiny model's training loss under tensorwise and rowwise
-stays within a stated bound of bf16's over 30 steps, under baseline and unified; a checkpoint trained in
-FP8 resumes without it and one trained without it resumes in FP8 (the same parameters and states)."""
+stays within a stated bound of bf16's over 30 steps, under baseline and unified, with the diagnostics of
+FP8 recorded; a checkpoint trained in FP8 resumes without it and one trained without it resumes in FP8
+(the same parameters and states)."""
 
 import json
 import shutil
@@ -17,7 +18,8 @@ from tests.support.presets import SMALL_MODEL
 
 STEPS = 30
 RUN = [*SMALL_MODEL, *SHORT_RUN, "train.dtype=bf16", "model.fp8_filter=all", f"train.steps={STEPS}",
-       "train.log_every=1", "checkpoint.every=15", "checkpoint.keep_last=2", "optim.lr=0.01"]
+       "train.log_every=1", "checkpoint.every=15", "checkpoint.keep_last=2", "optim.lr=0.01",
+       "train.diagnostics_every=10"]
 RECIPES = ("none", "tensorwise", "rowwise")
 # |loss under FP8 - loss under bf16| at every step of the 30, and of their means over the last 10 steps.
 # Measured (largest step gap / last-10 gap): baseline tensorwise 0.061 / 0.027, rowwise 0.042 / 0.006;
@@ -43,6 +45,11 @@ def test_the_loss_under_fp8_stays_within_its_bound_of_bf16(runs, scale):
         last = [s for s in bf16 if s > STEPS - 10]
         assert 0 < max(gaps) <= LOSS_BOUND, recipe  # FP8 did change the computation, by little
         assert abs(mean(fp8[s] for s in last) - mean(bf16[s] for s in last)) <= MEAN_BOUND, recipe
+        # the diagnostics measure FP8's casts and gradients on every converted map, bf16 runs only the outliers
+        snr = curve(runs[scale, recipe], "diag/layer1/ffn.w_down/fp8_grad_snr_db")
+        assert sorted(snr) == [10, 20, 30] and all(10 < v < 40 for v in snr.values()), recipe
+    assert not curve(runs[scale, "none"], "diag/layer1/ffn.w_down/fp8_underflow")
+    assert sorted(curve(runs[scale, "none"], "diag/layer1/ffn.w_down/in_kurtosis")) == [10, 20, 30]
 
 
 def truncated(run_dir, tmp_path, step: int):
