@@ -92,15 +92,9 @@ def convert(model: Transformer, device: torch.device, all_gather: bool) -> None:
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise ScalevecError("model.fp8", f"{torch.cuda.get_device_name(device)} has no FP8 matmul (it needs compute "
                             "capability 8.9 or newer: Ada, Hopper, Blackwell).", "use model.fp8=none.")
-    float8 = _float8()
-    from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    config = replace(float8.Float8LinearConfig.from_recipe_name(recipe), emulate=device.type != "cuda",
-                     enable_fsdp_float8_all_gather=all_gather)
-    # the matmul configs as torchao's Float8Linear derives them from the recipe (its shape does not enter)
-    mm_config = Float8Linear(16, 16, bias=False, config=config, device="meta").linear_mm_config
-    matmul = Fp8Matmul(config, mm_config)
+    matmul = fp8_matmul(recipe, device, all_gather)
     rows = map_precisions(model)
     if not any(r.fp8 for r in rows) and is_main():
         print(f"note: model.fp8={recipe} converts none of {model.cfg.name}'s maps under model.fp8_filter="
@@ -114,7 +108,19 @@ def convert(model: Transformer, device: torch.device, all_gather: bool) -> None:
         if all_gather:
             w = linear.weight
             linear.weight = nn.Parameter(WeightWithDynamicFloat8CastTensor(
-                w, mm_config, config.cast_config_weight.target_dtype), requires_grad=w.requires_grad)
+                w, matmul.mm_config, matmul.config.cast_config_weight.target_dtype), requires_grad=w.requires_grad)
+
+
+def fp8_matmul(recipe: str, device: torch.device, all_gather: bool = False) -> "Fp8Matmul":
+    """The FP8 matmul of torchao's recipe `recipe` on `device` (emulated off CUDA)."""
+    float8 = _float8()
+    from torchao.float8.float8_linear import Float8Linear
+
+    config = replace(float8.Float8LinearConfig.from_recipe_name(recipe), emulate=device.type != "cuda",
+                     enable_fsdp_float8_all_gather=all_gather)
+    # the matmul configs as torchao's Float8Linear derives them from the recipe (its shape does not enter)
+    mm_config = Float8Linear(16, 16, bias=False, config=config, device="meta").linear_mm_config
+    return Fp8Matmul(config, mm_config)
 
 
 class Fp8Matmul:
