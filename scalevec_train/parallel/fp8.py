@@ -92,9 +92,9 @@ def convert(model: Transformer, device: torch.device, all_gather: bool) -> None:
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise ScalevecError("model.fp8", f"{torch.cuda.get_device_name(device)} has no FP8 matmul (it needs compute "
                             "capability 8.9 or newer: Ada, Hopper, Blackwell).", "use model.fp8=none.")
+    matmul = fp8_matmul(recipe, device, all_gather)
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    matmul = fp8_matmul(recipe, device, all_gather)
     rows = map_precisions(model)
     if not any(r.fp8 for r in rows) and is_main():
         print(f"note: model.fp8={recipe} converts none of {model.cfg.name}'s maps under model.fp8_filter="
