@@ -15,7 +15,8 @@ from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.model.layers import Linear
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.parallel.data_parallel import parallelize, reduce_replicated_grads, replicated_params
-from scalevec_train.parallel.fp8 import map_precisions
+from scalevec_train.parallel.fp8 import convert as convert_fp8
+from scalevec_train.parallel.fp8 import gathered_in_fp8, map_precisions, precompute_scales
 from scalevec_train.parallel.process_group import full_value
 from scalevec_train.parallel.wrap import wrap_block
 from scalevec_train.training.probes import fp8_grad_snr, map_input_stats
@@ -51,6 +52,8 @@ SNR_FLOOR = {"tensorwise": (26, 22, 22), "rowwise": (26, 26, 26), "rowwise_with_
 ACCUMULATED_FLOOR = 45
 WHOLE_BATCH_FLOOR = {"rowwise": 45, "tensorwise": 16}
 SMALL = [*SMALL_MODEL, "model.vocab_size=128", "device=cpu"]
+# tensorwise on every map whose dims divide by 16: the attention's, not the feed-forward's (40 wide)
+MIXED = [*SMALL, "model.ffn_dim=40", "model.fp8=tensorwise", "model.fp8_filter=all", "train.dtype=bf16"]
 
 
 def snr_db(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -263,3 +266,40 @@ def test_fp8_diagnostics_are_the_casts_and_gradients_computed_here():
         key = "diag/layer" + name.removeprefix("layers.").replace(".", "/", 1) + "/fp8_grad_snr_db"
         weight = f"{name}.weight"
         assert float(snr[key]) == pytest.approx(snr_db(fp8_grads[weight], bf16_grads[weight]), rel=1e-4), key
+
+
+def _gathered_in_fp8(rank: int, world: int, store: str, out: str) -> None:
+    with gloo_group(store, rank, world):
+        cfg = make_config_shared(*MIXED, world_size=world)
+        with torch.device("meta"):
+            model = Transformer(cfg.model, cfg.scale)
+        convert_fp8(model, CPU, all_gather=True)  # what parallelize does on NCCL
+        model = parallelize(model, cfg.distributed, CPU, seed=0, dtype=cfg.train.dtype)
+        weights = gathered_in_fp8(model)
+        tokens = torch.randint(0, 128, (4, 33), generator=torch.Generator().manual_seed(0))[rank::world]
+        loss, _ = loss_and_grads(model, tokens)
+        precompute_scales(weights)
+        scales = {n: p._local_tensor._precomputed_scale for n, p in model.named_parameters()
+                  if any(p is w for w in weights)}
+        full = {n: full_value(p.detach()) for n, p in model.named_parameters() if n in scales}
+        torch.save({"loss": loss, "scales": scales, "full": full}, f"{out}/rank{rank}.pt")
+
+
+def test_tensorwise_weights_all_gathered_in_fp8_and_their_scales_precomputed(tmp_path):
+    """The NCCL path on 2 gloo ranks, whose all-gather takes FP8 where a block's group also holds weights of
+    another dtype (gloo has no FP8 collectives): here the feed-forward's, 40 wide, which stay bf16. Each
+    rank's loss is that of the bf16 all-gather within FP8's error (the gathered weight is cast from the
+    fp32 shard, not from its bf16 copy), and precompute_scales gives every FP8 weight the scale of its whole
+    value: the format's largest magnitude over the weight's amax."""
+    spawn(_gathered_in_fp8, (2, str(tmp_path / "store"), str(tmp_path)))
+    tokens = torch.randint(0, 128, (4, 33), generator=torch.Generator().manual_seed(0))
+    model = small_model(*MIXED[len(SMALL):])
+    e4m3 = torch.finfo(torch.float8_e4m3fn).max
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        want, _ = loss_and_grads(model, tokens[rank::2])
+        assert torch.allclose(got["loss"], want, rtol=2e-3), rank
+        assert sorted(got["scales"]) == sorted(f"layers.{i}.{PATHS[m]}.weight" for i in range(2)
+                                               for m in ("q", "k", "v", "o"))
+        for name, scale in got["scales"].items():
+            assert torch.allclose(scale, e4m3 / got["full"][name].abs().max().float(), rtol=1e-6), name
