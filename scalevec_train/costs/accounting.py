@@ -97,7 +97,7 @@ def norm_flops_per_token(plan: ScalePlan) -> int:
 
 def peak_flops(device: torch.device) -> float | None:
     """The device's dense bf16 peak, or None when unknown (then MFU is not logged). MFU is against it under
-    model.fp8 too, so that runs compare on one scale (FP8's dense peak is twice bf16's on an H100/H200)."""
+    model.fp8 too, so that runs in bf16 and in FP8 compare on one scale."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
