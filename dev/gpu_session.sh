@@ -28,15 +28,18 @@ PLAN=(kernels train-1b train-1b-kernels moe-2b gpu-tests torchtitan)
 # Per phase: the estimate (s), the limit (s), the least time worth starting it with (s), its log in $OUT.
 # The estimates are the walls measured on an H200 on 2026-11-26 (docs/benchmarks/2026-11-26-h200.md), rounded up by a
 # quarter or more, and scaled by the work a phase added since; the limits leave room for a slower compile.
+# fp8 is not measured yet: its estimate is train-1b's for each of its three precisions (no profile) and
+# the kernels phase's for its GEMM table; it runs in a command of its own (bash dev/gpu_session.sh fp8).
 declare -A EST=([kernels]=100 [train-1b]=90 [train-1b-kernels]=60 [moe-2b]=90 [gpu-tests]=70 [torchtitan]=80
-                [train-1b-eager]=35 [muon]=35 [train-2b]=100 [suite]=90)
+                [train-1b-eager]=35 [muon]=35 [train-2b]=100 [suite]=90 [fp8]=370)
 declare -A LIMIT=([kernels]=160 [train-1b]=180 [train-1b-kernels]=120 [moe-2b]=160 [gpu-tests]=150
-                  [torchtitan]=170 [train-1b-eager]=70 [muon]=80 [train-2b]=200 [suite]=150)
+                  [torchtitan]=170 [train-1b-eager]=70 [muon]=80 [train-2b]=200 [suite]=150 [fp8]=480)
 declare -A MIN=([kernels]=40 [train-1b]=60 [train-1b-kernels]=40 [moe-2b]=50 [gpu-tests]=45 [torchtitan]=60
-                [train-1b-eager]=25 [muon]=30 [train-2b]=60 [suite]=60)
+                [train-1b-eager]=25 [muon]=30 [train-2b]=60 [suite]=60 [fp8]=120)
 declare -A LOG=([kernels]=kernels.md [train-1b]=train_1b.md [train-1b-kernels]=train_1b_kernels.md
                 [moe-2b]=moe_2b.md [gpu-tests]=gpu_tests.log [torchtitan]=torchtitan.md
-                [train-1b-eager]=train_1b_eager.md [train-2b]=train_2b.md [muon]=muon.md [suite]=cpu_suite.log)
+                [train-1b-eager]=train_1b_eager.md [train-2b]=train_2b.md [muon]=muon.md [suite]=cpu_suite.log
+                [fp8]=fp8.md)
 # Files a phase writes into $OUT besides its log
 declare -A EXTRA_FILES=([kernels]=1)
 # The command's timeout, the setup before the first phase (pip-installing .whl, session.txt's torch
@@ -95,6 +98,20 @@ phase_train_2b() {  # moe-2b runs whatever dense-2b's outcome; the phase fails i
 }
 phase_muon() {
   cmd "$py" scripts/bench_train.py --presets dense-1b --scales baseline --seq-len 4096 --micro-batch 4 -- optim=muon
+}
+# Not in the default plan (its estimate and the default plan's exceed one deadline): FP8 (model.fp8), the
+# time of a forward and backward of every distinct map shape of dense-0.5b, dense-1b and dense-2b at 16384
+# tokens in bf16 and under each recipe, compiled, then dense-1b baseline and unified compiled in bf16,
+# under tensorwise and under rowwise (torchao's size filter: model.fp8_filter=auto), as train-1b runs it
+phase_fp8() {
+  cmd "$py" scripts/bench_fp8.py --presets dense-0.5b,dense-1b,dense-2b --m 16384
+  local rc=$? fp8
+  for fp8 in none tensorwise rowwise; do
+    [ -n "$dry" ] || echo "model.fp8=$fp8"
+    cmd "$py" scripts/bench_train.py --presets dense-1b --scales baseline,unified --seq-len 4096 --micro-batch 4 \
+      -- model.fp8=$fp8 || rc=1
+  done
+  return "$rc"
 }
 # Not in the default plan: the CPU suite on the GPU host (name the phase to run it)
 phase_suite() {  # the CPU suite (GPUs hidden, as on any machine), each test file on one of 12 workers

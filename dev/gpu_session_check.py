@@ -5,6 +5,7 @@ Reads one command a line on stdin, shell-quoted (`env VAR=VALUE ...` in front al
   scripts/bench_kernels.py      its arguments, by the script's own parser
   scripts/bench_train.py        its arguments, and the config of every (preset, scale) run composed and
                                 validated as the script will compose it (world size 1)
+  scripts/bench_fp8.py          its arguments, and every preset composed under model.fp8
   scripts/bench_torchtitan.py   its arguments, the bench_train.py command it runs (as above), and, where
                                 torchtitan is installed, its torchtitan arguments by torchtitan's parser
   -m pytest ...                 the same pytest arguments collecting without error, with the import names
@@ -52,6 +53,22 @@ def parse(module: dict, argv: list[str]):
 def check_bench_kernels(argv: list[str]) -> str:
     args = parse(script("bench_kernels.py"), argv)
     return f"arguments parse ({', '.join(args.ops)}; fused against {', '.join(args.against)})"
+
+
+def check_bench_fp8(argv: list[str]) -> str:
+    from hydra.errors import HydraException
+
+    from scalevec_train.config import compose_config
+    from scalevec_train.infra.errors import ScalevecError
+
+    args = parse(script("bench_fp8.py"), argv)
+    presets = args.presets.split(",")
+    for preset in presets:
+        try:
+            compose_config([f"model={preset}", "model.fp8=tensorwise"], 1)
+        except (ScalevecError, HydraException) as e:
+            raise CheckFailed(f"{preset}: {str(e).splitlines()[0]}") from None
+    return f"arguments parse; {len(presets)} preset(s) compose: {', '.join(presets)}"
 
 
 def check_bench_train(argv: list[str]) -> str:
@@ -112,7 +129,7 @@ def check(line: str, host_lacks: str) -> str:
     if argv[:2] == ["-m", "pytest"]:
         return check_pytest(argv[2:], env, host_lacks)
     checks = {"bench_kernels.py": check_bench_kernels, "bench_train.py": check_bench_train,
-              "bench_torchtitan.py": check_bench_torchtitan}
+              "bench_torchtitan.py": check_bench_torchtitan, "bench_fp8.py": check_bench_fp8}
     name = Path(argv[0]).name
     if not (ROOT / argv[0]).is_file():
         raise CheckFailed(f"{argv[0]} does not exist")

@@ -17,7 +17,8 @@ _LAYER_MAP = re.compile(r"diag/layer\d+/(.+)")
 @dataclass(frozen=True)
 class Panel:
     """One statistic of the diag/* metrics: `stat` ends the keys; `per`: a line per layer (`layer`, with
-    the final stream where it has one) or per kind of map, averaged over the layers (`map`)."""
+    the final stream where it has one), per kind of map, averaged over the layers (`map`), or the run's
+    own metric `stat` (`run`: the training loss, beside which the diagnostics read)."""
 
     stat: str
     title: str
@@ -26,18 +27,26 @@ class Panel:
 
 
 PANELS = (
+    Panel("loss", "training loss", "run"),
     Panel("resid_rms", "residual stream RMS (entering each block; final)", "layer", logy=True),
     Panel("attn/max_logit", "largest attention logit", "layer"),
     Panel("update_ratio", "update / weight (Frobenius) per step", "map", logy=True),
     Panel("col_gain", "column-norm gain of the input-side scale: RMS|W diag(g)|_j / RMS|W|_j", "map"),
     Panel("eff_col_cv", "column-norm spread std/mean of W diag(g)", "map"),
     Panel("col_cv", "column-norm spread std/mean of W", "map"),
+    Panel("in_kurtosis", "kurtosis of each map's input", "map", logy=True),
+    Panel("in_max_rms", "max / RMS of each map's input", "map", logy=True),
+    Panel("fp8_underflow", "share of each map's input its FP8 cast flushes to 0 (model.fp8)", "map"),
+    Panel("fp8_grad_snr_db", "SNR of each map's FP8 weight gradient against bf16's, dB (model.fp8)", "map"),
 )
 
 
 def panel_series(run: Run, panel: Panel) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """{line label: (tokens, values)}: `layer <i>` (and `final`) or the map's name (`attn.wq`, `head`),
-    at the logged steps that hold the statistic."""
+    """{line label: (tokens, values)}: `layer <i>` (and `final`), the map's name (`attn.wq`, `head`) or the
+    run's metric, at the logged steps that hold the statistic."""
+    if panel.per == "run":
+        logged = [(r["tokens"], r[panel.stat]) for r in run.records if panel.stat in r]
+        return {panel.stat: (np.array([t for t, _ in logged]), np.array([v for _, v in logged]))} if logged else {}
     points: dict[str, dict[float, list[float]]] = {}
     suffix = "/" + panel.stat
     for record in run.records:

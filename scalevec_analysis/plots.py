@@ -138,10 +138,10 @@ def plot_efficiency(series: Sequence[Series], fits: dict[str, PowerLawFit], rows
 
 
 def plot_diagnostics(runs: Sequence[Run], labels: Sequence[str], path: Path) -> None:
-    """The diag/* metrics over training tokens (scalevec_analysis.diagnostic_series.PANELS: a row per statistic),
-    a column per run with the rows' y axes shared, so that runs (baseline against unified) compare
-    side by side. A line per layer (viridis, first to last; final in black) or per kind of map (the
-    mean over the layers)."""
+    """The training loss and the diag/* metrics over training tokens (scalevec_analysis.diagnostic_series.PANELS:
+    a row per statistic), a column per run with the rows' y axes shared, so that runs (baseline against
+    unified, bf16 against FP8) compare side by side. A line per layer (viridis, first to last; final in
+    black), per kind of map (the mean over the layers), or the loss (black)."""
     fig = _figure(path, figsize=(6.5 * len(runs), 3.2 * len(PANELS)), layout="constrained")
     axes = fig.subplots(len(PANELS), len(runs), squeeze=False, sharey="row")
     # one color per kind of map in every panel and column
@@ -151,7 +151,9 @@ def plot_diagnostics(runs: Sequence[Run], labels: Sequence[str], path: Path) -> 
             series = panel_series(run, panel)
             layers = [name for name in series if name.startswith("layer ")]
             for name, (tokens, values) in series.items():
-                if panel.per == "layer":
+                if panel.per == "run":
+                    color = "black"
+                elif panel.per == "layer":
                     color = "black" if name == "final" else _viridis(layers.index(name), len(layers))
                 else:
                     color = _map_color(maps.index(name), len(maps))

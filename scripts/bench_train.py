@@ -13,10 +13,12 @@ allocated (torch.cuda.max_memory_allocated) from the first warm-up step to the e
 counter is reset once the run is built (weights initialized, data in place), so the build itself is left
 out, and the optimizer state, created by the first step, is counted. "build s" is the build (data
 preparation on first use included), "warm-up s" the untimed steps (compilation included): what a
-budget for the next run needs.
+budget for the next run needs. "loss" is the training loss of the first step and of the last of phase 1
+(a run under model.fp8 beside one in bf16: the same data, the same steps).
 
     python scripts/bench_train.py --presets dense-0.12b,dense-1b --scales baseline,unified
     python scripts/bench_train.py --presets dense-1b --micro-batch 4 -- distributed.activation_checkpointing=full
+    python scripts/bench_train.py --presets dense-1b --scales baseline,unified -- model.fp8=rowwise
     torchrun --nproc_per_node=8 scripts/bench_train.py --presets dense-1b     # rank 0 prints
     torchrun --nproc_per_node=8 scripts/bench_train.py --presets moe-2b --expert-parallel 8   # experts over 8 ranks
     python scripts/bench_train.py --presets dense-tiny --no-compile --seq-len 128 --steps 3 --warmup 1  # CPU smoke
@@ -50,7 +52,7 @@ from scalevec_train.parallel import process_group
 from scalevec_train.run.build import build
 
 COLUMNS = ["preset", "scale", "ranks", "EP", "params", "tokens/step", "step ms", "tokens/s/device", "MFU",
-           "peak mem GiB", "fwd+bwd ms", "optimizer ms", "data ms", "build s", "warm-up s"]
+           "peak mem GiB", "fwd+bwd ms", "optimizer ms", "data ms", "build s", "warm-up s", "loss"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -145,17 +147,17 @@ def bench(preset: str, scale: str, args: argparse.Namespace) -> dict:
         tokens = cfg.train.global_batch * cfg.train.seq_len
         row["tokens/step"] = tokens
         start = time.perf_counter()
-        for _ in range(args.warmup):
-            trainer.train_step()
+        first = [trainer.train_step().loss for _ in range(args.warmup)]
         sync(device)
         row["warm-up s"] = f"{time.perf_counter() - start:.1f}"
 
 
         start = time.perf_counter()
         for _ in range(args.steps):
-            trainer.train_step()
+            last = trainer.train_step().loss
         sync(device)
         step_s = (time.perf_counter() - start) / args.steps
+        row["loss"] = f"{(first or [last])[0].item():.3f} -> {last.item():.3f}"
         per_device = tokens / step_s / world
         row["step ms"] = f"{step_s * 1e3:.1f}"
         row["tokens/s/device"] = f"{per_device:,.0f}"

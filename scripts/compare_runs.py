@@ -66,9 +66,11 @@ docs/guides/experiments.md ("Compute efficiency") says which to read when they d
 
 --diagnostics mode draws the diag/* metrics of runs trained with train.diagnostics_every (docs/guides/experiments.md,
 "Diagnostics") over training, a column per run (e.g. baseline against unified), to OUT/diagnostics.png:
-the residual stream's RMS and the largest attention logit per layer; per kind of linear map (mean over
-the layers) the update-to-weight ratio, the gain of the input-side scale on the column norms, and the
-spread of the column norms of W diag(g) and of W.
+the training loss; the residual stream's RMS and the largest attention logit per layer; per kind of
+linear map (mean over the layers) the update-to-weight ratio, the gain of the input-side scale on the
+column norms, the spread of the column norms of W diag(g) and of W, the kurtosis and max / RMS of its
+input, and under model.fp8 the share of that input its FP8 cast flushes to 0 and the SNR of its FP8
+weight gradient against bf16's.
 """
 
 

@@ -23,6 +23,10 @@
 #   bash scripts/run_study.sh scaling    does unified's gain grow with scale? The AdamW ladder at each arm's
 #                                        own best LR on dense-l4, dense-l6 and moe-l2..l4 (3 seeds; dense-l6
 #                                        2, a third last); runs to runs/scaling/, tables to docs/results/scaling/
+#   bash scripts/run_study.sh fp8        what scale vectors do to low precision: baseline and unified at
+#                                        dense-l3 in bf16, FP8 tensorwise and rowwise (every map in FP8), 3
+#                                        seeds, with unified's ablations (no gate/up output sites, plain
+#                                        sites, one site per norm); runs to runs/fp8/, tables to docs/results/fp8/
 #   bash scripts/run_study.sh ladder_grid_l3 ["adamw muon"]  the ladder's LR grid again on
 #                                        dense-l3 (both strategies of the optimizers named, seed 0), then
 #                                        each arm at its dense-l3 pick with 3 seeds (trunks), to
@@ -94,12 +98,12 @@ task_run() {  # run_dir: the embedded task scored on its final checkpoint, into 
 # The AdamW dense-l3 study (docs/results/why-unified-loses-under-adamw.md): one trunk of the ladder's settings, diagnostics on (they
 # change no number), in runs/adamw_l3/<rung>-<name>-s<seed>, the name giving every key the run varies.
 diag_every() { case $1 in dense-l1) echo 30 ;; *) echo 180 ;; esac; }
-arm_run() {  # rung name seed overrides...
-  local rung=$1 name=$2 seed=$3
+arm_run() {  # rung name seed overrides...: into ARMS (runs/adamw_l3), logs in ARMS_logs
+  local rung=$1 name=$2 seed=$3 root=${ARMS:-runs/adamw_l3}
   shift 3
-  local log=runs/adamw_l3_logs/$rung-$name-s$seed.log
+  local log=${root}_logs/$rung-$name-s$seed.log
   $PY -m scalevec_train.train +experiment=ladder model=$rung seed=$seed $(rung_args "$rung") \
-    train.diagnostics_every=$(diag_every "$rung") "$@" run_dir=runs/adamw_l3/$rung-$name-s$seed > "$log" 2>&1 ||
+    train.diagnostics_every=$(diag_every "$rung") "$@" run_dir=$root/$rung-$name-s$seed > "$log" 2>&1 ||
     { echo "error: study run $rung $name s$seed failed; its log: $log" >&2; return 1; }
 }
 on_two_workers() {  # each input line: a function above and its arguments; longest jobs first
@@ -351,9 +355,58 @@ ARMS
         --out $out/efficiency_$family
     done
     ;;
+  fp8)
+    # What scale vectors do to low precision: baseline and unified at dense-l3 in bf16 and under FP8
+    # (model.fp8: torchao's float8, emulated on a CPU), tensorwise and rowwise, with every block map in FP8
+    # (model.fp8_filter=all: dense-l3's maps are all below torchao's size thresholds), each arm at its
+    # pick of the AdamW ladder (docs/results/lr_ladder/adamw_grid.md: 3e-3 for both, sites at 1e-2), 3
+    # seeds; and unified's ablations under each precision: no output-side gate/up sites (DNP on q, k, v
+    # only), plain sites (no magnitude-direction), one scale site per norm (no HG). Diagnostics on: the
+    # maps' input outliers, FP8's underflow and its gradients' SNR against bf16's. Runs to runs/fp8/,
+    # tables to docs/results/fp8/
+    A=runs/fp8
+    out=docs/results/fp8
+    mkdir -p ${A}_logs $out
+    # name | overrides, every arm at dense-l3 with model.fp8_filter=all
+    fp8_arms() {
+      cat <<'FP8ARMS'
+baseline-adamw-lr0.003-scale_lr0.01|scale=baseline optim=adamw optim.lr=0.003 optim.scale_lr=0.01
+baseline-adamw-lr0.003-scale_lr0.01-model.fp8.tensorwise|scale=baseline optim=adamw optim.lr=0.003 optim.scale_lr=0.01 model.fp8=tensorwise
+baseline-adamw-lr0.003-scale_lr0.01-model.fp8.rowwise|scale=baseline optim=adamw optim.lr=0.003 optim.scale_lr=0.01 model.fp8=rowwise
+unified-adamw-lr0.003-scale_lr0.01|scale=unified optim=adamw optim.lr=0.003 optim.scale_lr=0.01
+unified-adamw-lr0.003-scale_lr0.01-model.fp8.tensorwise|scale=unified optim=adamw optim.lr=0.003 optim.scale_lr=0.01 model.fp8=tensorwise
+unified-adamw-lr0.003-scale_lr0.01-model.fp8.rowwise|scale=unified optim=adamw optim.lr=0.003 optim.scale_lr=0.01 model.fp8=rowwise
+unified-adamw-lr0.003-scale_lr0.01-targets.q.k.v|scale=unified optim=adamw optim.lr=0.003 optim.scale_lr=0.01 scale.targets=[q,k,v]
+unified-adamw-lr0.003-scale_lr0.01-targets.q.k.v-model.fp8.tensorwise|scale=unified optim=adamw optim.lr=0.003 optim.scale_lr=0.01 scale.targets=[q,k,v] model.fp8=tensorwise
+unified-adamw-lr0.003-scale_lr0.01-targets.q.k.v-model.fp8.rowwise|scale=unified optim=adamw optim.lr=0.003 optim.scale_lr=0.01 scale.targets=[q,k,v] model.fp8=rowwise
+unified-adamw-lr0.003-scale_lr0.01-reparam.plain|scale=unified optim=adamw optim.lr=0.003 optim.scale_lr=0.01 scale.reparam=plain
+unified-adamw-lr0.003-scale_lr0.01-reparam.plain-model.fp8.tensorwise|scale=unified optim=adamw optim.lr=0.003 optim.scale_lr=0.01 scale.reparam=plain model.fp8=tensorwise
+unified-adamw-lr0.003-scale_lr0.01-reparam.plain-model.fp8.rowwise|scale=unified optim=adamw optim.lr=0.003 optim.scale_lr=0.01 scale.reparam=plain model.fp8=rowwise
+unified-adamw-lr0.003-scale_lr0.01-heterogeneity.shared|scale=unified optim=adamw optim.lr=0.003 optim.scale_lr=0.01 scale.heterogeneity=shared
+unified-adamw-lr0.003-scale_lr0.01-heterogeneity.shared-model.fp8.tensorwise|scale=unified optim=adamw optim.lr=0.003 optim.scale_lr=0.01 scale.heterogeneity=shared model.fp8=tensorwise
+unified-adamw-lr0.003-scale_lr0.01-heterogeneity.shared-model.fp8.rowwise|scale=unified optim=adamw optim.lr=0.003 optim.scale_lr=0.01 scale.heterogeneity=shared model.fp8=rowwise
+FP8ARMS
+    }
+    # seed by seed, the main arms of a seed before its ablations: whatever has finished answers for its seeds
+    export ARMS=$A
+    for seed in 0 1 2; do
+      fp8_arms | while IFS='|' read -r name args; do
+        echo arm_run dense-l3 $name $seed model.fp8_filter=all $args
+      done
+    done | on_two_workers
+    # each strategy (and ablation) in bf16 against its two FP8 recipes; then baseline against unified,
+    # one precision at a time, with the diagnostics beside the losses
+    for arm in $(fp8_arms | cut -d'|' -f1 | grep -v -- -model.fp8.); do
+      compare fp8/$arm model.fp8=none $A/dense-l3-$arm{,-model.fp8.tensorwise,-model.fp8.rowwise}-s*
+    done
+    for suffix in "" -model.fp8.tensorwise -model.fp8.rowwise; do
+      $PY scripts/compare_runs.py $A/dense-l3-{baseline,unified}-adamw-lr0.003-scale_lr0.01$suffix-s0 --diagnostics \
+        --out $out/diagnostics${suffix:-"-bf16"}
+    done
+    ;;
   *)
     echo "error: unknown part '$1'. Fix: use main (the default), lr_sweep, ladder, adamw_l3, ladder_grid_l3," \
-      "lr_ladder or scaling." >&2
+      "lr_ladder, scaling or fp8." >&2
     exit 2
     ;;
 esac

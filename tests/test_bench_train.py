@@ -2,6 +2,7 @@
 so that the next pair's peak memory is its own (the first H200 visit's eager unified dense-1b row counted
 the baseline run's parameters and AdamW state, kept by a reference cycle through the timing wrapper)."""
 
+import math
 import weakref
 
 import pytest
@@ -28,6 +29,9 @@ def test_a_run_leaves_nothing_alive(bench_train, data_overrides, monkeypatch):
                                    "--micro-batch", "2", "--steps", "1", "--warmup", "1", "--", *data_overrides])
     row = bench_train.bench("dense-tiny", "baseline", args)
     assert float(row["optimizer ms"]) >= 0 and float(row["data ms"]) >= 0, row
+    # the loss of the first step (a fresh model: about ln of the vocabulary of 512) and of the last
+    first, last = map(float, row["loss"].split(" -> "))
+    assert abs(first - math.log(512)) < 0.3 and math.isfinite(last), row
     trainer = built.pop()
     optimizer, loader = trainer.optimizer, trainer.loader
     # the timing wrappers are gone: the optimizer's and the loader's own methods show through

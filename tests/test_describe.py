@@ -139,3 +139,22 @@ def test_describe_reports_expert_parallelism(capsys):
     assert with_ep["fsdp_buffers"] < without["fsdp_buffers"]
     for key in ("params", "grads", "optimizer", "activations"):  # the same count of ranks shards them
         assert with_ep[key] == without[key], key
+
+
+def test_describe_lists_each_matrix_precision_and_why_under_fp8(capsys):
+    """`describe model=dense-tiny model.fp8=rowwise`: every block map below torchao's thresholds stays bf16
+    and says so; under model.fp8_filter=all the 28 block maps run in FP8 and nothing else does; without
+    model.fp8 no such table."""
+    assert main(["model=dense-tiny", "model.fp8=rowwise"]) == 0
+    out = capsys.readouterr().out
+    assert "model.fp8=rowwise, model.fp8_filter=auto: 0 of 29 matrices in FP8 (MFU stays against the bf16 peak)" in out
+    assert ("layers.*.ffn.w_gate.weight         all      688x256        bf16                     below torchao's size "
+            "thresholds for rowwise, where FP8 was slower than bf16 (model.fp8_filter=all converts it)") in out
+    assert ("tok_emb.weight                     -        4096x256       bf16                     the embedding: a "
+            "lookup (and the tied head's weight)") in out
+    assert main(["model=dense-tiny", "model.fp8=rowwise", "model.fp8_filter=all", "format=json"]) == 0
+    maps = json.loads(capsys.readouterr().out)["fp8"]["maps"]
+    assert {m["name"] for m in maps if m["fp8"]} == {f"layers.{i}.{path}.weight" for i in range(4) for path in (
+        "attn.wq", "attn.wk", "attn.wv", "attn.wo", "ffn.w_gate", "ffn.w_up", "ffn.w_down")}
+    assert {m["precision"] for m in maps if m["fp8"]} == {"fp8 rowwise"}
+    assert main(["model=dense-tiny"]) == 0 and "model.fp8" not in capsys.readouterr().out

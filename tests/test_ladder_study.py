@@ -1,6 +1,7 @@
 """The ladder study's design (scripts/run_study.sh ladder, configs/experiment/ladder.yaml) holds for every
 rung as the script composes it: the budgets in tokens per parameter, a checkpoint for each branch to start
-from before its decay, the same validation sequences on every rung, and a run directory per run."""
+from before its decay, the same validation sequences on every rung, and a run directory per run; the
+adamw_l3 and fp8 studies' arms compose and are named by every key they vary."""
 
 import os
 import re
@@ -8,9 +9,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from scalevec_train.costs.accounting import non_embedding_params
 from scalevec_train.model.transformer import Transformer
+from scalevec_train.parallel.fp8 import map_precisions
 from scalevec_train.run.branch import shared_steps
 from tests.support.helpers import make_config_shared, make_configs
 
@@ -134,3 +137,43 @@ def test_ladder_runs_go_where_the_experiment_puts_them_and_a_variant_to_a_folder
         cfg = make_config_shared(*command)
         assert cfg.run_dir == f"runs/adamw_l3/ladder_scale_lr0.01/{name}" and cfg.optim.scale_lr == 0.01
     assert all(f"branch_from=runs/adamw_l3/ladder_scale_lr0.01/{names[0]}" in c for c in variant[1:])
+
+
+def fp8_study_arms() -> dict[str, list[str]]:
+    """{name: overrides} of the fp8 study's arms, from the script."""
+    block = re.search(r"<<'FP8ARMS'\n(.*?)\nFP8ARMS\n", SCRIPT.read_text(), flags=re.S).group(1)
+    return {name: args.split() for name, args in (line.split("|") for line in block.splitlines())}
+
+
+def test_the_fp8_study_names_every_key_its_arms_vary_and_runs_every_map_in_fp8(tmp_path):
+    """15 arms: baseline, unified and unified's 3 ablations, each in bf16 and under tensorwise and rowwise;
+    every FP8 arm converts all 21 block maps of dense-l3; arm_run puts each run in runs/fp8/."""
+    arms = fp8_study_arms()
+    assert len(arms) == 15
+    precisions: dict[str, set[str]] = {}
+    for name, overrides in arms.items():
+        assert name == name_of(overrides)
+        cfg = ladder_config("dense-l3", "model.fp8_filter=all", *overrides, "train.diagnostics_every=180", "seed=0")
+        assert cfg.train.steps // cfg.train.diagnostics_every >= 9
+        assert (cfg.optim.lr, cfg.optim.scale_lr) == (0.003, 0.01)
+        with torch.device("meta"):
+            rows = map_precisions(Transformer(cfg.model, cfg.scale))
+        assert sum(r.fp8 for r in rows) == (0 if cfg.model.fp8 == "none" else 3 * 7), name
+        strategy = " ".join(o for o in overrides if not o.startswith("model.fp8="))
+        precisions.setdefault(strategy, set()).add(cfg.model.fp8)
+    assert len(precisions) == 5 and all(p == {"none", "tensorwise", "rowwise"} for p in precisions.values())
+    text = SCRIPT.read_text()
+    functions = "".join(re.search(rf"^{name}\(\) {{.*?^}}\n", text, flags=re.S | re.M).group(0)
+                        for name in ("rung_args", "diag_every", "arm_run"))
+    record = tmp_path / "record"
+    record.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "commands"}\n')
+    record.chmod(0o755)
+    (tmp_path / "runs" / "fp8_logs").mkdir(parents=True)
+    name, overrides = "unified-adamw-lr0.003-scale_lr0.01-model.fp8.rowwise", arms[
+        "unified-adamw-lr0.003-scale_lr0.01-model.fp8.rowwise"]
+    subprocess.run(["bash", "-c", f"{functions}arm_run dense-l3 {name} 2 model.fp8_filter=all {' '.join(overrides)}"],
+                   cwd=tmp_path, check=True, env={**os.environ, "PY": str(record), "ARMS": "runs/fp8"})
+    [command] = (tmp_path / "commands").read_text().splitlines()
+    cfg = make_config_shared(*command.split()[2:])
+    assert cfg.run_dir == f"runs/fp8/dense-l3-{name}-s2" and cfg.model.fp8 == "rowwise" and cfg.seed == 2
+    assert cfg.model.fp8_filter == "all" and cfg.train.diagnostics_every == 180

@@ -96,7 +96,8 @@ def norm_flops_per_token(plan: ScalePlan) -> int:
 
 
 def peak_flops(device: torch.device) -> float | None:
-    """The device's dense bf16 peak, or None when unknown (then MFU is not logged)."""
+    """The device's dense bf16 peak, or None when unknown (then MFU is not logged). MFU is against it under
+    model.fp8 too, so that runs in bf16 and in FP8 compare on one scale."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)

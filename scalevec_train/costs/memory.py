@@ -18,7 +18,9 @@ Counted from the config on the meta device (no weights are allocated):
                      backward when blocks are checkpointed.
   logits             the logits and their fp32 upcast for the loss, then their gradients.
   fsdp_buffers       unsharded compute-dtype parameters of the root and of two blocks (the current
-                     one and the prefetched one), and one block's unsharded gradients being reduced;
+                     one and the prefetched one; under model.fp8=tensorwise the maps it converts are
+                     gathered in FP8, 1 byte each: parallel/fp8.py), and one block's unsharded gradients
+                     being reduced;
                      under expert parallelism a block's routed experts are those of the rank's EP
                      slice only (the all-to-all's rows are the sorted rows a rank keeps without EP, on
                      balanced routing: activations as without EP).
@@ -34,6 +36,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from scalevec_train.config import Config
 from scalevec_train.costs.activations import (
@@ -48,6 +51,7 @@ from scalevec_train.model.moe import RoutedExperts
 from scalevec_train.model.plan import ScalePlan
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.optim.groups import param_groups
+from scalevec_train.parallel.fp8 import map_precisions
 
 GB = 10**9
 # CUDA context, NCCL buffers and the caching allocator's fragmentation: an allowance, not a count.
@@ -170,9 +174,18 @@ def estimate(cfg: Config, world: int, device: str = "cuda") -> MemoryEstimate:
         # each rank gathers its EP slice of the experts (expert_parallel.py)
         slices = {id(t): cfg.distributed.expert_parallel for m in model.modules() if isinstance(m, RoutedExperts)
                   for t in m.weights()}
-        block = max(sum(t.numel() / slices.get(id(t), 1) for t in b.parameters() if id(t) not in sites)
-                    for b in model.layers)
-        fsdp = p.compute * (root + 2 * block) + (p.compute + FP32) * block
+        # FP8's all-gather (NCCL: describe's GPUs) hands the converted maps' weights on in 1 byte
+        fp8 = ({id(model.get_parameter(r.name)) for r in map_precisions(model) if r.fp8}
+               if cfg.model.fp8 == "tensorwise" else set())
+
+        def gathered(b: nn.Module) -> list[tuple[float, int]]:
+            """(elements, bytes each) of the parameters FSDP gathers for block b"""
+            return [(t.numel() / slices.get(id(t), 1), 1 if id(t) in fp8 else p.compute)
+                    for t in b.parameters() if id(t) not in sites]
+
+        block = max((gathered(b) for b in model.layers), key=lambda g: sum(n for n, _ in g))
+        fsdp = (p.compute * root + 2 * sum(n * nbytes for n, nbytes in block)
+                + (p.compute + FP32) * sum(n for n, _ in block))
     step = 0.0
     if muon:
         largest = max(t.numel() for t in muon)

@@ -2,7 +2,8 @@
 role, parameterization, shape, the optimizer's peak LR and decay, the maps it scales, how it folds, a
 cancelled magnitude), every other parameter's init, LR, decay, Adam eps and forward multiplier under
 model.parameterization (parameterization.py, optim/groups.py's `rates`), what it costs in parameters and
-FLOPs, and the memory each rank needs. Builds the model on the meta device, so any preset describes
+FLOPs, under model.fp8 every matrix's precision and why (parallel/fp8.py decides), and the memory each
+rank needs. Builds the model on the meta device, so any preset describes
 instantly.
 
 Memory: per rank on `world_size` GPUs (the micro-batch derived for that many ranks) for the config's
@@ -39,6 +40,7 @@ from scalevec_train.model.strategies import site_display_name
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.optim.groups import param_groups, rates
 from scalevec_train.parallel.config import ActivationCheckpointing
+from scalevec_train.parallel.fp8 import map_precisions
 
 # the keys of a site in describe's JSON
 JSON_SITE_KEYS = ("name", "role", "param", "shape", "behind_norm", "lr", "weight_decay", "decayed",
@@ -58,7 +60,8 @@ def as_json(d: dict) -> str:
 
 
 def as_text(d: dict) -> str:
-    return "\n\n".join([format_table(d), format_parameters(d), format_memory(d["memory"])])
+    precisions = [format_precisions(d)] if "fp8" in d else []
+    return "\n\n".join([format_table(d), format_parameters(d), *precisions, format_memory(d["memory"])])
 
 
 def build_meta(model_cfg, scale_cfg) -> Transformer:
@@ -97,7 +100,7 @@ def describe(cfg, attended: float | None = None) -> dict:
     documents = cfg.model.attention_mask == "document"
     model_flops = train_flops_per_token(model, cfg.train.seq_len, attended if documents else None)
     out = {
-        "model": cfg.model.name, "scale": cfg.scale.name, "total_params": total,
+        "model": cfg.model.name, "scale": cfg.scale.name, "n_layers": cfg.model.n_layers, "total_params": total,
         "non_embedding_params": non_embedding_params(model),
         "scale_params": scale_params, "scale_share": scale_params / total,
         "extra_train_flops_per_token": extra, "extra_flops_share": extra / model_flops,
@@ -106,6 +109,8 @@ def describe(cfg, attended: float | None = None) -> dict:
     }
     if cfg.model.moe is not None:
         out["active_params"] = active_params(model)
+    if cfg.model.fp8 != "none":
+        out["fp8"] = {"recipe": cfg.model.fp8, "filter": cfg.model.fp8_filter, "maps": _precisions(model, cfg)}
     if documents:
         out["attention_mask"] = "document"
         out["attended_keys"] = attended  # None: not measured, attention counted at seq_len
@@ -137,6 +142,35 @@ def _parameters(model: Transformer, optim, group_of: dict) -> list[dict]:
                      "eps": None if muon else g.get("eps", optim.eps),
                      "forward_multiplier": p.forward_multiplier(name, kind), "optimizer": "muon" if muon else "adamw"})
     return rows
+
+
+def _precisions(model: Transformer, cfg) -> list[dict]:
+    """Every matrix's matmul precision under model.fp8: the recipe where it converts, else train.dtype's
+    compute dtype on a GPU (the routers' fp32)."""
+    other = "bf16" if cfg.train.dtype in ("auto", "bf16") else "fp32"
+    return [{"name": r.name, "shape": list(r.shape), "fp8": r.fp8, "why": r.why,
+             "precision": f"fp8 {cfg.model.fp8}" if r.fp8 else "fp32" if ".router." in r.name else other}
+            for r in map_precisions(model)]
+
+
+def format_precisions(d: dict) -> str:
+    """The matrices' precisions under model.fp8, one row per name with every layer's index as * where the
+    layers agree (a layer that differs gets rows of its own)."""
+    f = d["fp8"]
+    rows: dict[tuple, list[int | None]] = {}
+    for m in f["maps"]:
+        parts = m["name"].split(".")
+        layer = int(parts[1]) if parts[0] == "layers" else None
+        name = ".".join(["layers", "*", *parts[2:]]) if layer is not None else m["name"]
+        rows.setdefault((name, "x".join(map(str, m["shape"])), m["precision"], m["why"]), []).append(layer)
+    converted = sum(m["fp8"] for m in f["maps"])
+    lines = [f"model.fp8={f['recipe']}, model.fp8_filter={f['filter']}: {converted} of {len(f['maps'])} matrices "
+             "in FP8 (MFU stays against the bf16 peak)",
+             f"{'matrix':<34} {'layers':<8} {'shape':<14} {'precision':<24} why"]
+    for (name, shape, runs_in, why), layers in rows.items():
+        where = "-" if layers == [None] else "all" if len(layers) == d["n_layers"] else ",".join(map(str, layers))
+        lines.append(f"{name:<34} {where:<8} {shape:<14} {runs_in:<24} {why}")
+    return "\n".join(lines)
 
 
 def format_parameters(d: dict) -> str:

@@ -11,7 +11,8 @@ from scalevec_kernels import BACKENDS
 from scalevec_train.infra.errors import ScalevecError, check_choices, choice
 
 # options that change how the model computes, not its weights
-COMPUTE_ONLY = ("kernels", "attention_mask", "rope_reset", "attention_backend")
+COMPUTE_ONLY = ("kernels", "attention_mask", "rope_reset", "attention_backend", "fp8", "fp8_filter")
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 @dataclass
@@ -115,6 +116,15 @@ class ModelConfig:
     # reference, whichever the latest measurements on a GPU found faster: scalevec_kernels/choice.py, the picks in
     # docs/benchmarks/2026-11-26-h200.md) | triton | torch. Changes no weight: a checkpoint resumes under any backend.
     kernels: str = choice("auto", Literal[BACKENDS])
+    # FP8 matmuls in the block maps (q, k, v, o, gate, up, down), through torchao's float8 training
+    # (parallel/fp8.py): none | tensorwise (one scale per tensor; under FSDP2 on NCCL the weights are
+    # all-gathered in FP8) | rowwise (a scale per row, rounded to a power of 2) | rowwise_with_gw_hp (rowwise,
+    # with the weight gradient's matmul in high precision). The embedding, the head, the routers, MoE
+    # experts and every scale site keep their precision. Emulated on a CPU. Changes no weight
+    fp8: str = choice("none", Literal[("none", *FP8_RECIPES)])
+    # which block maps model.fp8 converts: auto (dims divisible by 16 and above torchao's size thresholds
+    # for the recipe, below which FP8 was slower than bf16 on an H100) | all (every map whose dims divide by 16)
+    fp8_filter: str = choice("auto", Literal["auto", "all"])
     # how the init, the learning rates and the forward's multipliers follow width and depth
     # (docs/concepts/parameterization.md): sp (one init std and one LR at every size) | mup (muP for width, Tensor
     # Programs V; CompleteP for depth, Dey et al. 2025: an LR tuned at the base shape below carries over)

@@ -71,6 +71,10 @@ class PreNorm(nn.Module):
 class Linear(nn.Module):
     """y = s_out * Norm(W (s_in * x)): a bias-free linear map with the sites its plan gives it."""
 
+    # W x: F.linear, or on a map that model.fp8 converts the FP8 matmul that parallel/fp8.py sets on the
+    # instance (from outside: the model never imports torchao)
+    matmul = staticmethod(F.linear)
+
     def __init__(self, plan: MapPlan, cfg: ModelConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(plan.d_out, plan.d_in))
@@ -83,7 +87,7 @@ class Linear(nn.Module):
         """W (s_in * x): the map before its output normalization and site."""
         if self.in_site is not None:
             x = scaled(x, self.in_site())
-        return F.linear(x, self.weight)
+        return self.matmul(x, self.weight)
 
     def output_scale(self) -> torch.Tensor | None:
         """The output site's vector (None without one, or fixed): what a fused SwiGLU applies."""

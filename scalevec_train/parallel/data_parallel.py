@@ -27,6 +27,7 @@ from scalevec_train.model.strategies import scale_sites
 from scalevec_train.model.transformer import Transformer
 from scalevec_train.parallel.config import DistributedConfig
 from scalevec_train.parallel.expert_parallel import shard_experts
+from scalevec_train.parallel.fp8 import convert as convert_fp8
 from scalevec_train.parallel.process_group import full_value, world_size
 from scalevec_train.parallel.wrap import wrap_block
 
@@ -73,11 +74,15 @@ def uses_bf16(dtype: str, device: torch.device) -> bool:
 
 def parallelize(model: Transformer, cfg: DistributedConfig, device: torch.device, seed: int,
                 dtype: str) -> Transformer:
-    """Wrap the blocks of a meta-device Transformer (activation checkpointing, compile), shard it when
-    there are several processes, and materialize and initialize it on `device`."""
+    """Convert its maps to FP8 (model.fp8), wrap the blocks of a meta-device Transformer (activation
+    checkpointing, compile), shard it when there are several processes, and materialize and initialize it
+    on `device`."""
+    sharded = dist.is_initialized() and dist.get_world_size() > 1
+    # FSDP gathers tensorwise FP8 weights in FP8 where the backend has FP8 collectives (NCCL; gloo has none)
+    convert_fp8(model, device, all_gather=sharded and model.cfg.fp8 == "tensorwise" and dist.get_backend() == "nccl")
     for block in model.layers:
         wrap_block(block, cfg.activation_checkpointing, cfg.compile, fullgraph=cfg.expert_parallel == 1)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not sharded:
         model = model.to_empty(device=device)
         model.init_weights(seed)
         return model

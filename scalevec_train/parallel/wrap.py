@@ -14,10 +14,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-# Ops whose outputs selective checkpointing keeps: the matrix multiplies and attention (expensive to
-# recompute). Everything else in a block is element-wise or a reduction and is recomputed.
+# Ops whose outputs selective checkpointing keeps: the matrix multiplies (FP8's too: model.fp8) and
+# attention (expensive to recompute). Everything else in a block is element-wise or a reduction and is
+# recomputed, FP8's casts included.
 _KEEP = {
     torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,

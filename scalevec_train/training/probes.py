@@ -34,9 +34,23 @@ forward hooks (the blocks run their own forward meanwhile: parallel.wrap.eager_b
     attn/max_logit             the largest attention logit q.k / sqrt(head_dim) a query gives a key it
                                attends (causal, or within its document), after RoPE
 and diag/final/resid_rms, diag/final_norm.final/rms before the head.
+
+Outliers (map_input_stats), per block map, of its input as its matmul gets it (after its input site), in
+the same kind of forward:
+    in_kurtosis                E[(x - mean)^4] / var^2 over the input's values (3 for a Gaussian)
+    in_max_rms                 max |x| / RMS(x)
+    fp8_underflow              under model.fp8, on a converted map: the share of the input's nonzero values
+                               its FP8 cast (the recipe's scales) flushes to 0
+    fp8_saturated              ... and the share cast to the FP8 format's largest magnitude
+and (fp8_grad_snr) per converted map, from one forward and backward of the batch's loss with FP8 and one
+with every map on F.linear (bf16 under autocast):
+    fp8_grad_snr_db            10 log10(||g_bf16||^2 / ||g_fp8 - g_bf16||^2) of the weight's gradient, at
+                               most 120 (equal gradients); not measured where FSDP all-gathers the weights
+                               in FP8 (they hold no bf16 copy to recompute with)
 """
 
 import math
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -46,8 +60,10 @@ from scalevec_train.model.masking import dense_mask
 from scalevec_train.model.strategies import scale_sites, site_display_name
 from scalevec_train.model.transformer import FeedForward
 from scalevec_train.parallel.data_parallel import reshard
+from scalevec_train.parallel.fp8 import Fp8Matmul, bf16_matmuls, gathered_in_fp8
 from scalevec_train.parallel.process_group import full_value
 from scalevec_train.parallel.wrap import eager_blocks
+from scalevec_train.training.trainer import cross_entropy
 
 
 def _key(path: str) -> str:
@@ -245,3 +261,70 @@ def activation_stats(model: nn.Module, tokens: torch.Tensor, doc_ids: torch.Tens
         probe.remove()
         model.train(was_training)
     return probe.out
+
+
+@torch.no_grad()
+def map_input_stats(model: nn.Module, tokens: torch.Tensor, doc_ids: torch.Tensor | None,
+                    autocast) -> dict[str, torch.Tensor]:
+    """The outlier statistics (module docstring) of every block map's input in one forward of `tokens`
+    under `autocast`, in eval mode."""
+    out: dict[str, torch.Tensor] = {}
+    maps = [(path, m) for path, m in model.named_modules() if isinstance(m, Linear)]
+    own = {path: vars(m).get("matmul") for path, m in maps}  # FP8's, where the map is converted
+
+    def measured(path: str, matmul):
+        def call(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            v = x.detach().float()
+            centered = v - v.mean()
+            var = centered.square().mean()
+            out[f"{_key(path)}/in_kurtosis"] = centered.pow(4).mean() / var.square()
+            out[f"{_key(path)}/in_max_rms"] = v.abs().amax() / v.square().mean().sqrt()
+            if isinstance(matmul, Fp8Matmul):
+                out[f"{_key(path)}/fp8_underflow"], out[f"{_key(path)}/fp8_saturated"] = matmul.cast_shares(x)
+            return matmul(x, w)
+        return call
+
+    for path, m in maps:
+        m.matmul = measured(path, m.matmul)
+    was_training = model.training
+    model.eval()
+    try:
+        with eager_blocks(model), autocast():
+            model(tokens, doc_ids=doc_ids)
+    finally:
+        model.train(was_training)
+        for path, m in maps:
+            if own[path] is None:
+                del m.matmul
+            else:
+                m.matmul = own[path]
+    return out
+
+
+def fp8_grad_snr(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None,
+                 autocast) -> dict[str, torch.Tensor]:
+    """fp8_grad_snr_db of every converted map (module docstring), from the loss of one batch in eval mode
+    (an MoE layer counts no tokens); the gradients are dropped after. A collective under FSDP (the
+    backward's reduce-scatters): every rank calls it."""
+    maps = {path: m for path, m in model.named_modules() if isinstance(m, Linear) and "matmul" in vars(m)}
+    if not maps or gathered_in_fp8(model):
+        return {}
+    grads = []
+    was_training = model.training
+    model.eval()
+    try:
+        for matmuls in (nullcontext(), bf16_matmuls(model)):
+            with matmuls, eager_blocks(model):
+                with autocast():
+                    loss = cross_entropy(model(tokens, doc_ids=doc_ids), targets)
+                loss.backward()
+            grads.append({path: m.weight.grad.detach() for path, m in maps.items()})
+            model.zero_grad(set_to_none=True)
+    finally:
+        model.train(was_training)
+    out = {}
+    for path, g in grads[0].items():
+        ref = grads[1][path].float()
+        signal, noise = full_value(ref.square().sum()), full_value((g.float() - ref).square().sum())
+        out[f"{_key(path)}/fp8_grad_snr_db"] = 10 * torch.log10(signal / noise.clamp_min(signal * 1e-12))
+    return out

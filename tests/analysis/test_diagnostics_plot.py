@@ -38,6 +38,11 @@ def test_series_are_the_logged_values(run_dirs):
     assert set(maps) == {"attn.wq", "attn.wk", "attn.wv", "attn.wo", "ffn.w_gate", "ffn.w_up", "ffn.w_down", "head"}
     expected = [np.mean([r["diag/layer0/attn.wq/update_ratio"], r["diag/layer1/attn.wq/update_ratio"]]) for r in raw]
     assert maps["attn.wq"][1].tolist() == pytest.approx(expected, rel=1e-12)
+    # the loss beside them, and every block map's input outliers (no FP8 here: no FP8 series)
+    loss = [r for r in records(run_dirs[1]) if "loss" in r]
+    assert panel_series(loaded, by_name["loss"])["loss"][1].tolist() == [r["loss"] for r in loss]
+    assert set(panel_series(loaded, by_name["in_kurtosis"])) == set(maps) - {"head"}
+    assert panel_series(loaded, by_name["fp8_underflow"]) == {}
     # maps without an input-side scale have no gain: o and down under both strategies
     assert set(panel_series(loaded, by_name["col_gain"])) == {"attn.wq", "attn.wk", "attn.wv", "ffn.w_gate",
                                                               "ffn.w_up", "head"}

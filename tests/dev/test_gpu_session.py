@@ -61,6 +61,25 @@ def test_the_default_plan_is_one_command_in_the_issues_order_that_fits_its_deadl
     assert "2 run config(s) compose: moe-2b baseline, moe-2b unified" in checked
 
 
+def test_the_fp8_phase_is_a_command_of_its_own_that_fits_the_deadline():
+    """model.fp8's GEMM table of dense-0.5b/1b/2b, then dense-1b in bf16, tensorwise and rowwise; beside even
+    the default plan's first two phases it would pass the deadline, so it runs alone."""
+    done = session("--dry-run", "fp8")
+    assert done.returncode in (0, 1), done.stdout + done.stderr
+    p = plan(done.stdout)
+    assert list(p["phases"]) == ["fp8"]
+    assert p["setup"] + p["phases"]["fp8"][0] <= p["deadline"]
+    assert all(minimum <= est <= limit for est, limit, minimum in p["phases"].values())
+    checked = done.stdout.split("commands:")[1]
+    assert checked.count("  ok  ") == 4 and "FAIL" not in checked
+    assert "3 preset(s) compose: dense-0.5b, dense-1b, dense-2b" in checked
+    for fp8 in ("none", "tensorwise", "rowwise"):
+        assert f"--micro-batch 4 -- model.fp8={fp8}\n        arguments parse; 2 run config(s) compose: dense-1b " \
+               "baseline, dense-1b unified" in checked
+    beside = session("--dry-run", "kernels", "train-1b", "fp8")
+    assert beside.returncode == 2 and "add up to 580 s with the setup, over the deadline of 515 s" in beside.stderr
+
+
 @pytest.mark.parametrize("args,env,problem", [
     (["kernels"], {"GPU_SESSION_DEADLINE": "530"}, "exceed the command's timeout of 540 s"),
     (["kernels", "train-1b", "gpu-tests"], {"GPU_SESSION_DEADLINE": "200"},

@@ -113,6 +113,14 @@ def rms(t: torch.Tensor) -> float:
     return float(t.double().square().mean().sqrt())
 
 
+def outliers(key: str, x: torch.Tensor, out: dict[str, float]) -> None:
+    """A map input's kurtosis and max / RMS, in float64."""
+    x = x.double()
+    centered = x - x.mean()
+    out[f"{key}/in_kurtosis"] = float(centered.pow(4).mean() / centered.square().mean().square())
+    out[f"{key}/in_max_rms"] = float(x.abs().max()) / rms(x)
+
+
 def norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
 
@@ -138,10 +146,13 @@ def output_side(lin, y: torch.Tensor, head_dim: int, eps: float) -> torch.Tensor
 
 
 @torch.no_grad()
-def expected_activations(model, tokens: torch.Tensor, doc_ids: torch.Tensor | None) -> dict[str, float]:
+def expected_activations(model, tokens: torch.Tensor, doc_ids: torch.Tensor | None,
+                         inputs: dict[str, float] | None = None) -> dict[str, float]:
     """A layer-by-layer forward in plain PyTorch, fp32, causal or within the documents doc_ids number (each
-    a contiguous run of a row, RoPE positions restarting at each); its logits must be the model's."""
+    a contiguous run of a row, RoPE positions restarting at each); its logits must be the model's.
+    `inputs`, where given, gets the outliers of every block map's input."""
     cfg, eps, out = model.cfg, model.cfg.norm_eps, {}
+    inputs = {} if inputs is None else inputs
     seq = tokens.shape[1]
     allowed = torch.ones(seq, seq, dtype=torch.bool).tril().expand(len(tokens), 1, seq, seq)
     positions = torch.arange(seq).expand_as(tokens)
@@ -157,6 +168,7 @@ def expected_activations(model, tokens: torch.Tensor, doc_ids: torch.Tensor | No
         heads = {}
         for name, branch in (("wq", "q"), ("wk", "k"), ("wv", "v")):
             lin = getattr(block.attn, name)
+            outliers(f"{p}/attn.{name}", a.get(branch, a.get("attn")), inputs)
             y = output_side(lin, a.get(branch, a.get("attn")) @ lin.weight.T, cfg.head_dim, eps)
             if lin.out_norm is not None:
                 out[f"{p}/attn.{name}/out_rms"] = rms(y)
@@ -167,7 +179,9 @@ def expected_activations(model, tokens: torch.Tensor, doc_ids: torch.Tensor | No
         v = heads["v"].repeat_interleave(group, 1)
         scores = (q @ k.transpose(-1, -2) / math.sqrt(cfg.head_dim)).masked_fill(~allowed, -math.inf)
         out[f"{p}/attn/max_logit"] = float(scores.max())
-        h = x + (scores.softmax(-1) @ v).transpose(1, 2).flatten(2) @ block.attn.wo.weight.T
+        attended = (scores.softmax(-1) @ v).transpose(1, 2).flatten(2)
+        outliers(f"{p}/attn.wo", attended, inputs)
+        h = x + attended @ block.attn.wo.weight.T
         out[f"{p}/resid_mid_rms"] = rms(h)
         b = {br: norm(h, eps) * site() for br, site in block.ffn_norm.sites.items()}
         out |= {f"{p}/ffn_norm.{br}/rms": rms(v) for br, v in b.items()}
@@ -175,11 +189,14 @@ def expected_activations(model, tokens: torch.Tensor, doc_ids: torch.Tensor | No
             x = h + block.ffn(b)
             continue
         ffn, shared = block.ffn, b.get("ffn")
+        outliers(f"{p}/ffn.w_gate", b.get("gate", shared), inputs)
+        outliers(f"{p}/ffn.w_up", b.get("up", shared), inputs)
         gate = output_side(ffn.w_gate, b.get("gate", shared) @ ffn.w_gate.weight.T, cfg.head_dim, eps)
         up = output_side(ffn.w_up, b.get("up", shared) @ ffn.w_up.weight.T, cfg.head_dim, eps)
         for name, y in (("w_gate", gate), ("w_up", up)):
             if getattr(ffn, name).out_norm is not None:
                 out[f"{p}/ffn.{name}/out_rms"] = rms(y)
+        outliers(f"{p}/ffn.w_down", F.silu(gate) * up, inputs)
         x = h + (F.silu(gate) * up) @ ffn.w_down.weight.T
     out["diag/final/resid_rms"] = rms(x)
     final = norm(x, eps) * model.final_norm.sites["final"]()
@@ -201,7 +218,9 @@ def test_values_are_those_computed_from_the_weights_and_a_plain_forward(tmp_path
     t = cfg.train  # the val split's first micro-batch:
     batch = validation_batches(prepare_data(cfg.data), t.seq_len, t.micro_batch, t.eval_batches * t.global_batch, 0, 1,
                                cfg.model.attention_mask == "document")[0]
-    expected = expected_weights(model, before, case) | expected_activations(model, batch.inputs, batch.doc_ids)
+    inputs = {}
+    expected = expected_weights(model, before, case) | expected_activations(model, batch.inputs, batch.doc_ids,
+                                                                             inputs) | inputs
     assert sorted(got) == sorted(expected)
     for key, value in expected.items():
         assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key

@@ -9,6 +9,7 @@
     checkpointer.py  Checkpointer: periodic, final and stop checkpoints
     stability.py     StabilityGuard: non-finite steps and loss spikes; SigtermStop: a clean stop
     watchdog.py      HangWatchdog: collectives' timeouts, and a run that makes no progress ended
+    fp8.py           Fp8Scales: the scales of weights all-gathered in FP8, after each step (model.fp8)
     profiler.py      StepProfiler: traces and memory snapshots of chosen steps
     tasks.py         TaskEvaluator: downstream multiple-choice tasks (accuracy, bits per byte)
 """
@@ -18,11 +19,12 @@ from scalevec_train.training.callbacks.diagnostics import Diagnostics
 from scalevec_train.training.callbacks.ema import WeightEMA
 from scalevec_train.training.callbacks.epochs import EpochMonitor
 from scalevec_train.training.callbacks.evaluation import Evaluator, TaskEvaluator
+from scalevec_train.training.callbacks.fp8 import Fp8Scales
 from scalevec_train.training.callbacks.monitors import ModelMetrics, SpeedMonitor
 from scalevec_train.training.callbacks.profiler import StepProfiler
 from scalevec_train.training.callbacks.scales import ScaleMonitor
 from scalevec_train.training.callbacks.stability import SigtermStop, StabilityGuard
 from scalevec_train.training.callbacks.watchdog import HangWatchdog
 
-__all__ = ["Checkpointer", "Diagnostics", "EpochMonitor", "Evaluator", "HangWatchdog", "ModelMetrics", "ScaleMonitor",
-           "SigtermStop", "SpeedMonitor", "StabilityGuard", "StepProfiler", "TaskEvaluator", "WeightEMA"]
+__all__ = ["Checkpointer", "Diagnostics", "EpochMonitor", "Evaluator", "Fp8Scales", "HangWatchdog", "ModelMetrics",
+           "ScaleMonitor", "SigtermStop", "SpeedMonitor", "StabilityGuard", "StepProfiler", "TaskEvaluator", "WeightEMA"]

@@ -1,10 +1,18 @@
-"""The paper's mechanism, measured every train.diagnostics_every steps (training/diagnostics.py says
-what and how)."""
+"""The paper's mechanism, and the maps' outliers and FP8's error, measured every train.diagnostics_every
+steps (training/probes.py says what and how)."""
 
 import torch
 
 from scalevec_train.data.loader import Batch
-from scalevec_train.training.probes import activation_stats, map_stats, site_stats, sites_before, weights_before
+from scalevec_train.training.probes import (
+    activation_stats,
+    fp8_grad_snr,
+    map_input_stats,
+    map_stats,
+    site_stats,
+    sites_before,
+    weights_before,
+)
 from scalevec_train.training.trainer import Callback, Trainer
 
 
@@ -35,8 +43,11 @@ class Diagnostics(Callback):
         tokens = self.batch.inputs.to(trainer.compute.device)
         doc_ids = None if self.batch.doc_ids is None else self.batch.doc_ids.to(trainer.compute.device)
         maps, sites = self.before or (None, None)
+        autocast = trainer.compute.autocast
         values = {**map_stats(trainer.model, maps), **site_stats(trainer.model, sites),
-                  **activation_stats(trainer.model, tokens, doc_ids, trainer.compute.autocast)}
+                  **activation_stats(trainer.model, tokens, doc_ids, autocast),
+                  **map_input_stats(trainer.model, tokens, doc_ids, autocast),
+                  **fp8_grad_snr(trainer.model, tokens, self.batch.targets.to(tokens.device), doc_ids, autocast)}
         self.before = None
         for key, value in values.items():
             trainer.record(key, value)
