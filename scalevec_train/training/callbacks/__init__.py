@@ -27,4 +27,5 @@ from scalevec_train.training.callbacks.stability import SigtermStop, StabilityGu
 from scalevec_train.training.callbacks.watchdog import HangWatchdog
 
 __all__ = ["Checkpointer", "Diagnostics", "EpochMonitor", "Evaluator", "Fp8Scales", "HangWatchdog", "ModelMetrics",
-           "ScaleMonitor", "SigtermStop", "SpeedMonitor", "StabilityGuard", "StepProfiler", "TaskEvaluator", "WeightEMA"]
+           "ScaleMonitor", "SigtermStop", "SpeedMonitor", "StabilityGuard", "StepProfiler", "TaskEvaluator",
+           "WeightEMA"]
