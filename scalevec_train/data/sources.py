@@ -1,11 +1,23 @@
-"""Preparing what data.* configures: one source (prepare.py), or each source of a mixture with one
-shared tokenizer (mixture.py). Training and the preparation command line come through here."""
+"""What data.* configures, one source or a weighted mixture, from preparation to the loaders a run reads.
+
+Prepared: one source (prepare.py), or each source of a mixture with one shared tokenizer (mixture.py);
+training and the preparation command come through here. Checked: the token shards against the checksums
+their manifests recorded at preparation (shards.py records each as it writes the shard), at the start of
+a run (data.verify; each rank reads a share) and by `python -m scalevec_train.verify`; the manifests'
+sizes are checked whenever the data is opened, the checksums need every byte read, so only there. Read:
+the training loader (one source's, or a mixture's), the validation batches and the diagnostics' batch;
+the validation set is the first `sequences` sequences of the val split in a fixed order (seed 0,
+whatever the run's seed), split over the ranks: the same sequences, and so a comparable val_loss, for
+every seed, world size and micro-batch (a mixture's sources have one each).
+"""
 
 import multiprocessing
 from pathlib import Path
 
 from scalevec_train.data.config import DataConfig
+from scalevec_train.data.loader import TokenLoader
 from scalevec_train.data.mixture import MixtureData, prepare_mixture_share
+from scalevec_train.data.mixture_loader import MixtureLoader
 from scalevec_train.data.prepare import PreparedData, prepare_source_share
 from scalevec_train.data.shards import shard_mismatch
 from scalevec_train.infra.checksums import ALGORITHM
@@ -64,3 +76,28 @@ def mismatches(shards: list[tuple[Path, dict]]) -> list[tuple[str, str]]:
 def reprepare(shard_file: str) -> str:
     """How to get a good shard again: prepare its folder again."""
     return _REPREPARE.format(root=Path(shard_file).parent.parent)
+
+
+def training_loader(data: PreparedData | MixtureData, seq_len: int, micro_batch: int, seed: int, rank: int,
+                    world: int, documents: bool) -> TokenLoader | MixtureLoader:
+    if isinstance(data, MixtureData):
+        return MixtureLoader(data, seq_len, micro_batch, seed, rank, world, documents)
+    return TokenLoader(data, "train", seq_len, micro_batch, seed, rank, world, documents)
+
+
+def validation_batches(data: PreparedData | MixtureData, seq_len: int, micro_batch: int, sequences: int, rank: int,
+                       world: int, documents: bool) -> list | dict[str, list]:
+    """This rank's share of the validation set; of each source's, by name, for a mixture."""
+    if isinstance(data, MixtureData):
+        return {entry.name: validation_batches(prepared, seq_len, micro_batch, sequences, rank, world, documents)
+                for entry, prepared in data.sources}
+    loader = TokenLoader(data, "val", seq_len, micro_batch, 0, rank, world, documents)
+    return [loader.next_batch() for _ in range(sequences // (micro_batch * world))]
+
+
+def diagnostic_batch(data: PreparedData | MixtureData, seq_len: int, micro_batch: int, documents: bool):
+    """The batch the diagnostics measure activations on: the val split's first micro_batch sequences in
+    the validation order (a mixture's: its first source's), the same on every rank."""
+    if isinstance(data, MixtureData):
+        data = data.sources[0][1]
+    return TokenLoader(data, "val", seq_len, micro_batch, 0, 0, 1, documents).next_batch()

@@ -22,9 +22,9 @@ from scalevec_train.config import Config
 from scalevec_train.costs.accounting import peak_flops, train_flops_per_token
 from scalevec_train.data import PreparedData, check_vocab, prepare_data
 from scalevec_train.data import sources as shard_checks
-from scalevec_train.data.loaders import diagnostic_batch, training_loader, validation_batches
 from scalevec_train.data.mixture import MixtureData
 from scalevec_train.data.shards import MANIFEST
+from scalevec_train.data.sources import diagnostic_batch, training_loader, validation_batches
 from scalevec_train.data.tokenizer import token_bytes
 from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.infra.faults import check_faults

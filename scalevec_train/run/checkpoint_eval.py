@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from scalevec_train.checkpoint.files import AVERAGED, read_train_state
 from scalevec_train.config import CONFIG_DIR, Config
 from scalevec_train.data import check_vocab, prepare_data
-from scalevec_train.data.loaders import validation_batches
+from scalevec_train.data.sources import validation_batches
 from scalevec_train.data.tokenizer import token_bytes
 from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.interop.api import load, read_config, resolve

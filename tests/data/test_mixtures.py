@@ -249,7 +249,7 @@ def test_resumed_on_1_and_2_ranks_and_per_source_val_losses(folders, tmp_path):
     cross-entropy under the final model, computed here with plain PyTorch, and val_loss is their
     0.75/0.25 weighted mean."""
     from scalevec_train.checkpoint import files as checkpoint_files
-    from scalevec_train.data.loaders import validation_batches
+    from scalevec_train.data.sources import validation_batches
     from scalevec_train.interop.api import load
     from scalevec_train.run.checkpoint_eval import evaluate
     from scalevec_train.train import run

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import scalevec_train
 from scalevec_train.checkpoint.files import step_dir
 from scalevec_train.data import prepare_data
-from scalevec_train.data.loaders import validation_batches
+from scalevec_train.data.sources import validation_batches
 from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.model import Transformer, scale_sites
 from scalevec_train.train import run
