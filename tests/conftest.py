@@ -31,25 +31,6 @@ def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
     return (parts[0] == "gpu") != GPU_TESTS
 
 
-# The files that take longest (seconds of one worker: 120 down to 30, 2-core machine, 2026-12-02), run
-# first. pytest-xdist's loadfile hands files out in collection order, so one of these started last would
-# leave the other core idle while it finishes. The rest keep their order.
-SLOWEST_FIRST = ["parallel/test_watchdog.py", "training/test_reliability.py", "parallel/test_compile.py",
-                 "parallel/test_expert_parallel.py", "training/test_faults.py", "parallel/test_world_sizes.py",
-                 "training/test_probes.py", "test_recipes.py", "kernels/test_rms_norm.py", "test_experiments.py",
-                 "kernels/test_compile_ahead.py", "dev/test_bit_matrix.py", "dev/test_gpu_session.py"]
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    tests = Path(__file__).parent
-    missing = [name for name in SLOWEST_FIRST if not (tests / name).is_file()]
-    if missing:
-        raise pytest.UsageError(f"tests/conftest.py SLOWEST_FIRST names {missing}, which do not exist. Fix: "
-                                "rename or drop them there.")
-    order = {tests / name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: order.get(item.path, len(order)))
-
-
 # Modules whose source makes a ~300 KB corpus: enough to train a tokenizer and see the loss fall.
 CORPUS_MODULES = ["argparse.py", "dataclasses.py", "functools.py", "inspect.py", "pathlib.py", "typing.py",
                   "enum.py", "json/decoder.py", "json/encoder.py", "textwrap.py", "string.py", "shutil.py"]
