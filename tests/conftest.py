@@ -71,3 +71,13 @@ def module_processes(tmp_path_factory):
     owned = Processes(tmp_path_factory.mktemp("processes"))
     yield owned
     owned.kill()
+
+
+@pytest.fixture(scope="module")
+def attempts(module_processes, tmp_path_factory):
+    """Attempts of 2-rank runs forked from one torchrun launch that a module's tests share."""
+    from tests.support.launch import Attempts
+
+    started = Attempts(module_processes, tmp_path_factory.mktemp("attempts") / "spec")
+    yield started
+    started.close()

@@ -11,7 +11,8 @@ apart. Ranks whose count did not move are not running (stopped, frozen, their ho
 ranks furthest behind in (step, phase) did not arrive; else every rank waits in one place (a rank stuck
 there, or a collective that does not complete: the stacks tell). It flags the hang in the store, writes
 its Python stacks (every thread; on NCCL also the flight recorder's collectives) to run_dir/hang/, prints
-one line (HungError) and ends the process with exit code 5; every rank that sees the flag does the same.
+one line (HungError) and ends the process with exit code 5; every rank that sees the flag does the same,
+as does one whose collective that exit broke (follow()).
 The main thread is stuck: only another thread can.
 
 SIGTERM reaches the thread through the signal module's wakeup file even while the main thread waits in a
@@ -28,6 +29,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -86,6 +88,16 @@ class Watchdog:
             signal.set_wakeup_fd(previous)
             os.close(read)
             os.close(write)
+
+    def follow(self, error: BaseException) -> None:
+        """The main thread fails with `error`. Where another rank found a hang, that rank's exit is what
+        broke the collective this rank waited in: end as it did (exit 5, its line), with `error`'s
+        traceback, where this rank waited, beside the stacks, rather than as a bug (exit 1)."""
+        self._stopped.set()
+        self._thread.join()
+        flag = self._flag() if self.store is not None else None
+        if flag is not None:
+            self._end(flag, f"{flag} (rank {self.rank} followed the rank that found the hang)", error)
 
     def bound(self, phase: str) -> tuple[float, str]:
         """How long a span may last in `phase` before it is a hang, and why. A kind's first span (a first
@@ -194,12 +206,15 @@ class Watchdog:
         except Exception:
             return None
 
-    def _end(self, message: str, header: str) -> None:
-        """Dump this rank's stacks, say `message` on one line and end the process."""
+    def _end(self, message: str, header: str, error: BaseException | None = None) -> None:
+        """Dump this rank's stacks (and `error`'s traceback), say `message` on one line and end the
+        process."""
         try:
             self.hang_dir.mkdir(parents=True, exist_ok=True)
             with (self.hang_dir / f"rank{self.rank}.txt").open("w") as f:
                 f.write(f"{header}\n\n")
+                if error is not None:
+                    f.write("".join(traceback.format_exception(error)) + "\n")
                 f.flush()
                 faulthandler.dump_traceback(f, all_threads=True)
         finally:

@@ -8,13 +8,15 @@ longer than a step, every step) trips nothing. SIGTERM during a hang ends the wa
 line, without waiting for the watchdog's floor. With the watchdog off, a collective times out after
 distributed.timeout_s once the first step has finished.
 
-The runs are attempts of one torchrun launch (tests/support/attempts.py), as in
+The runs are attempts of one torchrun launch (the `attempts` fixture, tests/conftest.py), as in
 tests/training/test_faults.py. The bound is a floor of 5 s here: generous for the tiny steps on busy
 cores, and what each hang costs the test.
 """
 
+import multiprocessing
 import os
 import signal
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -44,13 +46,6 @@ FLOOR = "distributed.hang_s=5"
 def common(data_overrides) -> list[str]:
     prepare_data(make_config(*data_overrides).data)  # here, once, rather than by 2 ranks at a time
     return [*data_overrides, *RUN]
-
-
-@pytest.fixture(scope="module")
-def attempts(module_processes, tmp_path_factory):
-    started = Attempts(module_processes, tmp_path_factory.mktemp("attempts") / "spec")
-    yield started
-    started.close()
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +166,40 @@ def test_without_the_watchdog_a_collective_times_out_after_the_first_step(common
     assert codes == [1, -signal.SIGKILL]
     assert "Timed out waiting 5000ms" in attempts.started.output()
     assert not (run_dir / "hang").exists()
+
+
+def _fail_in_a_collective(store: str, run_dir: str, flagged: bool) -> None:
+    """A rank of one whose main thread fails as a collective does when its peer has exited; `flagged`:
+    that peer flagged a hang first."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    watchdog = Watchdog(Progress(), 5.0, Path(run_dir)).start()
+    if flagged:
+        watchdog.store.set(f"{watchdog.prefix}hang", "training (step 3): the hang rank 1 found.")
+    try:
+        raise RuntimeError("Connection closed by peer")
+    except RuntimeError as e:
+        watchdog.follow(e)
+    sys.exit(7)  # nothing flagged: the error goes on as it was
+
+
+@pytest.mark.parametrize("flagged", [True, False])
+def test_a_rank_whose_collective_broke_after_a_hang_was_flagged_ends_as_the_hang(flagged, tmp_path):
+    """The rank that found a hang exits; the collective another rank waits in then fails at once, before
+    that rank's watchdog reads the flag: it still ends with exit 5 and the hang's line, the failure's
+    traceback (where it waited) in its stacks. Without a flag the failure is left to the main thread."""
+    process = multiprocessing.get_context("spawn").Process(
+        target=_fail_in_a_collective, args=(str(tmp_path / "store"), str(tmp_path), flagged))
+    process.start()
+    process.join()
+    assert process.exitcode == (5 if flagged else 7)
+    if flagged:
+        stacks = (tmp_path / "hang" / "rank0.txt").read_text()
+        assert stacks.startswith("training (step 3): the hang rank 1 found. (rank 0 followed the rank that found "
+                                 "the hang)\n\n")
+        assert "in _fail_in_a_collective" in stacks and "RuntimeError: Connection closed by peer" in stacks
+        assert "Current thread 0x" in stacks
+    else:
+        assert not (tmp_path / "hang").exists()
 
 
 def test_set_timeout_bounds_every_group_and_the_groups_made_after(tmp_path):

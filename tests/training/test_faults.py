@@ -38,7 +38,7 @@ from scalevec_train.infra.faults import FAULT_AT_ENV, check_faults, loss_fault
 from scalevec_train.infra.lock import DirLock
 from scalevec_train.train import run
 from tests.support.helpers import make_config
-from tests.support.launch import Attempts, _state, assert_same_checkpoint, newest_whole, records
+from tests.support.launch import _state, assert_same_checkpoint, newest_whole, records
 from tests.support.presets import TINY_MODEL
 
 STEPS, EVERY = 6, 2
@@ -84,13 +84,6 @@ ASYNC_KILLS = [
 def common(data_overrides) -> list[str]:
     prepare_data(make_config(*data_overrides).data)  # here, once, rather than by 2 ranks at a time
     return [*data_overrides, *RUN]
-
-
-@pytest.fixture(scope="module")
-def attempts(module_processes, tmp_path_factory):
-    started = Attempts(module_processes, tmp_path_factory.mktemp("attempts") / "spec")
-    yield started
-    started.close()
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 then distributed.init_timeout_s, for joining, data preparation, the checkpoint load and the first compile),
 and from then on the hang watchdog (parallel/watchdog.py) ends a run that makes no progress."""
 
+import sys
 from pathlib import Path
 
 from scalevec_train.infra import progress
@@ -34,5 +35,8 @@ class HangWatchdog(Callback):
 
     def on_close(self, trainer: Trainer) -> None:
         if self.watchdog is not None:
+            # in the fit's finally clause: the error the fit ends with, if any
+            if (error := sys.exc_info()[1]) is not None:
+                self.watchdog.follow(error)
             self.watchdog.stop()
             self.watchdog = None
