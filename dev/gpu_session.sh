@@ -59,7 +59,7 @@ cmd() {
 # at 128 (a head), 1024 (moe-2b), 2048 (dense-1b), 4096; norm+SwiGLU at moe-2b's expert width, dense-0.5b's
 # and dense-1b's FFN, shared and per-expert scales) against eager and torch.compile, with the table that
 # model.kernels=auto reads (commit it as kernels/scalevec_kernels/measured/<date>-<device>.json)
-phase_kernels() {  # --profile: each call's host time and its kernels' device time beside the wall time
+phase_kernels() {  # --profile: each call's host time and its kernels' GPU time beside the wall time
   cmd "$py" scripts/bench_kernels.py --against eager compile --m 16384 --n 128 1024 2048 4096 --k 1 3 \
     --f 512 4096 8192 --experts 0 8 --profile --table "$out/kernels_table.json"
 }

@@ -190,7 +190,7 @@ def swiglu_byte_model(m: int, f: int, experts: int) -> tuple[int, int]:
 
 
 def _measured(args, shape: dict, m: int, times: dict, device: dict) -> None:
-    """Keep the fused and compiled forward + backward of a shape for --table: device time (torch.profiler)
+    """Keep the fused and compiled forward + backward of a shape for --table: GPU kernel time (torch.profiler)
     with --profile, else wall time; at the largest M only (the table has one row count)."""
     if args.table is None or "compile" not in times or m != max(args.m):
         return
@@ -219,7 +219,7 @@ def _rows(shape: list, byte_model: tuple[int, int], times: dict, copy_bw: float)
 
 
 def _profile_rows(shape: list, impl: str, times: tuple[float, float], profiled: list | None) -> list[str]:
-    """One row per pass of a --profile table: wall time, host time to issue the call, device time of
+    """One row per pass of a --profile table: wall time, host time to issue the call, GPU kernel time of
     its kernels, and the kernels (longest first)."""
     if profiled is None:
         return []
@@ -306,7 +306,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--experts", type=int, nargs="+", default=[0, 8],
                         help="swiglu_norm: experts E of per-expert scales (0: scales shared by every row)")
     parser.add_argument("--profile", action="store_true",
-                        help="also a table per op of host and device time per call, and the kernels run")
+                        help="also a table per op of host and GPU kernel time per call, and the kernels run")
     parser.add_argument("--table", metavar="PATH",
                         help="write the fused and compiled times (forward + backward, at the largest M; device "
                              "time with --profile) as the JSON that model.kernels=auto reads: commit it as "
