@@ -207,8 +207,11 @@ class Watchdog:
             return None
 
     def _end(self, message: str, header: str, error: BaseException | None = None) -> None:
-        """Dump this rank's stacks (and `error`'s traceback), say `message` on one line and end the
-        process."""
+        """Dump this rank's stacks (and `error`'s traceback: by default the one the main thread is
+        handling, whose frames show where it waited once its collective broke), say `message` on one line
+        and end the process."""
+        if error is None:
+            error = _handled(threading.main_thread())
         try:
             self.hang_dir.mkdir(parents=True, exist_ok=True)
             with (self.hang_dir / f"rank{self.rank}.txt").open("w") as f:
@@ -226,6 +229,12 @@ class Watchdog:
                 _dump_flight_recorder(self.hang_dir / f"nccl_trace_rank_{self.rank}")
             finally:
                 os._exit(HungError.exit_code)
+
+
+def _handled(thread: threading.Thread) -> BaseException | None:
+    """The exception `thread` is handling (in an except or finally clause), if any."""
+    current = sys._current_exceptions().get(thread.ident)
+    return current[1] if isinstance(current, tuple) else current  # a 3-tuple before Python 3.12
 
 
 def culprits(first: dict[int, dict] | None, second: dict[int, dict] | None, me: int) -> str:

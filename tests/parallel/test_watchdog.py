@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.infra.faults import FAULT_AT_ENV, check_faults
 from scalevec_train.infra.progress import Progress
 from scalevec_train.parallel import process_group
-from scalevec_train.parallel.watchdog import Watchdog, culprits
+from scalevec_train.parallel.watchdog import PULSE_S, Watchdog, culprits
 from tests.support.helpers import make_config
 from tests.support.launch import Attempts, _state, assert_same_checkpoint
 from tests.support.presets import TINY_MODEL
@@ -168,9 +169,10 @@ def test_without_the_watchdog_a_collective_times_out_after_the_first_step(common
     assert not (run_dir / "hang").exists()
 
 
-def _fail_in_a_collective(store: str, run_dir: str, flagged: bool) -> None:
+def _fail_in_a_collective(store: str, run_dir: str, flagged: bool, follow: bool) -> None:
     """A rank of one whose main thread fails as a collective does when its peer has exited; `flagged`:
-    that peer flagged a hang first."""
+    that peer flagged a hang first; `follow`: the main thread reaches follow() (else it is still handling
+    the error, as in the fit's other callbacks, when the watchdog's next pulse reads the flag)."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     watchdog = Watchdog(Progress(), 5.0, Path(run_dir)).start()
     if flagged:
@@ -178,17 +180,21 @@ def _fail_in_a_collective(store: str, run_dir: str, flagged: bool) -> None:
     try:
         raise RuntimeError("Connection closed by peer")
     except RuntimeError as e:
-        watchdog.follow(e)
+        if follow:
+            watchdog.follow(e)
+        else:
+            time.sleep(4 * PULSE_S)
     sys.exit(7)  # nothing flagged: the error goes on as it was
 
 
-@pytest.mark.parametrize("flagged", [True, False])
-def test_a_rank_whose_collective_broke_after_a_hang_was_flagged_ends_as_the_hang(flagged, tmp_path):
+@pytest.mark.parametrize("flagged,follow", [(True, True), (True, False), (False, True)])
+def test_a_rank_whose_collective_broke_after_a_hang_was_flagged_ends_as_the_hang(flagged, follow, tmp_path):
     """The rank that found a hang exits; the collective another rank waits in then fails at once, before
     that rank's watchdog reads the flag: it still ends with exit 5 and the hang's line, the failure's
-    traceback (where it waited) in its stacks. Without a flag the failure is left to the main thread."""
+    traceback (where it waited) in its stacks, whether its main thread or its watchdog gets there first.
+    Without a flag the failure is left to the main thread."""
     process = multiprocessing.get_context("spawn").Process(
-        target=_fail_in_a_collective, args=(str(tmp_path / "store"), str(tmp_path), flagged))
+        target=_fail_in_a_collective, args=(str(tmp_path / "store"), str(tmp_path), flagged, follow))
     process.start()
     process.join()
     assert process.exitcode == (5 if flagged else 7)
