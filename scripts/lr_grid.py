@@ -388,18 +388,23 @@ def grid_table(name: str, state: State) -> tuple[str, list[str]]:
     if part.tuned_on is not None:
         picks = ", ".join(f"{arm.scale} lr {fmt(pick[0])}" for arm, _, pick in found[:len(part.scales)] if pick)
         return f"Every rung at {part.tuned_on[0]}'s {part.tuned_on[1]} pick: {picks or 'pending'}.\n", finals
+    if part.picks:
+        rows = ["Each arm at the pick of an earlier grid (no grid here):\n", "| rung | arm | lr | scale_lr |",
+                "|---|---|---:|---:|"]
+        rows += [f"| {rung} | {scale} {part.optim} | {fmt(lr)} | {fmt(slr)} |" for rung, scale, lr, slr in part.picks]
+        return "\n".join(rows) + "\n", finals
     lrs = sorted({lr for _, g, _ in found for lr in g})
     seeds = (f"seed {part.seeds[0]}" if len(part.seeds) == 1 else
              f"mean over seeds {', '.join(map(str, part.seeds))} (each seed's in brackets; a third seed where the "
              "two best were within the seeds' spread)")
     rows = [f"Terminal val_loss at {part.grid_tpp:g} tokens per parameter, {seeds}; the pick in bold.\n",
-            "| rung | arm | " + " | ".join(f"lr {fmt(lr)}" for lr in lrs) + " | pick |",
+            "| " + " | ".join(["rung", "arm", *(f"lr {fmt(lr)}" for lr in lrs), "pick"]) + " |",
             "|---|---|" + "---:|" * (len(lrs) + 1)]
     for arm, g, pick in found:
         cells = [(f"**{_cell(g[lr])}**" if pick and lr == pick[0] else _cell(g[lr])) if lr in g else "" for lr in lrs]
         chosen = "pending" if pick is None else f"lr {fmt(pick[0])}" + (
             f", scale_lr {fmt(pick[1])}" if pick[1] is not None else "")
-        rows.append(f"| {arm.rung} | {arm.scale} {part.optim} | " + " | ".join(cells) + f" | {chosen} |")
+        rows.append("| " + " | ".join([arm.rung, f"{arm.scale} {part.optim}", *cells, chosen]) + " |")
     if part.scale_lr is not None and part.sites:
         sites = [step(part.scale_lr, -1), part.scale_lr, step(part.scale_lr, 1)]
         rows += ["\nThe scale sites' LR at each arm's best LR (same seeds):\n",
@@ -417,7 +422,8 @@ def grid_table(name: str, state: State) -> tuple[str, list[str]]:
     if part.check_tpp is not None:
         rows += [f"\nThe same grid at {part.check_tpp:g} tokens per parameter (each trunk's WSD branch), mean over "
                  f"seeds {', '.join(map(str, part.seeds))}; its best in bold, against the pick above:\n",
-                 "| rung | arm | " + " | ".join(f"lr {fmt(lr)}" for lr in lrs) + " | best | same LR as the pick |",
+                 "| " + " | ".join(["rung", "arm", *(f"lr {fmt(lr)}" for lr in lrs), "best", "same LR as the pick"])
+                 + " |",
                  "|---|---|" + "---:|" * (len(lrs) + 2)]
         for arm, _, pick in found:
             short = {lr: arm.losses([arm.run(lr, s, tpp=part.check_tpp) for s in part.seeds]) for lr in lrs}
@@ -426,8 +432,8 @@ def grid_table(name: str, state: State) -> tuple[str, list[str]]:
             cells = [(f"**{_cell(short[lr])}**" if lr == best else _cell(short[lr])) if lr in short else ""
                      for lr in lrs]
             same = "pending" if pick is None or best is None else ("yes" if best == pick[0] else "no")
-            rows.append(f"| {arm.rung} | {arm.scale} {part.optim} | " + " | ".join(cells)
-                        + f" | {'pending' if best is None else 'lr ' + fmt(best)} | {same} |")
+            rows.append("| " + " | ".join([arm.rung, f"{arm.scale} {part.optim}", *cells,
+                                           "pending" if best is None else f"lr {fmt(best)}", same]) + " |")
     return "\n".join(rows) + "\n", finals
 
 

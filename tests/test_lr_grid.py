@@ -171,6 +171,25 @@ def test_a_short_grid_and_a_check_budget_and_stages_and_fixed_picks(root, monkey
     assert "| dense-l2 | baseline adamw | **4.1000** | 4.2000 | 4.3000 | lr 0.001 | no |" in table
     pick = lr_grid.Arm(fixed, "dense-l3", "baseline", lr_grid.State(root))
     assert [r.name for r in pick.needed()] == ["dense-l3-baseline-adamw-lr0.003-scale_lr0.03-tpp10-s0"]
+    table, _ = lr_grid.grid_table("fixed", lr_grid.State(root))
+    assert table.splitlines()[2:] == ["| rung | arm | lr | scale_lr |", "|---|---|---:|---:|",
+                                      "| dense-l3 | baseline adamw | 0.003 | 0.03 |"]
+
+
+def test_a_grid_not_yet_known_has_a_table_of_whole_rows(root, monkeypatch):
+    """A grid around another part's pick, that pick still pending: no LR columns, every row as wide as the
+    header."""
+    base = lr_grid.Part("adamw", (0.001, 0.003), seeds=(0,), scale_lr=0.01, sites=False, rungs=("dense-l1",),
+                        scales=("baseline",))
+    later = lr_grid.Part("adamw", (), seeds=(0,), scale_lr=0.01, sites=False, rungs=("dense-l2",),
+                         scales=("baseline",), around=("base", "dense-l1"), check_tpp=2.5)
+    monkeypatch.setitem(lr_grid.PARTS, "base", base)
+    monkeypatch.setitem(lr_grid.PARTS, "later", later)
+    table, _ = lr_grid.grid_table("later", lr_grid.State(root))
+    rows = [line for line in table.splitlines() if line.startswith("|")]
+    assert rows == ["| rung | arm | pick |", "|---|---|---:|", "| dense-l2 | baseline adamw | pending |",
+                    "| rung | arm | best | same LR as the pick |", "|---|---|---:|---:|",
+                    "| dense-l2 | baseline adamw | pending | pending |"]
 
 
 def test_the_cost_is_each_runs_logged_tokens_over_its_logged_throughput(tmp_path):
