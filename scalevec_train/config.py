@@ -168,7 +168,20 @@ def compose_raw(overrides: list[str]) -> DictConfig:
 def compose_config(overrides: list[str], world_size: int = 1) -> Config:
     """The config Hydra composes from configs/ with command-line style overrides, typed and validated:
     what the training command would run (for tools, scripts and tests that are not Hydra apps)."""
-    return to_config(compose_raw(overrides), world_size)
+    raw = compose_raw(overrides)
+    check_overrides(raw, overrides)
+    return to_config(raw, world_size)
+
+
+def check_overrides(raw: DictConfig, overrides: list[str]) -> None:
+    """A value the command line gives that the composed config would silently replace is an error: an
+    explicit train.steps where train.tokens_per_param (e.g. +experiment=ladder's) sets the length."""
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    per_param = raw.train.get("tokens_per_param")
+    if "train.steps" in given and per_param is not None:
+        raise ScalevecError("train.steps", f"{raw.train.steps} is given, but train.tokens_per_param={per_param} "
+                            "sets the run's length.", "drop train.steps, or add train.tokens_per_param=null "
+                            "to train for train.steps steps.")
 
 
 def to_yaml(cfg: Config) -> str:

@@ -11,9 +11,10 @@ import traceback
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from scalevec_train.config import CONFIG_DIR, Config, to_config
+from scalevec_train.config import CONFIG_DIR, Config, check_overrides, to_config
 from scalevec_train.costs.accounting import total_params
 from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.optim.groups import describe_groups
@@ -56,6 +57,8 @@ def main(raw: DictConfig) -> None:
     finished, exit_code = False, 0
     try:
         # Checked before joining the process group: a bad config fails at once, on every rank.
+        if HydraConfig.initialized():  # the command line's own overrides (not set for a caller's config)
+            check_overrides(raw, list(HydraConfig.get().overrides.task))
         cfg = to_config(raw, process_group.world_size())
         process_group.init(cfg.distributed.init_timeout_s)
         run(cfg)

@@ -26,9 +26,9 @@ class EMAConfig:
 class TrainConfig:
     # optimizer steps (a model's recipe, configs/recipe/, may set another length)
     steps: int = 300
-    # the run's length in tokens per parameter: when set, train.steps = tokens_per_param * N / tokens per
-    # step, N the model's non-embedding parameters a token multiplies with (active ones in MoE layers;
-    # accounting.non_embedding_params); null: train.steps
+    # the run's length in tokens per parameter: when set, train.steps = tokens_per_param * N / tokens
+    # per step, N the model's non-embedding parameters a token multiplies with (active ones in MoE
+    # layers; accounting.non_embedding_params), and a train.steps override is an error; null: train.steps
     tokens_per_param: float | None = None
     # sequences per optimizer step, summed over all data-parallel ranks (a recipe gives it in tokens:
     # ${batch_tokens:N} is N tokens at train.seq_len)

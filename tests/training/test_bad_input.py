@@ -251,6 +251,8 @@ CLI = [
     CliCase("unknown_preset", lambda ctx: ["model=dense-huge"], 1, "Could not find 'model/dense-huge'"),
     CliCase("unknown_key", lambda ctx: ["+train.warmup=5"], 2, "error: train.warmup: unknown key"),
     CliCase("wrong_type", lambda ctx: ["train.steps=many"], 2, "error: train.steps: Value 'many'"),
+    CliCase("two_lengths", lambda ctx: ["train.tokens_per_param=10", "train.steps=22"], 2,
+            "error: train.steps: 22 is given, but train.tokens_per_param=10 sets the run's length."),
     CliCase("world_size", lambda ctx: [], 2, "error: train.global_batch: 4 sequences are not divisible by "
             "micro_batch * ranks = 2 * 3", env={"WORLD_SIZE": "3"}),
     CliCase("unwritable_run_dir", lambda ctx: [f"run_dir={with_file(ctx) / 'run'}"], 2,
