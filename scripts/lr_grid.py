@@ -395,8 +395,10 @@ def grid_table(name: str, state: State) -> tuple[str, list[str]]:
         return "\n".join(rows) + "\n", finals
     lrs = sorted({lr for _, g, _ in found for lr in g})
     seeds = (f"seed {part.seeds[0]}" if len(part.seeds) == 1 else
-             f"mean over seeds {', '.join(map(str, part.seeds))} (each seed's in brackets; a third seed where the "
-             "two best were within the seeds' spread)")
+             f"mean over seeds {', '.join(map(str, part.seeds))}" + (
+                 "" if part.tiebreak is None else
+                 f", and seed {part.tiebreak} where it ran (the tie-break where the two best were within the "
+                 "seeds' spread, or a final seed of the pick)") + "; each seed's in brackets")
     rows = [f"Terminal val_loss at {part.grid_tpp:g} tokens per parameter, {seeds}; the pick in bold.\n",
             "| " + " | ".join(["rung", "arm", *(f"lr {fmt(lr)}" for lr in lrs), "pick"]) + " |",
             "|---|---|" + "---:|" * (len(lrs) + 1)]
