@@ -1,14 +1,14 @@
 """Learning-rate grids per ladder rung, run as a queue (scripts/run_study.sh lr_ladder;
 docs/results/each-arm-at-its-best-lr.md).
 
-  lr_grid.py next ROOT PID PART...  claims the next run to train (longest first) for the worker PID and
+  lr_grid.py [--archive DIR] next ROOT PID PART...  claims the next run to train (longest first) for the worker PID and
                                     prints its `rung run_dir override...`; prints nothing and exits 3 while the
                                     runs still to come wait on runs in progress, exits 4 when every run
                                     of the parts is done
-  lr_grid.py done ROOT RUN_DIR RC   releases the claim on a run that ended with exit status RC: 3 (the
+  lr_grid.py [--archive DIR] done ROOT RUN_DIR RC   releases the claim on a run that ended with exit status RC: 3 (the
                                     trainer's "diverged") keeps it as failed; another error stops the
                                     worker (exit 1); a signal leaves it to be trained again
-  lr_grid.py report ROOT OUT_DIR PART...   each part's grid and picks (OUT_DIR/<part>_grid.md, and its
+  lr_grid.py [--archive DIR] report ROOT OUT_DIR PART...   each part's grid and picks (OUT_DIR/<part>_grid.md, and its
                                     loss-against-LR plot per rung, <part>_grid.png), the run directories
                                     of its final seeds (<part>_final.txt), and every grid's pick per
                                     rung with its drift in grid steps (OUT_DIR/transfer.md), and the
@@ -31,12 +31,20 @@ A run is done when its last checkpoint is complete (checkpoints/step_<train.step
 diverged (non-finite steps past train.max_bad_steps) counts as the worst point of its grid and is
 written as failed; its log says why. Claims (ROOT_logs/<name>.claim) hold what a worker trains, so two
 workers never take one run; `next` clears the claims of workers that are gone.
+
+--archive DIR keeps what the tables need of every finished run (ARCHIVED: its config, metrics and
+describe.json, no checkpoints; a diverged run's .failed note) in DIR/<name>/, a folder kept in git, so a
+study spread over machines whose run directories do not last goes on from a fresh clone: a run archived
+counts as done. A WSD branch needs its trunk's checkpoints, so the queue takes a branch first once its
+trunk has finished under ROOT, and trains an archived trunk again under ROOT where a branch of it is
+still to come (the same seed gives the same run on the same machine).
 """
 
 import fcntl
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 from dataclasses import dataclass, replace
@@ -51,6 +59,7 @@ RUNGS = ("dense-l3", "dense-l2", "dense-l1")
 SCALES = ("baseline", "unified")
 BRANCHES = (2.5, 5.0)
 FAILED = float("inf")
+ARCHIVED = ("config.yaml", "metrics.jsonl", "describe.json", "resumes.jsonl")  # what --archive keeps of a run
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,9 @@ class Part:
     around: tuple[str, str] | None = None  # (part, rung) whose pick, and a step either side, is the first grid
     grid_tpp: float = 10.0  # the grid's budget: below 10, its runs are WSD runs of that length of their own
     check_tpp: float | None = None  # every grid trunk also branches to this budget; the report picks there too
+    # every grid trunk also branches to the final's budgets as it finishes, so a trunk picked later (by
+    # runs on another machine, which lacks its checkpoints) need not be trained again for its branches
+    branch_grid: bool = False
     stage: int = 0  # the queue takes a lower stage first (what is cut when time is short goes last)
 
 
@@ -98,7 +110,7 @@ PARTS = {
 # and its MoE twin. dense-l4's grid trunks also branch to 2.5 tokens per parameter: where the short budget
 # picks the long one's LR, the larger rungs' grids run at 2.5 only. In the queue's order; what is cut when
 # the budget runs out goes last: dense-l6's third seed, then moe-l4.
-GROW = dict(seeds=(0, 1), tiebreak=2, scale_lr=0.01, sites=False)
+GROW = dict(seeds=(0, 1), tiebreak=2, scale_lr=0.01, sites=False, branch_grid=True)
 SCALING = {
     "dense_l4": Part("adamw", (0.001, 0.003, 0.01), final=(0, 1, 2), rungs=("dense-l4",), check_tpp=2.5,
                      stage=1, **GROW),
@@ -160,10 +172,10 @@ class Run:
 
 
 class State:
-    """What ROOT holds: each run done (its terminal val_loss), failed, or not yet."""
+    """What ROOT (and the archive) holds: each run done (its terminal val_loss), failed, or not yet."""
 
-    def __init__(self, root: Path):
-        self.root, self.logs = root, Path(f"{root}_logs")
+    def __init__(self, root: Path, archive: Path | None = None):
+        self.root, self.logs, self.archive = root, Path(f"{root}_logs"), archive
         self.done = {}  # run name -> its terminal val_loss, read once
 
     def loss(self, run: Run) -> float | None:
@@ -174,14 +186,26 @@ class State:
             self.done[run.name] = loss
         return self.done[run.name]
 
-    def _read(self, run: Run) -> float | None:
-        if (self.logs / f"{run.name}.failed").is_file():
-            return FAILED
+    def in_root(self, run: Run) -> bool:
+        """Whether the run has finished under ROOT (its last checkpoint complete), checkpoints and all."""
         d = self.root / run.name
-        if not (d / "config.yaml").is_file():
-            return None
-        steps = OmegaConf.load(d / "config.yaml").train.steps
-        if not (d / "checkpoints" / f"step_{steps:06d}" / "COMPLETE").is_file():
+        return (d / "config.yaml").is_file() and (
+            d / "checkpoints" / f"step_{OmegaConf.load(d / 'config.yaml').train.steps:06d}" / "COMPLETE").is_file()
+
+    def where(self, run: Run) -> Path | None:
+        """The directory of a finished run: under ROOT, else in the archive; None while not finished."""
+        if self.in_root(run):
+            return self.root / run.name
+        if self.archive is not None and (self.archive / run.name / "metrics.jsonl").is_file():
+            return self.archive / run.name
+        return None
+
+    def _read(self, run: Run) -> float | None:
+        notes = [self.logs] + ([] if self.archive is None else [self.archive])
+        if any((d / f"{run.name}.failed").is_file() for d in notes):
+            return FAILED
+        d = self.where(run)
+        if d is None:
             return None
         # the trainer evaluates at the last step: the newest record with val_loss
         last = next((r["val_loss"] for r in map(json.loads, reversed((d / "metrics.jsonl").read_text().splitlines()))
@@ -269,13 +293,16 @@ class Arm:
         return trunks + [self.run(lr, t.seed, slr, tpp) for t in trunks for tpp in BRANCHES]
 
     def check_runs(self) -> list[Run]:
-        """With check_tpp: the branch to that budget of every grid trunk that has finished."""
+        """With check_tpp (and branch_grid): the branch to that budget (and to the final's) of every grid
+        trunk that has finished."""
         p = self.part
-        if p.check_tpp is None:
+        budgets = sorted({*(() if p.check_tpp is None else (p.check_tpp,)), *(BRANCHES if p.branch_grid else ())})
+        if not budgets or p.grid_tpp != 10.0:  # a shorter grid's runs are not trunks
             return []
         seeds = (*p.seeds, *(() if p.tiebreak is None else (p.tiebreak,)))
         trunks = [self.grid_run(lr, s) for lr in SEQUENCE for s in seeds]
-        return [self.run(t.lr, t.seed, tpp=p.check_tpp) for t in trunks if self.state.loss(t) not in (None, FAILED)]
+        return [self.run(t.lr, t.seed, tpp=tpp) for t in trunks if self.state.loss(t) not in (None, FAILED)
+                for tpp in budgets]
 
     def needed(self) -> list[Run]:
         pending, pick = self.plan()
@@ -316,8 +343,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def next_run(root: Path, pid: int, parts: list[str]) -> int:
-    state = State(root)
+def next_run(root: Path, pid: int, parts: list[str], archive: Path | None = None) -> int:
+    state = State(root, archive)
     state.logs.mkdir(parents=True, exist_ok=True)
     with open(state.logs / ".queue.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -328,16 +355,27 @@ def next_run(root: Path, pid: int, parts: list[str]) -> int:
             else:
                 claim.unlink()
 
+        def trunk(run: Run) -> Run | None:
+            return None if run.tpp == 10.0 or run.standalone else replace(run, tpp=10.0)
+
         def order(job: tuple[str, str, Run]) -> tuple:
-            # Muon's grids last (issue 47: cut first when time is short), then the lower stage; then the smallest
-            # rung first, every
-            # part's (its picks, and what they say about transfer, come before the long runs of the largest
-            # rung); then the parts in their order, trunks before branches
+            # a branch whose trunk has its checkpoints here first (short, and what a lost run directory would
+            # cost most); then Muon's grids last (issue 47: cut first when time is short), then the lower
+            # stage; then the smallest rung first, every part's (its picks, and what they say about
+            # transfer, come before the long runs of the largest rung); then the parts in their order,
+            # trunks before branches
             name, rung, run = job
             part = PARTS[name]
-            return part.optim == "muon", part.stage, -LADDER.index(rung), parts.index(name), run.tpp != 10.0
+            return (trunk(run) is None, part.optim == "muon", part.stage, -LADDER.index(rung), parts.index(name),
+                    run.tpp != 10.0)
 
-        needed = sorted(((name, r.rung, r) for name, arm in arms(parts, state) for r in arm.needed()), key=order)
+        jobs = {}  # a branch of a trunk known only from the archive asks for the trunk again, under ROOT
+        for name, arm in arms(parts, state):
+            for r in arm.needed():
+                t = trunk(r)
+                r = r if t is None or state.in_root(t) else t
+                jobs.setdefault(r.name, (name, r.rung, r))
+        needed = sorted(jobs.values(), key=order)
         free = [(rung, r) for _, rung, r in needed if r.name not in claimed]
         if not free:
             return 3 if needed else 4
@@ -347,15 +385,31 @@ def next_run(root: Path, pid: int, parts: list[str]) -> int:
     return 0
 
 
-def done(root: Path, run_dir: str, rc: int) -> int:
+def done(root: Path, run_dir: str, rc: int, archive: Path | None = None) -> int:
     logs = Path(f"{root}_logs")
     name = Path(run_dir).name
     (logs / f"{name}.claim").unlink(missing_ok=True)
     if rc == 3:
-        (logs / f"{name}.failed").write_text(f"diverged (exit status 3); log: {logs / name}.log\n")
+        note = f"diverged (exit status 3); log: {logs / name}.log\n"
+        for d in [logs] + ([] if archive is None else [archive]):
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"{name}.failed").write_text(note)
     elif rc != 0 and rc < 128:
         print(f"error: {run_dir} failed with exit status {rc}; its log: {logs / name}.log", file=sys.stderr)
         return 1
+    elif rc == 0 and archive is not None:
+        src = root / name
+        steps = OmegaConf.load(src / "config.yaml").train.steps
+        if (src / "checkpoints" / f"step_{steps:06d}" / "COMPLETE").is_file():
+            # written aside, then moved into place: a copy cut short is never read as a finished run
+            part = archive / f".{name}.part"
+            shutil.rmtree(part, ignore_errors=True)
+            part.mkdir(parents=True)
+            for f in ARCHIVED:
+                if (src / f).is_file():
+                    shutil.copyfile(src / f, part / f)
+            shutil.rmtree(archive / name, ignore_errors=True)
+            part.rename(archive / name)
     return 0
 
 
@@ -383,7 +437,7 @@ def grid_table(name: str, state: State) -> tuple[str, list[str]]:
     directories of the pick's final seeds."""
     part = PARTS[name]
     found = [(arm, grid(arm), arm.plan()[1]) for _, arm in arms([name], state)]
-    finals = [str(state.root / r.name) for arm, _, pick in found if pick is not None
+    finals = [str(state.where(r)) for arm, _, pick in found if pick is not None
               for r in arm.final_runs(pick) if state.loss(r) not in (None, FAILED)]
     if part.tuned_on is not None:
         picks = ", ".join(f"{arm.scale} lr {fmt(pick[0])}" for arm, _, pick in found[:len(part.scales)] if pick)
@@ -507,10 +561,14 @@ def training_hours(run_dir: Path) -> float:
     return seconds / 3600
 
 
-def cost_table(root: Path) -> str:
-    """Core-hours of training per rung over every finished run under root."""
+def cost_table(root: Path, archive: Path | None = None) -> str:
+    """Core-hours of training per rung over every run under root and in the archive (a run in both once:
+    the archive's, which finished)."""
+    runs = {}
+    for top in (root, *(() if archive is None else (archive,))):
+        runs.update({d.name: d for d in sorted(top.iterdir()) if not d.name.startswith(".")} if top.is_dir() else {})
     hours: dict[str, list[float]] = {}
-    for d in sorted(root.iterdir()):
+    for d in runs.values():
         if (d / "metrics.jsonl").is_file() and (d / "config.yaml").is_file():
             hours.setdefault(OmegaConf.load(d / "config.yaml").model.name, []).append(training_hours(d))
     rows = ["| rung | runs | core-hours of training |", "|---|---:|---:|"]
@@ -520,10 +578,10 @@ def cost_table(root: Path) -> str:
     return "\n".join(rows + [f"| all | {sum(map(len, hours.values()))} | {total:.1f} |"]) + "\n"
 
 
-def report(root: Path, out: Path, parts: list[str]) -> int:
-    state = State(root)
+def report(root: Path, out: Path, parts: list[str], archive: Path | None = None) -> int:
+    state = State(root, archive)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "cost.md").write_text(cost_table(root))
+    (out / "cost.md").write_text(cost_table(root, archive))
     for name in parts:
         text, finals = grid_table(name, state)
         (out / f"{name}_grid.md").write_text(text)
@@ -536,12 +594,15 @@ def report(root: Path, out: Path, parts: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
+    archive = None
+    if len(argv) >= 2 and argv[0] == "--archive":
+        archive, argv = Path(argv[1]), argv[2:]
     if len(argv) >= 3 and argv[0] == "next":
-        return next_run(Path(argv[1]), int(argv[2]), argv[3:])
+        return next_run(Path(argv[1]), int(argv[2]), argv[3:], archive)
     if len(argv) == 4 and argv[0] == "done":
-        return done(Path(argv[1]), argv[2], int(argv[3]))
+        return done(Path(argv[1]), argv[2], int(argv[3]), archive)
     if len(argv) >= 3 and argv[0] == "report":
-        return report(Path(argv[1]), Path(argv[2]), argv[3:])
+        return report(Path(argv[1]), Path(argv[2]), argv[3:], archive)
     print(__doc__, file=sys.stderr)
     return 2
 

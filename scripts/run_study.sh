@@ -22,7 +22,9 @@
 #                                        runs/lr_ladder/, tables to docs/results/lr_ladder/
 #   bash scripts/run_study.sh scaling    does unified's gain grow with scale? The AdamW ladder at each arm's
 #                                        own best LR on dense-l4, dense-l6 and moe-l2..l4 (3 seeds; dense-l6
-#                                        2, a third last); runs to runs/scaling/, tables to docs/results/scaling/
+#                                        2, a third last); runs to runs/scaling/, tables to docs/results/scaling/,
+#                                        each finished run's record to docs/results/scaling/runs/ (the
+#                                        study resumes from them on a fresh clone)
 #   bash scripts/run_study.sh fp8        what scale vectors do to low precision: baseline and unified at
 #                                        dense-l3 in bf16, FP8 tensorwise and rowwise (every map in FP8), 3
 #                                        seeds, with unified's ablations (no gate/up output sites, plain
@@ -152,18 +154,20 @@ ladder() {  # optimizers out [jobs]: the ladder of both strategies under each op
   done
 }
 study800_jobs() { echo study800_run baseline $1; echo study800_run unified $1; }  # seed: the 5x-budget check
-grid_worker() {  # root parts...: trains scripts/lr_grid.py's queue of runs until none is left
+grid_worker() {  # root parts...: trains scripts/lr_grid.py's queue of runs until none is left (the
+  # finished runs kept in $GRID_ARCHIVE too where it is set)
   local root=$1 me=$BASHPID rc job rung dir args  # this worker's pid: $BASHPID inside $(...) is the subshell's
+  local grid="$PY scripts/lr_grid.py ${GRID_ARCHIVE:+--archive $GRID_ARCHIVE}"
   shift
   while :; do
     rc=0
-    job=$($PY scripts/lr_grid.py next "$root" $me "$@") || rc=$?
+    job=$($grid next "$root" $me "$@") || rc=$?
     case $rc in 0) ;; 3) sleep 20; continue ;; 4) return 0 ;; *) return 1 ;; esac
     read -r rung dir args <<<"$job"
     rc=0
     $PY -m scalevec_train.train +experiment=ladder model=$rung $(rung_args $rung) $args \
       > "${root}_logs/$(basename "$dir").log" 2>&1 || rc=$?
-    $PY scripts/lr_grid.py done "$root" "$dir" $rc || return 1
+    $grid done "$root" "$dir" $rc || return 1
   done
 }
 grid_pool() {  # root parts...: two workers on one queue
@@ -341,12 +345,14 @@ ARMS
   scaling)
     # Does unified's gain grow with scale (docs/results/)? The AdamW ladder at each arm's own best LR on
     # dense-l4 and dense-l6 and on moe-l2..l4 (scripts/lr_grid.py's SCALING parts, in the order that cuts
-    # dense-l6's third seed first, then moe-l4), then each rung's grid, picks and tables
+    # dense-l6's third seed first, then moe-l4), then each rung's grid, picks and tables. Every finished
+    # run is kept in docs/results/scaling/runs/ (commit it): from a fresh clone the study goes on from there
     L=runs/scaling
     out=docs/results/scaling
+    export GRID_ARCHIVE=$out/runs
     parts="dense_l4 dense_l1_l3 moe_l2 moe_l3 dense_l6 moe_l4 dense_l6_s2"
     grid_pool $L $parts
-    $PY scripts/lr_grid.py report $L $out $parts
+    $PY scripts/lr_grid.py --archive $GRID_ARCHIVE report $L $out $parts
     # per family: the multipliers per rung, budget and seed, their trend with its interval, the laws'
     # exponents, and the trend carried to dense-0.12b's compute (an extrapolation)
     for family in dense moe; do

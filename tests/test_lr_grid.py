@@ -5,6 +5,8 @@ train.steps, the last checkpoint's COMPLETE marker, metrics.jsonl's last val_los
 import importlib.util
 import json
 import os
+import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -211,3 +213,52 @@ def test_the_cost_is_each_runs_logged_tokens_over_its_logged_throughput(tmp_path
     # smallest rung first
     assert lr_grid.cost_table(tmp_path).splitlines()[2:] == ["| dense-l1 | 2 | 0.0 |", "| dense-l2 | 1 | 1.0 |",
                                                              "| all | 3 | 1.0 |"]
+    # a run both here and in the archive counts once; one only archived counts too
+    archive = tmp_path / "archive"
+    for name in ("trunk", "other"):
+        shutil.copytree(tmp_path / name, archive / name)
+    shutil.rmtree(tmp_path / "other")
+    assert lr_grid.cost_table(tmp_path, archive).splitlines()[2:] == [
+        "| dense-l1 | 2 | 0.0 |", "| dense-l2 | 1 | 1.0 |", "| all | 3 | 1.0 |"]
+
+
+def test_an_archived_study_goes_on_from_a_fresh_root_and_trains_a_trunk_again_for_its_branches(
+        tmp_path, monkeypatch, capsys):
+    """--archive: a finished run's record (no checkpoints) and a diverged run's note are kept; a fresh
+    root (another machine) counts them as done; a branch still to come of an archived trunk trains the
+    trunk again first, and a branch whose trunk is here goes before every other run."""
+    part = lr_grid.Part("adamw", (0.001, 0.003, 0.01), seeds=(0,), scale_lr=0.01, sites=False, final=(0,),
+                        rungs=("dense-l1",), scales=("baseline",), branch_grid=True)
+    monkeypatch.setitem(lr_grid.PARTS, "grow", part)
+    first, archive = tmp_path / "first" / "runs", tmp_path / "archive"
+    finish(first, name("0.001", 0), 5.0)
+    assert lr_grid.done(first, str(first / name("0.001", 0)), 0, archive) == 0
+    assert sorted(p.name for p in (archive / name("0.001", 0)).iterdir()) == ["config.yaml", "metrics.jsonl"]
+    assert lr_grid.done(first, str(first / name("0.003", 0)), 3, archive) == 0
+    assert (archive / f"{name('0.003', 0)}.failed").is_file()
+    # on the first machine: the finished trunk's branches (2.5 and 5) come before the grid's last trunk
+    capsys.readouterr()
+    for _ in range(3):
+        assert lr_grid.next_run(first, os.getpid(), ["grow"], archive) == 0
+    printed = [line.split()[1] for line in capsys.readouterr().out.splitlines()]
+    assert printed == [str(first / name("0.001", 0, tpp=t)) for t in ("2.5", "5")] + [str(first / name("0.01", 0))]
+    # a fresh root with the archive: the trunk's loss and the divergence are known, the trunk trains
+    # again (under the new root) for its branches, beside the grid's last LR
+    fresh = tmp_path / "fresh" / "runs"
+    state = lr_grid.State(fresh, archive)
+    assert state.loss(lr_grid.Run("dense-l1", "baseline", part, 0.001, 0.01, 0)) == 5.0
+    assert state.loss(lr_grid.Run("dense-l1", "baseline", part, 0.003, 0.01, 0)) == lr_grid.FAILED
+    assert state.where(lr_grid.Run("dense-l1", "baseline", part, 0.001, 0.01, 0)) == archive / name("0.001", 0)
+    for _ in range(2):
+        assert lr_grid.next_run(fresh, os.getpid(), ["grow"], archive) == 0
+    assert lr_grid.next_run(fresh, os.getpid(), ["grow"], archive) == 3  # the branches wait on their trunk
+    printed = {line.split()[1] for line in capsys.readouterr().out.splitlines()}
+    assert printed == {str(fresh / name("0.001", 0)), str(fresh / name("0.01", 0))}
+    finish(fresh, name("0.001", 0), 5.0)
+    (Path(f"{fresh}_logs") / f"{name('0.001', 0)}.claim").unlink()
+    assert lr_grid.next_run(fresh, os.getpid(), ["grow"], archive) == 0
+    assert capsys.readouterr().out.split()[1] == str(fresh / name("0.001", 0, tpp="2.5"))
+    # a grid shorter than the trunks has no trunks to branch
+    short = replace(part, grid_tpp=2.5)
+    finish(fresh, name("0.003", 0, tpp="2.5"), 4.0)
+    assert lr_grid.Arm(short, "dense-l1", "baseline", lr_grid.State(fresh)).check_runs() == []
