@@ -34,6 +34,9 @@ class DistributedConfig:
     # save lasting longer than this and 5x the slowest recent one ends the run (exit code 5), the ranks that
     # did not arrive named and every rank's stacks in run_dir/hang/; 0: no watchdog
     hang_s: float = 180.0
+    # after a SIGTERM (a preemption's notice), the watchdog ends a span measured before that lasts longer
+    # than this or 3x the slowest recent one: keep it within the scheduler's wait before its SIGKILL
+    sigterm_grace_s: float = 10.0
 
     def validate(self) -> None:
         check_choices(self, "distributed.")
@@ -47,6 +50,10 @@ class DistributedConfig:
             if not getattr(self, key) > 0:
                 raise ScalevecError(f"distributed.{key}", f"{getattr(self, key)} is not a positive number of "
                                     "seconds.", "use a positive number of seconds (a collective waits this long).")
+        if not self.sigterm_grace_s > 0:
+            raise ScalevecError("distributed.sigterm_grace_s", f"{self.sigterm_grace_s} is not a positive number "
+                                "of seconds.", "use a positive number of seconds, within the scheduler's wait "
+                                "between its SIGTERM and its SIGKILL.")
         if not 0 <= self.hang_s < self.timeout_s:
             raise ScalevecError("distributed.hang_s", f"{self.hang_s} is not in [0, distributed.timeout_s="
                                 f"{self.timeout_s}): a collective would time out before the watchdog named the "

@@ -17,7 +17,7 @@ The main thread is stuck: only another thread can.
 
 SIGTERM reaches the thread through the signal module's wakeup file even while the main thread waits in a
 collective (Python runs a handler only once that thread is back in the interpreter). From then on a span
-of a kind measured before ends after SIGTERM_GRACE_S or SIGTERM_FACTOR times the slowest (the larger): a
+of a kind measured before ends after distributed.sigterm_grace_s or SIGTERM_FACTOR times the slowest (the larger): a
 healthy step goes on to the clean stop at the next log step (training/callbacks/stability.py), a stuck
 one ends within seconds.
 """
@@ -45,16 +45,17 @@ FACTOR = 5  # a span longer than this many times the slowest recent one is not m
 POLL_S = 0.05
 PULSE_S = 1.0
 LIVENESS_S = 2.5  # how long the counts are watched before a rank is said not to run
-SIGTERM_GRACE_S, SIGTERM_FACTOR = 10.0, 3
+SIGTERM_FACTOR = 3
 STORE_TIMEOUT = timedelta(seconds=5)
 
 
 class Watchdog:
-    """Watches `progress` on this rank; `floor_s` is distributed.hang_s. Every rank makes one (a
-    collective: the ranks agree on where in the store they meet), in the main thread."""
+    """Watches `progress` on this rank; `floor_s` is distributed.hang_s, `grace_s` its
+    sigterm_grace_s. Every rank makes one (a collective: the ranks agree on where in the store they
+    meet), in the main thread."""
 
-    def __init__(self, progress: Progress, floor_s: float, run_dir: Path):
-        self.progress, self.floor_s, self.hang_dir = progress, floor_s, run_dir / "hang"
+    def __init__(self, progress: Progress, floor_s: float, run_dir: Path, grace_s: float):
+        self.progress, self.floor_s, self.grace_s, self.hang_dir = progress, floor_s, grace_s, run_dir / "hang"
         self.rank, self.world = rank(), world_size()
         self.store = store_client()
         if self.store is not None:
@@ -110,10 +111,11 @@ class Watchdog:
         bound = max(self.floor_s, FACTOR * scale)
         why = f"the larger of distributed.hang_s={self.floor_s:g} and {FACTOR}x {slowest}"
         if self.sigterm_at is not None:
-            after = max(SIGTERM_GRACE_S, SIGTERM_FACTOR * scale)
+            after = max(self.grace_s, SIGTERM_FACTOR * scale)
             if after < bound:
                 bound = after
-                why = f"after a SIGTERM, the larger of {SIGTERM_GRACE_S:g} s and {SIGTERM_FACTOR}x {slowest}"
+                why = (f"after a SIGTERM, the larger of distributed.sigterm_grace_s={self.grace_s:g} and "
+                       f"{SIGTERM_FACTOR}x {slowest}")
         return bound, why
 
     def publish(self) -> None:

@@ -146,14 +146,15 @@ def test_a_slow_rank_is_not_a_hang(common, attempts, reference, tmp_path):
 
 def test_sigterm_during_a_hang_ends_the_waiting_rank_with_its_line(common, attempts, tmp_path):
     """Far below the floor (100 s): the waiting rank's main thread sits in a collective, its handler of
-    SIGTERM unrun; the watchdog sees the signal and ends the rank."""
+    SIGTERM unrun; the watchdog sees the signal and ends the rank after the grace (2 s here)."""
     run_dir = tmp_path / "sigterm"
-    overrides = [*common, "distributed.hang_s=100", f"run_dir={run_dir}", "resume=auto"]
+    overrides = [*common, "distributed.hang_s=100", "distributed.sigterm_grace_s=2", f"run_dir={run_dir}",
+                 "resume=auto"]
     assert hung(attempts, overrides, "step.start:3@1", 1, sigterm=True) == [5, -signal.SIGKILL]
     errors = error_lines(attempts, run_dir)
     assert len(errors) == 1, errors
     assert errors[0].startswith("[rank 0] error: training (step 3): SIGTERM while hung: no progress on rank 0 for ")
-    assert "after a SIGTERM, the larger of 10 s and 3x the slowest recent step" in errors[0]
+    assert "after a SIGTERM, the larger of distributed.sigterm_grace_s=2 and 3x the slowest recent step" in errors[0]
     assert "Rank 1 shows no sign of life (stopped, frozen, or its host lost; last seen in data of step 3)" in errors[0]
     assert errors[0].endswith(" Fix: continue with resume=auto: the steps since the newest complete checkpoint are "
                               "lost.")
@@ -174,7 +175,7 @@ def _fail_in_a_collective(store: str, run_dir: str, flagged: bool, follow: bool)
     that peer flagged a hang first; `follow`: the main thread reaches follow() (else it is still handling
     the error, as in the fit's other callbacks, when the watchdog's next pulse reads the flag)."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    watchdog = Watchdog(Progress(), 5.0, Path(run_dir)).start()
+    watchdog = Watchdog(Progress(), 5.0, Path(run_dir), 10.0).start()
     if flagged:
         watchdog.store.set(f"{watchdog.prefix}hang", "training (step 3): the hang rank 1 found.")
     try:
@@ -272,6 +273,7 @@ def test_the_timeouts_and_the_floor_are_checked():
     for overrides, key, problem in [
         (["distributed.timeout_s=0"], "distributed.timeout_s", "0.0 is not a positive number of seconds."),
         (["distributed.init_timeout_s=-1"], "distributed.init_timeout_s", "-1.0 is not a positive number"),
+        (["distributed.sigterm_grace_s=0"], "distributed.sigterm_grace_s", "0.0 is not a positive number"),
         (["distributed.hang_s=300"], "distributed.hang_s", "300.0 is not in [0, distributed.timeout_s=300.0): a "
          "collective would time out before the watchdog named the rank it waits for."),
         (["distributed.hang_s=-1"], "distributed.hang_s", "-1.0 is not in [0, "),
@@ -289,9 +291,9 @@ def test_the_hang_actions_and_the_loader_point_are_faults(monkeypatch):
 
 def test_the_bound_follows_the_slowest_recent_span_and_shortens_after_sigterm(tmp_path):
     """One process (no store): max(floor, 5x the slowest recent step and span of the phase's kind); a kind
-    not measured yet is not judged; after SIGTERM, max(10 s, 3x that scale) where it is shorter."""
+    not measured yet is not judged; after SIGTERM, max(the grace, 3x that scale) where it is shorter."""
     progress = Progress()
-    watchdog = Watchdog(progress, 10.0, tmp_path)
+    watchdog = Watchdog(progress, 10.0, tmp_path, 10.0)
     assert watchdog.bound("data")[0] == watchdog.bound("checkpoint")[0] == float("inf")
     progress.recent = {"step": (1.0, 3.0, 0.5)}
     assert watchdog.bound("optimizer") == (
@@ -305,4 +307,5 @@ def test_the_bound_follows_the_slowest_recent_span_and_shortens_after_sigterm(tm
     watchdog.sigterm_at = 0.0
     assert watchdog.bound("record")[0] == 10.0  # max(10, 3x1) is not shorter
     assert watchdog.bound("checkpoint") == (
-        12.0, "after a SIGTERM, the larger of 10 s and 3x the slowest recent step or checkpoint (4.00 s)")
+        12.0, "after a SIGTERM, the larger of distributed.sigterm_grace_s=10 and 3x the slowest recent step or "
+        "checkpoint (4.00 s)")

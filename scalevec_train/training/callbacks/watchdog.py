@@ -24,7 +24,7 @@ class HangWatchdog(Callback):
 
     def on_fit_start(self, trainer: Trainer) -> None:
         if self.cfg.hang_s:
-            self.watchdog = Watchdog(progress.current, self.cfg.hang_s, self.run_dir).start()
+            self.watchdog = Watchdog(progress.current, self.cfg.hang_s, self.run_dir, self.cfg.sigterm_grace_s).start()
 
     def on_step_done(self, trainer: Trainer) -> None:
         if not self.first_done:
