@@ -234,6 +234,14 @@ def test_an_archived_study_goes_on_from_a_fresh_root_and_trains_a_trunk_again_fo
     finish(first, name("0.001", 0), 5.0)
     assert lr_grid.done(first, str(first / name("0.001", 0)), 0, archive) == 0
     assert sorted(p.name for p in (archive / name("0.001", 0)).iterdir()) == ["config.yaml", "metrics.jsonl"]
+    # a run stopped cleanly before its end (a SIGTERM's checkpoint; exit status 0) is not archived
+    stopped = first / name("0.01", 0)
+    (stopped / "checkpoints" / "step_000004").mkdir(parents=True)
+    (stopped / "config.yaml").write_text("train:\n  steps: 10\n")
+    (stopped / "metrics.jsonl").write_text(json.dumps({"step": 4, "val_loss": 6.0}) + "\n")
+    assert lr_grid.done(first, str(stopped), 0, archive) == 0
+    assert not (archive / name("0.01", 0)).exists()
+    shutil.rmtree(stopped)
     assert lr_grid.done(first, str(first / name("0.003", 0)), 3, archive) == 0
     assert (archive / f"{name('0.003', 0)}.failed").is_file()
     # on the first machine: the finished trunk's branches (2.5 and 5) come before the grid's last trunk
