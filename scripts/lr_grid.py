@@ -171,6 +171,13 @@ class Run:
         return args + [f"run_dir={root / self.name}"]
 
 
+def finished(run_dir: Path) -> bool:
+    """Whether a run directory's last checkpoint is complete."""
+    config = run_dir / "config.yaml"
+    return config.is_file() and (
+        run_dir / "checkpoints" / f"step_{OmegaConf.load(config).train.steps:06d}" / "COMPLETE").is_file()
+
+
 class State:
     """What ROOT (and the archive) holds: each run done (its terminal val_loss), failed, or not yet."""
 
@@ -187,10 +194,8 @@ class State:
         return self.done[run.name]
 
     def in_root(self, run: Run) -> bool:
-        """Whether the run has finished under ROOT (its last checkpoint complete), checkpoints and all."""
-        d = self.root / run.name
-        return (d / "config.yaml").is_file() and (
-            d / "checkpoints" / f"step_{OmegaConf.load(d / 'config.yaml').train.steps:06d}" / "COMPLETE").is_file()
+        """Whether the run has finished under ROOT, checkpoints and all."""
+        return finished(self.root / run.name)
 
     def where(self, run: Run) -> Path | None:
         """The directory of a finished run: under ROOT, else in the archive; None while not finished."""
@@ -399,8 +404,7 @@ def done(root: Path, run_dir: str, rc: int, archive: Path | None = None) -> int:
         return 1
     elif rc == 0 and archive is not None:
         src = root / name
-        steps = OmegaConf.load(src / "config.yaml").train.steps
-        if (src / "checkpoints" / f"step_{steps:06d}" / "COMPLETE").is_file():
+        if finished(src):
             # written aside, then moved into place: a copy cut short is never read as a finished run
             part = archive / f".{name}.part"
             shutil.rmtree(part, ignore_errors=True)
