@@ -1,14 +1,14 @@
 """Learning-rate grids per ladder rung, run as a queue (scripts/run_study.sh lr_ladder;
 docs/results/each-arm-at-its-best-lr.md).
 
-  lr_grid.py [--archive DIR] next ROOT PID PART...  claims the next run to train (longest first) for the worker PID and
+  lr_grid.py next ROOT PID PART...  claims the next run to train (longest first) for the worker PID and
                                     prints its `rung run_dir override...`; prints nothing and exits 3 while the
                                     runs still to come wait on runs in progress, exits 4 when every run
                                     of the parts is done
-  lr_grid.py [--archive DIR] done ROOT RUN_DIR RC   releases the claim on a run that ended with exit status RC: 3 (the
+  lr_grid.py done ROOT RUN_DIR RC   releases the claim on a run that ended with exit status RC: 3 (the
                                     trainer's "diverged") keeps it as failed; another error stops the
                                     worker (exit 1); a signal leaves it to be trained again
-  lr_grid.py [--archive DIR] report ROOT OUT_DIR PART...   each part's grid and picks (OUT_DIR/<part>_grid.md, and its
+  lr_grid.py report ROOT OUT_DIR PART...   each part's grid and picks (OUT_DIR/<part>_grid.md, and its
                                     loss-against-LR plot per rung, <part>_grid.png), the run directories
                                     of its final seeds (<part>_final.txt), and every grid's pick per
                                     rung with its drift in grid steps (OUT_DIR/transfer.md), and the
@@ -32,12 +32,13 @@ diverged (non-finite steps past train.max_bad_steps) counts as the worst point o
 written as failed; its log says why. Claims (ROOT_logs/<name>.claim) hold what a worker trains, so two
 workers never take one run; `next` clears the claims of workers that are gone.
 
---archive DIR keeps what the tables need of every finished run (ARCHIVED: its config, metrics and
-describe.json, no checkpoints; a diverged run's .failed note) in DIR/<name>/, a folder kept in git, so a
-study spread over machines whose run directories do not last goes on from a fresh clone: a run archived
-counts as done. A WSD branch needs its trunk's checkpoints, so the queue takes a branch first once its
-trunk has finished under ROOT, and trains an archived trunk again under ROOT where a branch of it is
-still to come (the same seed gives the same run on the same machine).
+`lr_grid.py --archive DIR <command> ...` keeps what the tables need of every finished run (ARCHIVED:
+its config, metrics and describe.json, no checkpoints; a diverged run's .failed note) in DIR/<name>/, a
+folder kept in git, so a study spread over machines whose run directories do not last goes on from a
+fresh clone: a run archived counts as done. A WSD branch needs its trunk's checkpoints, so the queue
+takes a branch first once its trunk has finished under ROOT, and trains an archived trunk again under
+ROOT where a branch of it is still to come; on another machine the same seed gives a close run, not the
+same one, and the new trunk's record replaces the archived one, so a trunk and its branches stay one run.
 """
 
 import fcntl
@@ -570,7 +571,8 @@ def cost_table(root: Path, archive: Path | None = None) -> str:
     the archive's, which finished)."""
     runs = {}
     for top in (root, *(() if archive is None else (archive,))):
-        runs.update({d.name: d for d in sorted(top.iterdir()) if not d.name.startswith(".")} if top.is_dir() else {})
+        if top.is_dir():
+            runs.update({d.name: d for d in sorted(top.iterdir()) if not d.name.startswith(".")})
     hours: dict[str, list[float]] = {}
     for d in runs.values():
         if (d / "metrics.jsonl").is_file() and (d / "config.yaml").is_file():
