@@ -33,7 +33,8 @@ written as failed; its log says why. Claims (ROOT_logs/<name>.claim) hold what a
 workers never take one run; `next` clears the claims of workers that are gone.
 
 `lr_grid.py --archive DIR <command> ...` keeps what the tables need of every finished run (ARCHIVED:
-its config, metrics and describe.json, no checkpoints; a diverged run's .failed note) in DIR/<name>/, a
+its config, metrics and describe.json, no checkpoints; of the scale sites' statistics, 99% of a unified
+run's metrics, only the last log's; a diverged run's .failed note) in DIR/<name>/, a
 folder kept in git, so a study spread over machines whose run directories do not last goes on from a
 fresh clone: a run archived counts as done. A WSD branch needs its trunk's checkpoints, so the queue
 takes a branch first once its trunk has finished under ROOT, and trains an archived trunk again under
@@ -391,6 +392,15 @@ def next_run(root: Path, pid: int, parts: list[str], archive: Path | None = None
     return 0
 
 
+def slim_metrics(text: str) -> str:
+    """A run's metrics.jsonl without the scale sites' statistics (scale/...) but in its last record that
+    has them: every loss, evaluation and throughput kept."""
+    records = [json.loads(line) for line in text.splitlines()]
+    last = max((i for i, r in enumerate(records) if any(k.startswith("scale/") for k in r)), default=None)
+    return "".join(json.dumps(r if i == last else {k: v for k, v in r.items() if not k.startswith("scale/")}) + "\n"
+                   for i, r in enumerate(records))
+
+
 def done(root: Path, run_dir: str, rc: int, archive: Path | None = None) -> int:
     logs = Path(f"{root}_logs")
     name = Path(run_dir).name
@@ -411,7 +421,9 @@ def done(root: Path, run_dir: str, rc: int, archive: Path | None = None) -> int:
             shutil.rmtree(part, ignore_errors=True)
             part.mkdir(parents=True)
             for f in ARCHIVED:
-                if (src / f).is_file():
+                if f == "metrics.jsonl":
+                    (part / f).write_text(slim_metrics((src / f).read_text()))
+                elif (src / f).is_file():
                     shutil.copyfile(src / f, part / f)
             shutil.rmtree(archive / name, ignore_errors=True)
             part.rename(archive / name)

@@ -234,6 +234,12 @@ def test_an_archived_study_goes_on_from_a_fresh_root_and_trains_a_trunk_again_fo
     finish(first, name("0.001", 0), 5.0)
     assert lr_grid.done(first, str(first / name("0.001", 0)), 0, archive) == 0
     assert sorted(p.name for p in (archive / name("0.001", 0)).iterdir()) == ["config.yaml", "metrics.jsonl"]
+    # the scale sites' statistics only in the last record that has them
+    records = [{"step": 1, "loss": 6.0, "scale/L0/a/mean": 1.0}, {"step": 2, "loss": 5.5, "scale/L0/a/mean": 1.1},
+               {"step": 2, "val_loss": 5.0}]
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    assert [json.loads(line) for line in lr_grid.slim_metrics(text).splitlines()] == [
+        {"step": 1, "loss": 6.0}, {"step": 2, "loss": 5.5, "scale/L0/a/mean": 1.1}, {"step": 2, "val_loss": 5.0}]
     # a run stopped cleanly before its end (a SIGTERM's checkpoint; exit status 0) is not archived
     stopped = first / name("0.01", 0)
     (stopped / "checkpoints" / "step_000004").mkdir(parents=True)
