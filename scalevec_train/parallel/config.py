@@ -46,14 +46,12 @@ class DistributedConfig:
         if self.expert_parallel < 1:
             raise ScalevecError("distributed.expert_parallel", f"{self.expert_parallel} is below 1.",
                                 "use 1 (no expert parallelism) or a divisor of the number of experts.")
-        for key in ("init_timeout_s", "timeout_s"):
+        for key, why in (("init_timeout_s", "a collective waits this long"), ("timeout_s", "a collective waits "
+                         "this long"), ("sigterm_grace_s", "within the scheduler's wait between its SIGTERM and its "
+                         "SIGKILL")):
             if not getattr(self, key) > 0:
                 raise ScalevecError(f"distributed.{key}", f"{getattr(self, key)} is not a positive number of "
-                                    "seconds.", "use a positive number of seconds (a collective waits this long).")
-        if not self.sigterm_grace_s > 0:
-            raise ScalevecError("distributed.sigterm_grace_s", f"{self.sigterm_grace_s} is not a positive number "
-                                "of seconds.", "use a positive number of seconds, within the scheduler's wait "
-                                "between its SIGTERM and its SIGKILL.")
+                                    "seconds.", f"use a positive number of seconds ({why}).")
         if not 0 <= self.hang_s < self.timeout_s:
             raise ScalevecError("distributed.hang_s", f"{self.hang_s} is not in [0, distributed.timeout_s="
                                 f"{self.timeout_s}): a collective would time out before the watchdog named the "

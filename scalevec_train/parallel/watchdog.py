@@ -17,9 +17,9 @@ The main thread is stuck: only another thread can.
 
 SIGTERM reaches the thread through the signal module's wakeup file even while the main thread waits in a
 collective (Python runs a handler only once that thread is back in the interpreter). From then on a span
-of a kind measured before ends after distributed.sigterm_grace_s or SIGTERM_FACTOR times the slowest (the larger): a
-healthy step goes on to the clean stop at the next log step (training/callbacks/stability.py), a stuck
-one ends within seconds.
+of a kind measured before ends after distributed.sigterm_grace_s or SIGTERM_FACTOR times the slowest
+(the larger): a healthy step goes on to the clean stop at the next log step
+(training/callbacks/stability.py), a stuck one ends within seconds.
 """
 
 import faulthandler
