@@ -6,16 +6,16 @@ time), whichever comes first; when less than --min seconds would be left for it,
 `timeout` kills a process group, but torchrun starts its workers in process sessions of their own: a
 worker outlives a killed torchrun and goes on holding GPU memory that the next phase needs. So every
 process of the phase carries a tag in its environment (inherited through fork, exec, setsid and
-torchrun alike), and when the phase ends, by itself or at its limit, every process that carries the tag
-is sent SIGTERM, then SIGKILL after the grace period.
+torchrun alike), and when the phase ends, by itself or at its limit, every process that carries the
+tag is sent SIGTERM, then SIGKILL after the grace period.
 
     python dev/gpu_phase.py --name kernels --limit 120 --min 30 --deadline 1790000000 \
         --log out/kernels.md --report out/session.txt -- python3 scripts/bench_kernels.py ...
 
 The command's output goes to --log, which starts with the command line and ends with a status line
-(`rc=... wall=...s limit=...s`, plus how many of its processes were still running and ended); --report gets one line
-per phase, run or skipped. Exits with the command's status, 124 when the limit stopped it (as `timeout`
-does), or 125 when it was skipped.
+(`rc=... wall=...s limit=...s`, plus how many of its processes were still running and ended);
+--report gets one line per phase, run or skipped. Exits with the command's status, 124 when the
+limit stopped it (as `timeout` does), or 125 when it was skipped.
 """
 
 import argparse
@@ -32,7 +32,8 @@ TAG = "SCALEVEC_GPU_PHASE"
 
 
 def tagged(tag: str) -> list[int]:
-    """The pids of live processes whose environment holds TAG=tag (only those this user may read)."""
+    """The pids of live processes whose environment holds TAG=tag (only those this user may
+    read)."""
     needle = f"{TAG}={tag}".encode()
     pids = []
     for entry in Path("/proc").iterdir():
@@ -52,7 +53,8 @@ def zombie(entry: Path) -> bool:
 
 
 def end_all(tag: str, grace: float) -> int:
-    """SIGTERM to every tagged process, SIGKILL to those still alive after `grace` seconds; their count."""
+    """SIGTERM to every tagged process, SIGKILL to those still alive after `grace` seconds; their
+    count."""
     pids = tagged(tag)
     for pid in pids:
         with_signal(pid, signal.SIGTERM)
@@ -84,8 +86,8 @@ def run(cmd: list[str], limit: float, grace: float, log: Path) -> int:
     with open(log, "w") as f:
         f.write(f"$ {shlex.join(cmd)}\n")
         f.flush()
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, TAG: tag},
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, TAG: tag}, start_new_session=True)
         try:
             rc = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
@@ -100,10 +102,12 @@ def run(cmd: list[str], limit: float, grace: float, log: Path) -> int:
 
 
 def phase(args: argparse.Namespace) -> int:
-    """Run or skip the phase by the time left before the deadline; one line about it in the report."""
+    """Run or skip the phase by the time left before the deadline; one line about it in the
+    report."""
     left = args.deadline - time.time() - args.grace
     if left < args.min:
-        rc, line = SKIPPED, f"skipped: {max(0, left):.0f}s left before the deadline, it needs {args.min:.0f}s"
+        rc, line = SKIPPED, (f"skipped: {max(0, left):.0f}s left before the deadline, it needs "
+                             f"{args.min:.0f}s")
     else:
         limit = min(args.limit, left)
         start = time.monotonic()
@@ -118,12 +122,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--name", required=True, help="the phase's name, for the report")
     p.add_argument("--limit", type=float, required=True, help="seconds the command may run")
-    p.add_argument("--min", type=float, default=0, help="the least time worth starting it with, seconds")
-    p.add_argument("--deadline", type=float, default=float("inf"), help="the plan's deadline, a Unix time")
+    p.add_argument("--min", type=float, default=0,
+                   help="the least time worth starting it with, seconds")
+    p.add_argument("--deadline", type=float, default=float("inf"),
+                   help="the plan's deadline, a Unix time")
     p.add_argument("--grace", type=float, default=10, help="seconds between SIGTERM and SIGKILL")
     p.add_argument("--log", type=Path, required=True, help="file for the command's output")
-    p.add_argument("--report", type=Path, required=True, help="file that gets one line about the phase")
-    p.add_argument("--note", default="", help="appended to the report's line (e.g. the phase's estimate)")
+    p.add_argument("--report", type=Path, required=True,
+                   help="file that gets one line about the phase")
+    p.add_argument("--note", default="",
+                   help="appended to the report's line (e.g. the phase's estimate)")
     p.add_argument("cmd", nargs="+", help="the command, after --")
     sys.exit(phase(p.parse_args()))
 

@@ -1,15 +1,17 @@
-"""Checks the commands of the GPU plan without a GPU (dev/gpu_session.sh --dry-run runs it): that each
-would get past its start on the GPU host.
+"""Checks the commands of the GPU plan without a GPU (dev/gpu_session.sh --dry-run runs it): that
+each would get past its start on the GPU host.
 
 Reads one command a line on stdin, shell-quoted (`env VAR=VALUE ...` in front allowed), and checks
   scripts/bench_kernels.py      its arguments, by the script's own parser
-  scripts/bench_train.py        its arguments, and the config of every (preset, scale) run composed and
-                                validated as the script will compose it (world size 1)
+  scripts/bench_train.py        its arguments, and the config of every (preset, scale) run composed
+                                and validated as the script will compose it (world size 1)
   scripts/bench_fp8.py          its arguments, and every preset composed under model.fp8
-  scripts/bench_torchtitan.py   its arguments, the bench_train.py command it runs (as above), and, where
-                                torchtitan is installed, its torchtitan arguments by torchtitan's parser
-  -m pytest ...                 the same pytest arguments collecting without error, with the import names
-                                of --host-lacks hidden (tests/support/hide_packages.py), as on the GPU host
+  scripts/bench_torchtitan.py   its arguments, the bench_train.py command it runs (as above), and,
+                                where torchtitan is installed, its torchtitan arguments by
+                                torchtitan's parser
+  -m pytest ...                 the same pytest arguments collecting without error, with the import
+                                names of --host-lacks hidden (tests/support/hide_packages.py), as on
+                                the GPU host
 Prints one line per command; exits 1 if any would fail.
 
     python dev/gpu_session_check.py --host-lacks "datasets wandb" < commands
@@ -37,7 +39,8 @@ class CheckFailed(Exception):
 
 def script(name: str) -> dict:
     """A script's globals, its main() not run."""
-    return runpy.run_path(str(ROOT / "scripts" / name), run_name=f"gpu_session_check.{Path(name).stem}")
+    return runpy.run_path(str(ROOT / "scripts" / name),
+                          run_name=f"gpu_session_check.{Path(name).stem}")
 
 
 def parse(module: dict, argv: list[str]):
@@ -85,7 +88,8 @@ def check_bench_train(argv: list[str]) -> str:
             compose_config(bench["run_overrides"](preset, scale, args, 1, tempfile.gettempdir()), 1)
         except (ScalevecError, HydraException) as e:  # a bad value; an unknown preset or key
             raise CheckFailed(f"{preset} {scale}: {str(e).splitlines()[0]}") from None
-    return f"arguments parse; {len(pairs)} run config(s) compose: {', '.join(' '.join(p) for p in pairs)}"
+    return (f"arguments parse; {len(pairs)} run config(s) compose: "
+            f"{', '.join(' '.join(p) for p in pairs)}")
 
 
 def check_bench_torchtitan(argv: list[str]) -> str:
@@ -93,7 +97,8 @@ def check_bench_torchtitan(argv: list[str]) -> str:
     args = parse(bench, argv)
     ours = check_bench_train(bench["scalevec_argv"](args))
     if importlib.util.find_spec("torchtitan") is None:
-        return f"arguments parse; its bench_train.py: {ours}; torchtitan not installed here, its arguments unchecked"
+        return (f"arguments parse; its bench_train.py: {ours}; torchtitan not installed here, its "
+                "arguments unchecked")
     from torchtitan.config import ConfigManager
 
     err = io.StringIO()
@@ -107,13 +112,16 @@ def check_bench_torchtitan(argv: list[str]) -> str:
 
 def check_pytest(argv: list[str], env: dict, host_lacks: str) -> str:
     env = {**os.environ, **env, "SCALEVEC_HIDE_PACKAGES": host_lacks}
-    cmd = [sys.executable, "-m", "pytest", *argv, "--collect-only", "-n", "0", "-p", "tests.support.hide_packages"]
+    cmd = [sys.executable, "-m", "pytest", *argv, "--collect-only", "-n", "0", "-p",
+           "tests.support.hide_packages"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     lines = done.stdout.strip().splitlines()
     if done.returncode:
         raise CheckFailed(f"collection fails (exit {done.returncode}): " + " | ".join(lines[-5:]))
-    per_file = [int(m.group(1)) for line in lines if (m := re.fullmatch(r".+\.py: (\d+)", line))]  # under -qq
-    found = f"{sum(per_file)} tests in {len(per_file)} files" if per_file else (lines[-1] if lines else "")
+    # under -qq
+    per_file = [int(m.group(1)) for line in lines if (m := re.fullmatch(r".+\.py: (\d+)", line))]
+    found = (f"{sum(per_file)} tests in {len(per_file)} files" if per_file
+             else (lines[-1] if lines else ""))
     return f"collects with {host_lacks} hidden: {found}"
 
 
@@ -140,7 +148,8 @@ def check(line: str, host_lacks: str) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--host-lacks", default="", help="import names the GPU host lacks, space-separated")
+    p.add_argument("--host-lacks", default="",
+                   help="import names the GPU host lacks, space-separated")
     args = p.parse_args()
     failed = 0
     for line in filter(str.strip, sys.stdin.read().splitlines()):
@@ -149,7 +158,8 @@ def main() -> int:
             print(f"  ok    {shown}\n        {check(line, args.host_lacks)}", flush=True)
         except Exception as e:  # noqa: BLE001  (any error at the start is this command's failure)
             failed += 1
-            why = e if isinstance(e, CheckFailed) else f"{type(e).__name__}: {str(e).splitlines()[0]}"
+            why = (e if isinstance(e, CheckFailed)
+                   else f"{type(e).__name__}: {str(e).splitlines()[0]}")
             print(f"  FAIL  {shown}\n        {why}", flush=True)
     return 1 if failed else 0
 

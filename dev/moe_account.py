@@ -1,23 +1,26 @@
-"""Where an MoE layer's forward and backward go, counted on the CPU: the operators it dispatches (each a
-kernel launch on a GPU in eager mode), the bytes each reads and writes, the grouped matrix multiplies
-and their shapes, and the host reads (issue 49, item 4).
+"""Where an MoE layer's forward and backward go, counted on the CPU: the operators it dispatches
+(each a kernel launch on a GPU in eager mode), the bytes each reads and writes, the grouped matrix
+multiplies and their shapes, and the host reads (issue 49, item 4).
 
-    python dev/moe_account.py                                # moe-2b's layer, 16,384 tokens, baseline and unified
+    python dev/moe_account.py  # moe-2b's layer, 16,384 tokens, baseline and unified
     python dev/moe_account.py --preset moe-0.5b --tokens 2048 --scales baseline
 
-One MoE layer of the preset (its real widths, experts and top-k) runs forward and backward under bf16
-autocast with random weights and balanced routing (the expert bias cancels the router's preference, as
-the auxiliary-loss-free update does in training), inside a TorchDispatchMode that sees every aten
-operator. For each operator that runs a kernel (views and metadata excluded) it records:
-  phase     the part of model/moe.py it serves: router, routing (sort, offsets, counts), dispatch (the
-            gather of token rows into expert order), expert weights (casts, folded sites), expert GEMMs,
-            expert SwiGLU, routing weights, combine (back to token order, the sum over k), aux losses,
-            shared expert, output, grad accumulation; a backward operator takes the phase of the forward
-            code that made its autograd node (anomaly mode records where each node was made)
+One MoE layer of the preset (its real widths, experts and top-k) runs forward and backward under
+bf16 autocast with random weights and balanced routing (the expert bias cancels the router's
+preference, as the auxiliary-loss-free update does in training), inside a TorchDispatchMode that
+sees every aten operator. For each operator that runs a kernel (views and metadata excluded) it
+records:
+  phase     the part of model/moe.py it serves: router, routing (sort, offsets, counts), dispatch
+            (the gather of token rows into expert order), expert weights (casts, folded sites),
+            expert GEMMs, expert SwiGLU, routing weights, combine (back to token order, the sum over
+            k), aux losses, shared expert, output, grad accumulation; a backward operator takes the
+            phase of the forward code that made its autograd node (anomaly mode records where each
+            node was made)
   bytes     every tensor operand read once and every result written once: a byte model, not a trace
   host read an operator whose result sizes or values the host must read from the device before it
             can go on (torch's tags data_dependent_output and dynamic_output_shape, boolean indexing
-            excepted integer indexing, repeat_interleave with its output_size given), and every tolist()
+            excepted integer indexing, repeat_interleave with its output_size given), and every
+            tolist()
 Eager counts: torch.compile (distributed.compile, the default) fuses element-wise operators, so a
 compiled step launches fewer kernels and moves fewer bytes; the GEMMs, sorts and gathers stay.
 Counts do not depend on the token count (the grouped path launches per layer, not per expert); bytes
@@ -43,9 +46,11 @@ from scalevec_train.model.transformer import Transformer
 
 HOST_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 # operators that allocate or relabel without running a kernel
-NO_KERNEL = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided, torch.ops.aten.new_empty,
-             torch.ops.aten.new_empty_strided, torch.ops.aten.detach, torch.ops.aten.alias, torch.ops.aten.lift_fresh}
-OURS = {Path(moe_module.__file__).resolve(): "moe", Path(swiglu_module.__file__).resolve(): "swiglu"}
+NO_KERNEL = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided,
+             torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided, torch.ops.aten.detach,
+             torch.ops.aten.alias, torch.ops.aten.lift_fresh}
+OURS = {Path(moe_module.__file__).resolve(): "moe",
+        Path(swiglu_module.__file__).resolve(): "swiglu"}
 
 
 @dataclass
@@ -60,11 +65,13 @@ class Op:
 @dataclass
 class Account:
     ops: list[Op] = field(default_factory=list)
-    grouped_mm: list[tuple[str, tuple, tuple]] = field(default_factory=list)  # (phase, A shape, B shape)
+    # (phase, A shape, B shape)
+    grouped_mm: list[tuple[str, tuple, tuple]] = field(default_factory=list)
     tolist: int = 0
 
     def host_reads(self) -> list[str]:
-        return [f"{o.name} ({o.phase}{', backward' if o.backward else ''})" for o in self.ops if o.host_read] + \
+        return [f"{o.name} ({o.phase}{', backward' if o.backward else ''})" for o in self.ops
+                if o.host_read] + \
             ["tolist()"] * self.tolist
 
 
@@ -175,7 +182,8 @@ def _host_read(func, args, kwargs) -> bool:
 
 
 class Counter(TorchDispatchMode):
-    """Records every operator that runs a kernel, with its phase, bytes and whether it reads the device."""
+    """Records every operator that runs a kernel, with its phase, bytes and whether it reads the
+    device."""
 
     def __init__(self, account: Account, source: _Source):
         super().__init__()
@@ -193,8 +201,8 @@ class Counter(TorchDispatchMode):
             where = "grad accumulation"
         else:
             where = phase(_node_frames(self.source, node))
-        self.account.ops.append(Op(func.name(), where, node is not None, _nbytes(args) + _nbytes(out),
-                                   _host_read(func, args, kwargs)))
+        self.account.ops.append(Op(func.name(), where, node is not None,
+                                   _nbytes(args) + _nbytes(out), _host_read(func, args, kwargs)))
         if func is torch.ops.aten._grouped_mm.default:
             self.account.grouped_mm.append((where, tuple(args[0].shape), tuple(args[1].shape)))
         return out
@@ -202,7 +210,8 @@ class Counter(TorchDispatchMode):
 
 def build_layer(preset: str, scale: str, backend: str) -> MoEFeedForward:
     """The first MoE layer of `preset` under `scale`, initialized as training initializes it."""
-    cfg = compose_config([f"model={preset}", f"scale={scale}", f"model.moe.backend={backend}", "model.n_layers=1"], 1)
+    cfg = compose_config([f"model={preset}", f"scale={scale}", f"model.moe.backend={backend}",
+                          "model.n_layers=1"], 1)
     model = Transformer(cfg.model, cfg.scale)
     model.init_weights(seed=0)
     return model.layers[0].ffn.train()
@@ -213,8 +222,10 @@ def account(layer: MoEFeedForward, tokens: int) -> Account:
     dim, experts = layer.router.weight.shape[1], layer.cfg.num_experts
     gen = torch.Generator().manual_seed(1)
     # the pre-norm's outputs, in the residual stream's dtype under autocast (model/transformer.py)
-    branches = {b: torch.randn(1, tokens, dim, generator=gen).bfloat16().requires_grad_() for b in set(layer.reads)}
-    with torch.no_grad():  # balanced routing: the bias cancels the router's mean preference over these tokens
+    branches = {b: torch.randn(1, tokens, dim, generator=gen).bfloat16().requires_grad_()
+                for b in set(layer.reads)}
+    # balanced routing: the bias cancels the router's mean preference over these tokens
+    with torch.no_grad():
         x = branches[layer.reads[0]].reshape(-1, dim)
         layer.expert_bias.copy_(1.0 / experts - layer.route(x)[1].mean(0))
     probe, one = torch.randn(1, tokens, dim, generator=gen).bfloat16(), torch.ones(())
@@ -237,8 +248,9 @@ def account(layer: MoEFeedForward, tokens: int) -> Account:
     return result
 
 
-PHASES = ["router", "routing", "aux losses", "dispatch", "expert weights", "expert GEMMs", "expert SwiGLU",
-          "routing weights", "combine", "shared expert", "output", "grad accumulation", "other"]
+PHASES = ["router", "routing", "aux losses", "dispatch", "expert weights", "expert GEMMs",
+          "expert SwiGLU", "routing weights", "combine", "shared expert", "output",
+          "grad accumulation", "other"]
 
 
 def table(results: dict[str, Account], tokens: int) -> str:
@@ -268,13 +280,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="moe-2b")
     p.add_argument("--scales", default="baseline,unified")
-    p.add_argument("--tokens", type=int, default=16384, help="tokens of the micro-batch (moe-2b's recipe: 8 x 2048)")
+    p.add_argument("--tokens", type=int, default=16384,
+                   help="tokens of the micro-batch (moe-2b's recipe: 8 x 2048)")
     p.add_argument("--backend", default="auto", help="model.moe.backend: auto | grouped_mm | loop")
     args = p.parse_args()
     torch.set_grad_enabled(True)
-    results = {s: account(build_layer(args.preset, s, args.backend), args.tokens) for s in args.scales.split(",")}
-    print(f"{args.preset}, one MoE layer, {args.tokens} tokens, bf16 autocast, torch {torch.__version__} (CPU), "
-          f"backend {args.backend}: operators that run a kernel, forward and backward, and bytes moved (MB)\n")
+    results = {s: account(build_layer(args.preset, s, args.backend), args.tokens)
+               for s in args.scales.split(",")}
+    print(f"{args.preset}, one MoE layer, {args.tokens} tokens, bf16 autocast, torch "
+          f"{torch.__version__} (CPU), backend {args.backend}: operators that run a kernel, "
+          "forward and backward, and bytes moved (MB)\n")
     print(table(results, args.tokens))
     for s, acc in results.items():
         reads = acc.host_reads()

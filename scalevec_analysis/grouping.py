@@ -1,5 +1,6 @@
-"""Groups of runs that differ only in the seed and bookkeeping: their labels, curves, terminal losses and
-token efficiencies against a reference group (see the package docstring), as markdown and CSV tables."""
+"""Groups of runs that differ only in the seed and bookkeeping: their labels, curves, terminal
+losses and token efficiencies against a reference group (see the package docstring), as markdown and
+CSV tables."""
 
 import csv
 import math
@@ -13,14 +14,15 @@ import numpy as np
 from scalevec_analysis.runs import Run
 from scalevec_train.infra.errors import ScalevecError
 
-# Config keys that never tell groups apart: they differ per seed or only say where things are kept. A
-# branch (branch_from) is its trunk's computation up to the branch point: it groups by its own settings.
+# Config keys that never tell groups apart: they differ per seed or only say where things are kept.
+# A branch (branch_from) is its trunk's computation up to the branch point: it groups by its
+# own settings.
 _IGNORED_KEYS = frozenset({"run_dir", "resume", "data.cache_dir", "branch_from"})
-# train.profile_*, train.diagnostics_every: traces and diagnostics change no number of the run; tasks.*:
-# downstream tasks only observe it; train.ema.*: nor does the weight EMA kept beside it (its own curve is a
-# run of its own, runs.ema_run)
-_IGNORED_PREFIXES = ("logger.", "checkpoint.", "hydra.", "train.profile_", "train.diagnostics_every", "tasks.",
-                     "train.ema.")
+# train.profile_*, train.diagnostics_every: traces and diagnostics change no number of the run;
+# tasks.*: downstream tasks only observe it; train.ema.*: nor does the weight EMA kept beside it
+# (its own curve is a run of its own, runs.ema_run)
+_IGNORED_PREFIXES = ("logger.", "checkpoint.", "hydra.", "train.profile_",
+                     "train.diagnostics_every", "tasks.", "train.ema.")
 _PATH_SUFFIXES = ("dir", "path", "file")
 _STARTING_POINT_KEYS = frozenset({"init_from"})
 # Keys tried first when labelling groups, shown under their section name (`scale=unified`).
@@ -56,7 +58,7 @@ class GroupSummary:
     tasks: dict[str, float] = field(default_factory=dict)
 
 
-# --------------------------------------------------------------------------------------------- grouping
+# ----------------------------------------------------------------------------------------- grouping
 
 
 def is_ignored(key: str, value: Any, extra: Sequence[str] = ()) -> bool:
@@ -98,14 +100,18 @@ def _short(key: str) -> str:
 
 
 def differing_keys(configs: Sequence[dict[str, Any]]) -> list[str]:
-    """The keys, sorted, on which the configs do not all agree (a missing key differs from any value)."""
-    return [k for k in sorted(set().union(*configs)) if len({c.get(k, _UNSET) for c in configs}) > 1]
+    """The keys, sorted, on which the configs do not all agree (a missing key differs from
+    any value)."""
+    return [k for k in sorted(set().union(*configs))
+            if len({c.get(k, _UNSET) for c in configs}) > 1]
 
 
 def config_labels(configs: list[dict[str, Any]]) -> list[str]:
-    """Short distinct labels: the fewest keys, tried in a readable order, that tell the configs apart."""
+    """Short distinct labels: the fewest keys, tried in a readable order, that tell the
+    configs apart."""
     differing = differing_keys(configs)
-    ordered = [k for k in _LABEL_KEYS if k in differing] + [k for k in differing if k not in _LABEL_KEYS]
+    ordered = ([k for k in _LABEL_KEYS if k in differing]
+               + [k for k in differing if k not in _LABEL_KEYS])
     chosen: list[str] = []
     distinct = 1
     for key in ordered:
@@ -116,20 +122,23 @@ def config_labels(configs: list[dict[str, Any]]) -> list[str]:
         if distinct == len(configs):
             break
     if not chosen:
-        return [f"scale={_fmt(c['scale.name'])}" if "scale.name" in c else "all runs" for c in configs]
+        return [f"scale={_fmt(c['scale.name'])}" if "scale.name" in c else "all runs"
+                for c in configs]
     return [" ".join(f"{_short(k)}={_fmt(c.get(k, _UNSET))}" for k in chosen) for c in configs]
 
 
 def group_runs(runs: Sequence[Run], ignore: Sequence[str] = ()) -> list[Group]:
-    """Group runs whose configs agree on every key that `is_ignored` does not drop; in order of first
-    appearance. Labels: the fewest differing keys that tell the groups apart (`config_labels`)."""
+    """Group runs whose configs agree on every key that `is_ignored` does not drop; in order of
+    first appearance. Labels: the fewest differing keys that tell the groups
+    apart (`config_labels`)."""
     grouped: dict[tuple, tuple[dict, list[Run]]] = {}
     for run in runs:
         config = comparable_config(run, ignore)
         grouped.setdefault(tuple(sorted(config.items())), (config, []))[1].append(run)
     configs = [c for c, _ in grouped.values()]
     return [Group(label, config, members)
-            for label, (config, members) in zip(config_labels(configs), grouped.values(), strict=True)]
+            for label, (config, members) in zip(config_labels(configs), grouped.values(),
+                                                strict=True)]
 
 
 def _matches(value: Any, text: str) -> bool:
@@ -142,8 +151,8 @@ def _matches(value: Any, text: str) -> bool:
 
 
 def find_group(groups: Sequence[Group], spec: str) -> Group:
-    """The one group whose label is `spec`, or that matches every `key=value` in it (space-separated;
-    `scale` stands for `scale.name`)."""
+    """The one group whose label is `spec`, or that matches every `key=value` in it
+    (space-separated; `scale` stands for `scale.name`)."""
     exact = [g for g in groups if g.label == spec]
     if exact:
         return exact[0]
@@ -152,9 +161,10 @@ def find_group(groups: Sequence[Group], spec: str) -> Group:
     for term in spec.split():
         key, sep, value = term.partition("=")
         if not sep:
-            raise ScalevecError("--reference", f"{spec!r} is neither a group label nor key=value terms.",
-                                f"use one of: {labels}.")
-        if not any(key in g.config for g in groups) and any(key + ".name" in g.config for g in groups):
+            raise ScalevecError("--reference", f"{spec!r} is neither a group label nor "
+                                "key=value terms.", f"use one of: {labels}.")
+        if (not any(key in g.config for g in groups)
+            and any(key + ".name" in g.config for g in groups)):
             key += ".name"
         conditions.append((key, value))
     hits = [g for g in groups if all(_matches(g.config.get(k, _UNSET), v) for k, v in conditions)]
@@ -164,7 +174,7 @@ def find_group(groups: Sequence[Group], spec: str) -> Group:
     return hits[0]
 
 
-# ------------------------------------------------------------------------------------------- statistics
+# --------------------------------------------------------------------------------------- statistics
 
 
 def metric_curve(run: Run, metric: str, last_k: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -218,7 +228,8 @@ def first_reach(tokens: np.ndarray, values: np.ndarray, target: float) -> float 
 
 def summarize(groups: Sequence[Group], reference: Group, metric: str = "val_loss",
               last_k: int = 1) -> list[GroupSummary]:
-    """Terminal loss per group, difference to `reference` and token efficiency (package docstring)."""
+    """Terminal loss per group, difference to `reference` and token efficiency
+    (package docstring)."""
     curves = {id(g): [metric_curve(r, metric, last_k) for r in g.runs] for g in groups}
     ref_tokens, ref_values = mean_curve(curves[id(reference)], f"group {reference.label!r}")
     ref_terminal = float(np.mean([v[-1] for _, v in curves[id(reference)]]))
@@ -238,13 +249,14 @@ def summarize(groups: Sequence[Group], reference: Group, metric: str = "val_loss
 
 
 def task_finals(runs: Sequence[Run]) -> dict[str, float]:
-    """Each downstream task metric's last logged value (task/<name>/<metric>, metric in TASK_METRICS),
-    averaged over `runs`; only keys every run logged."""
+    """Each downstream task metric's last logged value (task/<name>/<metric>, metric in
+    TASK_METRICS), averaged over `runs`; only keys every run logged."""
     finals = []
     for run in runs:
         last = {}
         for record in run.records:
-            last.update({k: v for k, v in record.items() if k.startswith("task/") and k.endswith(TASK_METRICS)})
+            last.update({k: v for k, v in record.items()
+                         if k.startswith("task/") and k.endswith(TASK_METRICS)})
         finals.append(last)
     keys = sorted(set.intersection(*(set(f) for f in finals))) if finals else []
     return {k: float(np.mean([f[k] for f in finals])) for k in keys}
@@ -260,7 +272,7 @@ def ema(values: np.ndarray, beta: float) -> np.ndarray:
     return out
 
 
-# ----------------------------------------------------------------------------------------------- tables
+# ------------------------------------------------------------------------------------------- tables
 
 
 def _num(x: float | None, spec: str) -> str:
@@ -280,23 +292,28 @@ def summary_markdown(rows: Sequence[GroupSummary], metric: str) -> str:
     """One row per group; where runs scored downstream tasks, their final accuracies too (the header
     says each task's chance level)."""
     tasks = _task_keys(rows, _TASK_MARKDOWN)
-    chance = {k: next((r.tasks[c] for r in rows if (c := k.rsplit("/", 1)[0] + "/chance") in r.tasks), None)
+    chance = {k: next((r.tasks[c] for r in rows
+                       if (c := k.rsplit("/", 1)[0] + "/chance") in r.tasks), None)
               for k in tasks}
     task_head = "".join(f" {k.split('/')[1]} {k.split('/')[2]}"
-                        + (f" (chance {chance[k]:.3g})" if chance[k] is not None else "") + " |" for k in tasks)
+                        + (f" (chance {chance[k]:.3g})" if chance[k] is not None else "") + " |"
+                        for k in tasks)
     head = (f"| group | runs | tokens | terminal {metric} | std | Δ vs ref | ref tokens to reach "
-            f"| token efficiency |{task_head}\n|---|---|---|---|---|---|---|---|{'---|' * len(tasks)}\n")
+            f"| token efficiency |{task_head}\n"
+            f"|---|---|---|---|---|---|---|---|{'---|' * len(tasks)}\n")
     body = "".join(
-        f"| {r.label}{' (ref)' if r.is_reference else ''} | {r.runs} | {r.tokens:.4g} | {r.terminal:.4f} "
-        f"| {_num(r.std, '.4f')} | {r.delta:+.4f} | {_num(r.reference_tokens, '.4g')} "
-        f"| {_num(r.efficiency, '.3f')} |" + "".join(f" {_num(r.tasks.get(k, math.nan), '.3f')} |" for k in tasks)
+        f"| {r.label}{' (ref)' if r.is_reference else ''} | {r.runs} | {r.tokens:.4g} | "
+        f"{r.terminal:.4f} | {_num(r.std, '.4f')} | {r.delta:+.4f} | "
+        f"{_num(r.reference_tokens, '.4g')} | {_num(r.efficiency, '.3f')} |"
+        + "".join(f" {_num(r.tasks.get(k, math.nan), '.3f')} |" for k in tasks)
         + "\n" for r in rows)
     return head + body
 
 
 def write_summary_csv(rows: Sequence[GroupSummary], path: Path) -> None:
     """Full-precision numbers; `not reached` spelled out; std empty for a single run; a column per
-    downstream task metric (task/<name>/<metric>) where runs logged them (empty for a group without)."""
+    downstream task metric (task/<name>/<metric>) where runs logged them (empty for a
+    group without)."""
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         tasks = _task_keys(rows, TASK_METRICS)

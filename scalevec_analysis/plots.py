@@ -1,5 +1,6 @@
-"""The plots: loss curves of groups, scaling fits, compute efficiency and the diagnostics of runs side by
-side. matplotlib is imported only when a plot is drawn, so that the rest of the package works without it."""
+"""The plots: loss curves of groups, scaling fits, compute efficiency and the diagnostics of runs
+side by side. matplotlib is imported only when a plot is drawn, so that the rest of the package
+works without it."""
 
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,18 +27,20 @@ def _figure(path: Path, **kwargs):
 
 def plot_curves(groups: Sequence[Group], path: Path, ema_beta: float | None = None,
                 logx: bool = False, logy: bool = False, metric: str = "val_loss") -> None:
-    """Training and (when logged) validation loss and bits per byte against tokens, and `metric` where it
-    is another (one source's of a data mixture): each group's mean over runs, bold, over its single runs,
-    faint. `ema_beta` smooths the training-loss curves only."""
+    """Training and (when logged) validation loss and bits per byte against tokens, and `metric`
+    where it is another (one source's of a data mixture): each group's mean over runs, bold, over
+    its single runs, faint. `ema_beta` smooths the training-loss curves only."""
     panels = [("loss", "loss")]
     base, _, source = metric.partition("/")
     named = {"val_loss": "validation loss", "val_bpb": "validation bits per byte"}
     extra = ((metric, f"{named[base]}, {source}"),) if source else ()
-    for metric, label in (("val_loss", "validation loss"), ("val_bpb", "validation bits per byte"), *extra):
+    for metric, label in (("val_loss", "validation loss"), ("val_bpb", "validation bits per byte"),
+                          *extra):
         if any(metric in rec for g in groups for r in g.runs for rec in r.records):
             panels.append((metric, label))
     fig = _figure(path, figsize=(6.5 * len(panels), 4.8), layout="constrained")
-    for ax, (metric, ylabel) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels, strict=True):
+    for ax, (metric, ylabel) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels,
+                                    strict=True):
         for i, g in enumerate(groups):
             runs = [r for r in g.runs if any(metric in rec for rec in r.records)]
             if not runs:
@@ -90,13 +93,14 @@ def _log_loss_axes(ax, xlabel: str, title: str, metric: str) -> None:
     ax.legend(fontsize="small")
 
 
-def plot_efficiency(series: Sequence[Series], fits: dict[str, PowerLawFit], rows: Sequence[EfficiencyRow],
-                    reference: str, path: Path, metric: str = "val_loss") -> None:
+def plot_efficiency(series: Sequence[Series], fits: dict[str, PowerLawFit],
+                    rows: Sequence[EfficiencyRow], reference: str, path: Path,
+                    metric: str = "val_loss") -> None:
     """Left: terminal loss against training compute, every run (faint), each point's mean and each
-    series' fit. Right: the compute multipliers of the strategies' points: from the reference's curves
-    (the geometric mean over seeds; a triangle up for a lower bound, down for an upper bound) and from the
-    reference's law at the point's loss and at the strategy's law, with their bootstrap intervals (one the
-    law never reaches is left out)."""
+    series' fit. Right: the compute multipliers of the strategies' points: from the reference's
+    curves (the geometric mean over seeds; a triangle up for a lower bound, down for an upper bound)
+    and from the reference's law at the point's loss and at the strategy's law, with their bootstrap
+    intervals (one the law never reaches is left out)."""
     fig = _figure(path, figsize=(13, 5), layout="constrained")
     loss_ax, mult_ax = fig.subplots(1, 2)
     for i, s in enumerate(series):
@@ -107,25 +111,31 @@ def plot_efficiency(series: Sequence[Series], fits: dict[str, PowerLawFit], rows
         loss_ax.scatter(computes, [p.losses.mean() for p in s.points], color=color, zorder=3)
         grid = np.geomspace(computes[0] / 1.5, computes[-1] * 1.5, 200)
         f = fits[s.label]
-        loss_ax.plot(grid, f(grid), color=color, label=f"{s.label}{' (ref)' if s.label == reference else ''}: "
+        loss_ax.plot(grid, f(grid), color=color,
+                     label=f"{s.label}{' (ref)' if s.label == reference else ''}: "
                                                        f"E={f.E:.3f}, A={f.A:.3g}, α={f.alpha:.3f}")
         points = [r for r in rows if r.series == s.label and r.compute is not None]
-        for marker, bound, kind in (("o", EXACT, "exact"), ("^", ABOVE, "lower bound"), ("v", AT_MOST, "upper bound")):
+        for marker, bound, kind in (("o", EXACT, "exact"), ("^", ABOVE, "lower bound"),
+                                    ("v", AT_MOST, "upper bound")):
             shown = [r for r in points if r.curves is not None and r.curves.bound == bound]
             if shown:
-                mult_ax.scatter([r.compute for r in shown], [r.curves.value for r in shown], color=color,
-                                marker=marker, zorder=3, label=f"{s.label}, from ref's curves ({kind})")
+                mult_ax.scatter([r.compute for r in shown], [r.curves.value for r in shown],
+                                color=color, marker=marker, zorder=3,
+                                label=f"{s.label}, from ref's curves ({kind})")
         for offset, kind, marker, label in ((0.93, "law_at_loss", "s", "ref's law at the loss"),
-                                            (1.07, "law_at_fit", "D", "ref's law at the strategy's law")):
+                                            (1.07, "law_at_fit", "D",
+                                             "ref's law at the strategy's law")):
             shown = [r for r in points if np.isfinite(getattr(r, kind).high)]
             if not shown:
                 continue
             value = np.array([getattr(r, kind).value for r in shown])
-            errors = np.array([[v - getattr(r, kind).low, getattr(r, kind).high - v] for r, v in zip(shown, value,
-                                                                                                   strict=True)]).T
-            mult_ax.errorbar([r.compute * offset for r in shown], value, yerr=errors, color=color, marker=marker,
-                             markerfacecolor="none", linestyle="none", capsize=3, label=f"{s.label}, {label}")
-    _log_loss_axes(loss_ax, "training compute C (FLOPs)", "Fits L(C) = E + A·C^(-α), E ≥ 0, per strategy", metric)
+            errors = np.array([[v - getattr(r, kind).low, getattr(r, kind).high - v]
+                               for r, v in zip(shown, value, strict=True)]).T
+            mult_ax.errorbar([r.compute * offset for r in shown], value, yerr=errors, color=color,
+                             marker=marker, markerfacecolor="none", linestyle="none", capsize=3,
+                             label=f"{s.label}, {label}")
+    _log_loss_axes(loss_ax, "training compute C (FLOPs)",
+                   "Fits L(C) = E + A·C^(-α), E ≥ 0, per strategy", metric)
     mult_ax.axhline(1.0, color="black", linewidth=0.8)
     mult_ax.set_xscale("log")
     mult_ax.set_xlabel("training compute C (FLOPs)")
@@ -138,14 +148,16 @@ def plot_efficiency(series: Sequence[Series], fits: dict[str, PowerLawFit], rows
 
 
 def plot_diagnostics(runs: Sequence[Run], labels: Sequence[str], path: Path) -> None:
-    """The training loss and the diag/* metrics over training tokens (scalevec_analysis.diagnostic_series.PANELS:
-    a row per statistic), a column per run with the rows' y axes shared, so that runs (baseline against
-    unified, bf16 against FP8) compare side by side. A line per layer (viridis, first to last; final in
-    black), per kind of map (the mean over the layers), or the loss (black)."""
+    """The training loss and the diag/* metrics over training tokens
+    (scalevec_analysis.diagnostic_series.PANELS: a row per statistic), a column per run with the
+    rows' y axes shared, so that runs (baseline against unified, bf16 against FP8) compare side by
+    side. A line per layer (viridis, first to last; final in black), per kind of map (the mean over
+    the layers), or the loss (black)."""
     fig = _figure(path, figsize=(6.5 * len(runs), 3.2 * len(PANELS)), layout="constrained")
     axes = fig.subplots(len(PANELS), len(runs), squeeze=False, sharey="row")
     # one color per kind of map in every panel and column
-    maps = sorted({name for run in runs for panel in PANELS if panel.per == "map" for name in panel_series(run, panel)})
+    maps = sorted({name for run in runs for panel in PANELS if panel.per == "map"
+                   for name in panel_series(run, panel)})
     for col, (run, label) in enumerate(zip(runs, labels, strict=True)):
         for ax, panel in zip(axes[:, col], PANELS, strict=True):
             series = panel_series(run, panel)
@@ -154,7 +166,8 @@ def plot_diagnostics(runs: Sequence[Run], labels: Sequence[str], path: Path) -> 
                 if panel.per == "run":
                     color = "black"
                 elif panel.per == "layer":
-                    color = "black" if name == "final" else _viridis(layers.index(name), len(layers))
+                    color = ("black" if name == "final"
+                             else _viridis(layers.index(name), len(layers)))
                 else:
                     color = _map_color(maps.index(name), len(maps))
                 ax.plot(tokens, values, color=color, linewidth=1.2, label=name)

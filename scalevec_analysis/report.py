@@ -1,6 +1,6 @@
 """Output directories: a comparison of groups (curves.png, summary.md, summary.csv), a scaling fit
-(scaling.png, scaling.md, scaling.csv), compute efficiency (efficiency.png, efficiency.md, efficiency.csv)
-or the diagnostics of runs side by side (diagnostics.png)."""
+(scaling.png, scaling.md, scaling.csv), compute efficiency (efficiency.png, efficiency.md,
+efficiency.csv) or the diagnostics of runs side by side (diagnostics.png)."""
 
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,17 +14,30 @@ from scalevec_analysis.efficiency import (
     fit_residuals,
     write_efficiency_csv,
 )
-from scalevec_analysis.grouping import find_group, group_runs, summarize, summary_markdown, write_summary_csv
+from scalevec_analysis.grouping import (
+    find_group,
+    group_runs,
+    summarize,
+    summary_markdown,
+    write_summary_csv,
+)
 from scalevec_analysis.plots import plot_curves, plot_diagnostics, plot_efficiency, plot_scaling
 from scalevec_analysis.runs import Run
 from scalevec_analysis.scaling import scaling_markdown, scaling_series, write_scaling_csv
-from scalevec_analysis.trend import exponent_difference, fit_trend, head_shares, trend_markdown, trend_points
+from scalevec_analysis.trend import (
+    exponent_difference,
+    fit_trend,
+    head_shares,
+    trend_markdown,
+    trend_points,
+)
 
 
-def write_comparison(runs: Sequence[Run], reference: str, out_dir: str | Path, metric: str = "val_loss",
-                     last_k: int = 1, ema_beta: float | None = None, logx: bool = False,
-                     logy: bool = False, ignore: Sequence[str] = ()) -> str:
-    """Group `runs`, write out_dir/curves.png, summary.md and summary.csv; return the markdown table."""
+def write_comparison(runs: Sequence[Run], reference: str, out_dir: str | Path,
+                     metric: str = "val_loss", last_k: int = 1, ema_beta: float | None = None,
+                     logx: bool = False, logy: bool = False, ignore: Sequence[str] = ()) -> str:
+    """Group `runs`, write out_dir/curves.png, summary.md and summary.csv; return the
+    markdown table."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     groups = group_runs(runs, ignore)
@@ -37,9 +50,11 @@ def write_comparison(runs: Sequence[Run], reference: str, out_dir: str | Path, m
     return table
 
 
-def write_scaling(runs: Sequence[Run], out_dir: str | Path, metric: str = "val_loss", last_k: int = 1,
-                  series_keys: Sequence[str] = ("scale",), ignore: Sequence[str] = ()) -> str:
-    """Fit each series, write out_dir/scaling.png, scaling.md and scaling.csv; return the markdown."""
+def write_scaling(runs: Sequence[Run], out_dir: str | Path, metric: str = "val_loss",
+                  last_k: int = 1, series_keys: Sequence[str] = ("scale",),
+                  ignore: Sequence[str] = ()) -> str:
+    """Fit each series, write out_dir/scaling.png, scaling.md and scaling.csv; return
+    the markdown."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     series = scaling_series(runs, metric, last_k, series_keys, ignore)
@@ -50,13 +65,15 @@ def write_scaling(runs: Sequence[Run], out_dir: str | Path, metric: str = "val_l
     return table
 
 
-def write_efficiency(runs: Sequence[Run], reference: str, out_dir: str | Path, metric: str = "val_loss",
-                     last_k: int = 1, series_keys: Sequence[str] = ("scale",), ignore: Sequence[str] = (),
-                     bootstrap: int = 1000, extrapolate: Sequence[tuple[str, float, float]] = ()) -> str:
-    """Compute multipliers of every strategy against `reference` (scalevec_analysis.efficiency); write
-    out_dir/efficiency.png, efficiency.md and efficiency.csv, and each strategy's trend over the ladder
-    (scalevec_analysis.trend) to out_dir/trend.md, with the pooled trend carried to each (label, compute,
-    budget) of `extrapolate`; return the efficiency markdown."""
+def write_efficiency(runs: Sequence[Run], reference: str, out_dir: str | Path,
+                     metric: str = "val_loss", last_k: int = 1,
+                     series_keys: Sequence[str] = ("scale",), ignore: Sequence[str] = (),
+                     bootstrap: int = 1000,
+                     extrapolate: Sequence[tuple[str, float, float]] = ()) -> str:
+    """Compute multipliers of every strategy against `reference` (scalevec_analysis.efficiency);
+    write out_dir/efficiency.png, efficiency.md and efficiency.csv, and each strategy's trend over
+    the ladder (scalevec_analysis.trend) to out_dir/trend.md, with the pooled trend carried to each
+    (label, compute, budget) of `extrapolate`; return the efficiency markdown."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     series = efficiency_series(runs, metric, last_k, series_keys, ignore)
@@ -76,8 +93,10 @@ def write_efficiency(runs: Sequence[Run], reference: str, out_dir: str | Path, m
         budgets = sorted({p.budget for p in points})
         blocks = [p for p in points if p.head_share < 0.5]
         fits_of = {"pooled": fit_trend(points, budgets, bootstrap),
-                   **{f"{b:g} tokens per parameter": fit_trend(points, (b,), bootstrap) for b in budgets},
-                   "pooled, rungs whose head is under half the compute": fit_trend(blocks, budgets, bootstrap)}
+                   **{f"{b:g} tokens per parameter": fit_trend(points, (b,), bootstrap)
+                      for b in budgets},
+                   "pooled, rungs whose head is under half the compute":
+                       fit_trend(blocks, budgets, bootstrap)}
         trends.append(f"## {s.label} against {ref.label}\n\n" + trend_markdown(
             points, fits_of, exponent_difference(s, ref, bootstrap), extrapolate))
     (out / "trend.md").write_text("\n".join(trends))
@@ -85,15 +104,15 @@ def write_efficiency(runs: Sequence[Run], reference: str, out_dir: str | Path, m
 
 
 def write_diagnostics(runs: Sequence[Run], out_dir: str | Path, ignore: Sequence[str] = ()) -> str:
-    """out_dir/diagnostics.png: the diag/* metrics of `runs`, a column each, labelled by what sets their
-    configs apart (as groups are); returns a line naming the file."""
+    """out_dir/diagnostics.png: the diag/* metrics of `runs`, a column each, labelled by what sets
+    their configs apart (as groups are); returns a line naming the file."""
     check_diagnostics(list(runs))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     groups = group_runs(runs, ignore)
     label_of = {id(run): group.label for group in groups for run in group.runs}
     # runs of one config (seeds) keep their directory's name apart
-    labels = [label_of[id(run)] if len(groups) == len(runs) else f"{label_of[id(run)]} ({Path(run.name).name})"
-              for run in runs]
+    labels = [label_of[id(run)] if len(groups) == len(runs)
+              else f"{label_of[id(run)]} ({Path(run.name).name})" for run in runs]
     plot_diagnostics(runs, labels, out / "diagnostics.png")
     return f"wrote {out / 'diagnostics.png'} ({', '.join(labels)})\n"

@@ -1,10 +1,11 @@
-"""Training runs as records: read from run directories (metrics.jsonl, config.yaml, describe.json) or from
-wandb, with one merged metrics record per step.
+"""Training runs as records: read from run directories (metrics.jsonl, config.yaml, describe.json)
+or from wandb, with one merged metrics record per step.
 
-Metrics files: a resumed run appends records that repeat steps it had logged before it restarted from
-an earlier checkpoint. A step lower than one already seen marks such a restart, and every record at or
-after that step from before the restart is dropped. Records with the same step (a validation record
-logged on its own line after the training record) are merged, later values winning.
+Metrics files: a resumed run appends records that repeat steps it had logged before it restarted
+from an earlier checkpoint. A step lower than one already seen marks such a restart, and every
+record at or after that step from before the restart is dropped. Records with the same step (a
+validation record logged on its own line after the training record) are merged, later
+values winning.
 """
 
 import functools
@@ -21,11 +22,12 @@ from scalevec_train.run.resume import read_resumes
 from scalevec_train.training.logger import flatten, read_records
 
 AVERAGED_KEY = "averaged"
-# The key that sets a run resumed with changes on purpose (resume_changes) apart from one that was not
+# The key that sets a run resumed with changes on purpose (resume_changes) apart from one that
+# was not
 RESUMED_KEY = "resumed_with"
 EMA_KEY = "ema"
-# a run's metrics that its weight EMA's run (ema_run) holds under the run's own names, "_ema" dropped
-# (val_loss_ema -> val_loss, val_loss_ema/<source> -> val_loss/<source>)
+# a run's metrics that its weight EMA's run (ema_run) holds under the run's own names, "_ema"
+# dropped (val_loss_ema -> val_loss, val_loss_ema/<source> -> val_loss/<source>)
 EMA_METRICS = ("val_loss_ema", "val_bpb_ema")
 
 
@@ -37,7 +39,8 @@ class Run:
     config: dict[str, Any]
     records: list[dict[str, float]]
     params: float | None = None  # parameter count N, needed only by the scaling fit
-    flops_per_token: float | None = None  # training FLOPs per token, needed only for compute efficiency
+    # training FLOPs per token, needed only for compute efficiency
+    flops_per_token: float | None = None
 
 
 def _freeze(value: Any) -> Any:
@@ -50,8 +53,8 @@ def _freeze(value: Any) -> Any:
 
 
 def _index_lists(value: Any) -> Any:
-    # A list of sections (data.mixture) becomes one section per item, keyed by its index, so that each
-    # field (data.mixture.1.weight) groups, labels and is ignored (a path) like any other key.
+    # A list of sections (data.mixture) becomes one section per item, keyed by its index, so that
+    # each field (data.mixture.1.weight) groups, labels and is ignored (a path) like any other key.
     if isinstance(value, dict):
         return {k: _index_lists(v) for k, v in value.items()}
     if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
@@ -60,8 +63,8 @@ def _index_lists(value: Any) -> Any:
 
 
 def flatten_config(config: dict, prefix: str = "") -> dict[str, Any]:
-    """Nested config -> {"model.dim": 512, "data.mixture.0.weight": 0.75, ...}; keys that are already
-    dotted stay as they are."""
+    """Nested config -> {"model.dim": 512, "data.mixture.0.weight": 0.75, ...}; keys that are
+    already dotted stay as they are."""
     return {k: _freeze(v) for k, v in flatten(_index_lists(config), prefix).items()}
 
 
@@ -74,8 +77,8 @@ def _trainer_defaults() -> dict[str, Any]:
 
 def with_current_defaults(config: dict[str, Any]) -> dict[str, Any]:
     """A flattened run config plus the trainer's current default for every option it lacks. A run
-    written before an option existed ran with the behaviour that option's default keeps, so it belongs
-    in the same group as a newer run that leaves the option at its default."""
+    written before an option existed ran with the behaviour that option's default keeps, so it
+    belongs in the same group as a newer run that leaves the option at its default."""
     out = dict(config)
     for key, value in _trainer_defaults().items():
         # a section the run holds as one value (model.moe: null) or as sub-keys is not missing
@@ -91,8 +94,9 @@ def _numeric(row: dict) -> dict[str, float]:
 def merge_records(rows: Iterable[dict]) -> list[dict[str, float]]:
     """Logged records (in logging order, each with a `step`) -> one record per step, ascending.
 
-    A step lower than the previous one marks a restart from an earlier checkpoint: what was logged at
-    or after that step before the restart is dropped. Records of one step are merged, later keys win.
+    A step lower than the previous one marks a restart from an earlier checkpoint: what was logged
+    at or after that step before the restart is dropped. Records of one step are merged, later
+    keys win.
     """
     by_step: dict[int, dict[str, float]] = {}
     last = None
@@ -118,18 +122,20 @@ def _params_from_records(records: list[dict[str, float]]) -> float | None:
 def load_run_dir(path: str | Path) -> Run:
     """A trainer run directory (config.yaml, metrics.jsonl, optional describe.json) -> Run.
 
-    N for the scaling fit: describe.json's `total_params`, else the last `params` in the metrics; FLOPs per
-    token for compute efficiency: describe.json's `train_flops_per_token`.
+    N for the scaling fit: describe.json's `total_params`, else the last `params` in the metrics;
+    FLOPs per token for compute efficiency: describe.json's `train_flops_per_token`.
     """
     run_dir = Path(path)
     config_path, metrics_path = run_dir / "config.yaml", run_dir / "metrics.jsonl"
     for p in (config_path, metrics_path):
         if not p.is_file():
             raise ScalevecError(str(p), "missing.",
-                                "pass run directories written by the trainer (config.yaml + metrics.jsonl).")
+                                "pass run directories written by the trainer (config.yaml + "
+                                "metrics.jsonl).")
     config = OmegaConf.to_container(OmegaConf.load(config_path), resolve=False)
     if not isinstance(config, dict):
-        raise ScalevecError(str(config_path), "is not a mapping.", "pass the trainer's resolved config.")
+        raise ScalevecError(str(config_path), "is not a mapping.",
+                            "pass the trainer's resolved config.")
     records = read_metrics(metrics_path)
     params = _params_from_records(records)
     describe = run_dir / "describe.json"
@@ -150,8 +156,8 @@ def load_run_dir(path: str | Path) -> Run:
 
 
 def deliberate_changes(run_dir: Path) -> str | None:
-    """For a run resumed with changes on purpose (resume_changes: its resumes.jsonl), which keys changed
-    from which step, e.g. "optim.lr from step 500"; else None."""
+    """For a run resumed with changes on purpose (resume_changes: its resumes.jsonl), which keys
+    changed from which step, e.g. "optim.lr from step 500"; else None."""
     found = [f"{key} from step {entry['step']}" for entry in read_resumes(run_dir)
              for key, change in entry["changes"].items() if change["kind"] == "deliberate"]
     return ", ".join(found) or None
@@ -160,8 +166,8 @@ def deliberate_changes(run_dir: Path) -> str | None:
 def averaged_steps(folder: Path) -> str | None:
     """For an averaged checkpoint folder (scalevec_train/checkpoint/averaging.py, evaluated by
     scalevec_train.evaluate), the steps it averages, e.g. "200,300,400", or for the weight EMA of a
-    checkpoint written out the same way, "ema@<step>"; else None. It carries its run's config.yaml, so
-    this key is what sets it apart from the run in the grouping."""
+    checkpoint written out the same way, "ema@<step>"; else None. It carries its run's config.yaml,
+    so this key is what sets it apart from the run in the grouping."""
     state = folder / "train_state.json"
     if not state.is_file():
         return None
@@ -173,10 +179,10 @@ def averaged_steps(folder: Path) -> str | None:
 
 
 def ema_run(run: Run) -> Run | None:
-    """The weight EMA a run kept (train.ema.half_life_tokens) as a run of its own: its validation curves
-    (val_loss_ema, val_bpb_ema, a mixture's val_loss_ema/<source> as val_loss, val_bpb, val_loss/<source>),
-    marked `ema=half-life <tokens>` (the run's train.ema keys do not group, the EMA changing nothing of
-    the run); None for a run without one."""
+    """The weight EMA a run kept (train.ema.half_life_tokens) as a run of its own: its validation
+    curves (val_loss_ema, val_bpb_ema, a mixture's val_loss_ema/<source> as val_loss, val_bpb,
+    val_loss/<source>), marked `ema=half-life <tokens>` (the run's train.ema keys do not group, the
+    EMA changing nothing of the run); None for a run without one."""
     kept = ("step", "tokens")
     records = [{**{k: r[k] for k in kept if k in r},
                 **{k.replace("_ema", "", 1): v for k, v in r.items() if k.startswith(EMA_METRICS)}}
@@ -184,12 +190,13 @@ def ema_run(run: Run) -> Run | None:
     if not records:
         return None
     half_life = run.config.get("train.ema.half_life_tokens")
-    return Run(f"{run.name} (ema)", {**run.config, EMA_KEY: f"half-life {half_life:g} tokens"}, records,
-               run.params, run.flops_per_token)
+    return Run(f"{run.name} (ema)", {**run.config, EMA_KEY: f"half-life {half_life:g} tokens"},
+               records, run.params, run.flops_per_token)
 
 
 def _unwrap_wandb_config(config: dict) -> dict:
-    # wandb may store each top-level value as {"value": ..., "desc": ...}; `_wandb` etc. are its own.
+    # wandb may store each top-level value as {"value": ..., "desc": ...}; `_wandb` etc. are
+    # its own.
     out = {}
     for key, value in config.items():
         if str(key).startswith("_"):
@@ -200,7 +207,8 @@ def _unwrap_wandb_config(config: dict) -> dict:
     return out
 
 
-def run_from_history(name: str, rows: Iterable[dict], config: dict, params: float | None = None) -> Run:
+def run_from_history(name: str, rows: Iterable[dict], config: dict,
+                     params: float | None = None) -> Run:
     """A wandb run's history rows and config -> Run. `step` falls back to wandb's `_step`."""
     converted = []
     for row in rows:
@@ -212,7 +220,8 @@ def run_from_history(name: str, rows: Iterable[dict], config: dict, params: floa
     records = merge_records(converted)
     if params is None:
         params = _params_from_records(records)
-    return Run(name, with_current_defaults(flatten_config(_unwrap_wandb_config(config))), records, params)
+    return Run(name, with_current_defaults(flatten_config(_unwrap_wandb_config(config))), records,
+               params)
 
 
 def parse_wandb_filter(spec: str) -> tuple[str, dict | None]:
@@ -239,7 +248,8 @@ def load_wandb(run_paths: Sequence[str] = (), filters: Sequence[str] = ()) -> li
     try:
         import wandb
     except ImportError:
-        raise ScalevecError("--wandb", "wandb is not installed.", "pip install 'scalevec[wandb]'.") from None
+        raise ScalevecError("--wandb", "wandb is not installed.",
+                            "pip install 'scalevec[wandb]'.") from None
     api = wandb.Api()
     found = [api.run(p) for p in run_paths]
     for spec in filters:

@@ -1,5 +1,5 @@
-"""Scaling fit: L(N) = E + A * N^(-alpha), E >= 0, fitted per strategy (series) to the mean terminal loss
-over the runs at each parameter count N (see `fit_power_law`), and its tables."""
+"""Scaling fit: L(N) = E + A * N^(-alpha), E >= 0, fitted per strategy (series) to the mean terminal
+loss over the runs at each parameter count N (see `fit_power_law`), and its tables."""
 
 import csv
 import math
@@ -9,7 +9,13 @@ from pathlib import Path
 
 import numpy as np
 
-from scalevec_analysis.grouping import comparable_config, config_labels, differing_keys, in_sections, metric_curve
+from scalevec_analysis.grouping import (
+    comparable_config,
+    config_labels,
+    differing_keys,
+    in_sections,
+    metric_curve,
+)
 from scalevec_analysis.runs import Run
 from scalevec_train.infra.errors import ScalevecError
 
@@ -38,10 +44,11 @@ class ScalingSeries:
     fit: PowerLawFit | None  # None with fewer than 3 sizes
 
 
-def _profiles(base: np.ndarray, y: np.ndarray, alphas: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For each alpha the model is linear in (E, A'): the least-squares (residual sum of squares, E, A')
-    in closed form, with E >= 0 (no loss has a negative floor): where the free E would be negative, the
-    optimum lies on E = 0, with A' by least squares through the origin."""
+def _profiles(base: np.ndarray, y: np.ndarray,
+              alphas: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each alpha the model is linear in (E, A'): the least-squares (residual sum of squares, E,
+    A') in closed form, with E >= 0 (no loss has a negative floor): where the free E would be
+    negative, the optimum lies on E = 0, with A' by least squares through the origin."""
     x = np.power(base[None, :], -alphas[:, None])
     xc = x - x.mean(axis=1, keepdims=True)
     slope = (xc @ (y - y.mean())) / np.einsum("ij,ij->i", xc, xc)
@@ -53,19 +60,20 @@ def _profiles(base: np.ndarray, y: np.ndarray, alphas: np.ndarray) -> tuple[np.n
     return np.einsum("ij,ij->i", resid, resid), intercept, slope
 
 
-def fit_power_law(sizes: Sequence[float], losses: Sequence[float], alpha_max: float = 4.0) -> PowerLawFit:
+def fit_power_law(sizes: Sequence[float], losses: Sequence[float],
+                  alpha_max: float = 4.0) -> PowerLawFit:
     """Least-squares fit of L(N) = E + A * N^(-alpha) with E >= 0 and alpha in (0, alpha_max].
 
-    For each alpha, E and A follow by linear least squares (where the free E would be negative, E = 0
-    and A by least squares through the origin); alpha minimises that profile residual: a grid search,
-    then ever finer grids between the neighbours of the best point. Exact points of a law
+    For each alpha, E and A follow by linear least squares (where the free E would be negative,
+    E = 0 and A by least squares through the origin); alpha minimises that profile residual: a grid
+    search, then ever finer grids between the neighbours of the best point. Exact points of a law
     with E >= 0 give back their E, A, alpha. N is divided by its geometric mean for conditioning.
     """
     n = np.asarray(sizes, dtype=np.float64)
     y = np.asarray(losses, dtype=np.float64)
     if len(np.unique(n)) < 3 or np.any(n <= 0):
-        raise ScalevecError("scaling fit", f"needs at least 3 distinct positive sizes, got {sorted(set(n))}.",
-                            "run more model sizes.")
+        raise ScalevecError("scaling fit", "needs at least 3 distinct positive sizes, got "
+                            f"{sorted(set(n))}.", "run more model sizes.")
     n0 = float(np.exp(np.log(n).mean()))
     base = n / n0
     grid = np.linspace(alpha_max / 4000, alpha_max, 4000)
@@ -84,8 +92,8 @@ def fit_power_law(sizes: Sequence[float], losses: Sequence[float], alpha_max: fl
 def scaling_series(runs: Sequence[Run], metric: str = "val_loss", last_k: int = 1,
                    series_keys: Sequence[str] = ("scale",),
                    ignore: Sequence[str] = ()) -> list[ScalingSeries]:
-    """Split runs into series by the config keys under `series_keys` (default: the `scale` section, i.e.
-    the strategy), average the terminal loss over the runs at each N, and fit each series.
+    """Split runs into series by the config keys under `series_keys` (default: the `scale` section,
+    i.e. the strategy), average the terminal loss over the runs at each N, and fit each series.
 
     Runs at the same N in one series must differ only in ignored keys (the seed...), else the points
     would mix different settings: that is an error.
@@ -94,8 +102,8 @@ def scaling_series(runs: Sequence[Run], metric: str = "val_loss", last_k: int = 
     for run in runs:
         if run.params is None:
             raise ScalevecError(run.name, "no parameter count N for the scaling fit.",
-                                "keep the trainer's describe.json (total_params) in the run directory, "
-                                "or log a `params` value in the metrics.")
+                                "keep the trainer's describe.json (total_params) in the run "
+                                "directory, or log a `params` value in the metrics.")
         config = comparable_config(run, ignore)
         key = tuple(sorted((k, v) for k, v in config.items() if in_sections(k, series_keys)))
         series.setdefault(key, {}).setdefault(run.params, []).append(run)
@@ -109,7 +117,8 @@ def scaling_series(runs: Sequence[Run], metric: str = "val_loss", last_k: int = 
             configs = [comparable_config(r, ignore) for r in members]
             if len({tuple(sorted(c.items())) for c in configs}) > 1:
                 raise ScalevecError(f"series {label!r} at N={size:.6g}",
-                                    f"its runs differ in more than the seed: {', '.join(differing_keys(configs))}.",
+                                    "its runs differ in more than the seed: "
+                                    f"{', '.join(differing_keys(configs))}.",
                                     "pass one set of runs per size, or add those keys to --series.")
             losses.append(np.mean([metric_curve(r, metric, last_k)[1][-1] for r in members]))
             counts.append(len(members))
@@ -135,6 +144,6 @@ def write_scaling_csv(series: Sequence[ScalingSeries], path: Path) -> None:
         w = csv.writer(f)
         w.writerow(["series", "sizes", "runs", "E", "A", "alpha", "rmse"])
         for s in series:
-            fit = ["", "", "", ""] if s.fit is None else [repr(s.fit.E), repr(s.fit.A), repr(s.fit.alpha),
-                                                          repr(s.fit.rmse)]
+            fit = ["", "", "", ""] if s.fit is None else [repr(s.fit.E), repr(s.fit.A),
+                                                          repr(s.fit.alpha), repr(s.fit.rmse)]
             w.writerow([s.label, len(s.sizes), int(s.counts.sum()), *fit])

@@ -1,4 +1,5 @@
-"""scalevec: pre-training dense and MoE decoders with the scale-vector strategies of arXiv 2605.26895."""
+"""scalevec: pre-training dense and MoE decoders with the scale-vector strategies of arXiv
+2605.26895."""
 
 
 def __getattr__(name: str):

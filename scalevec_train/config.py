@@ -1,9 +1,10 @@
-"""The typed root config: Hydra composes YAML from configs/, this module turns it into dataclasses and
-validates it before any expensive work. Each component's options live next to the component.
+"""The typed root config: Hydra composes YAML from configs/, this module turns it into dataclasses
+and validates it before any expensive work. Each component's options live next to the component.
 
-The dataclasses are the one source of every option's default and documentation. Hydra composes on top
-of those defaults (registered as `scalevec_defaults`, untyped, so that every option can be overridden
-with `key=value` and this module's checks give the one-line errors); presets set only what differs."""
+The dataclasses are the one source of every option's default and documentation. Hydra composes on
+top of those defaults (registered as `scalevec_defaults`, untyped, so that every option can be
+overridden with `key=value` and this module's checks give the one-line errors); presets set only
+what differs."""
 
 import dataclasses
 from dataclasses import dataclass, field
@@ -49,15 +50,17 @@ class Config:
     # none: start fresh (refuses a run_dir that already holds checkpoints) | auto: continue from the
     # newest complete checkpoint in run_dir if there is one | a checkpoint directory path
     resume: str = "none"
-    # keys that define the trajectory (continuation.py) which this resume or branch changes on purpose,
-    # e.g. [optim.lr] after a spike; any other such change is refused, naming the keys
+    # keys that define the trajectory (continuation.py) which this resume or branch changes on
+    # purpose, e.g. [optim.lr] after a spike; any other such change is refused, naming the keys
     resume_changes: list[str] = field(default_factory=list)
-    # a Hugging Face Llama folder (config.json + safetensors) whose weights start a fresh run under any
-    # dense model and strategy; empty: random initialization. A resumed run takes its checkpoint instead.
+    # a Hugging Face Llama folder (config.json + safetensors) whose weights start a fresh run under
+    # any dense model and strategy; empty: random initialization. A resumed run takes its checkpoint
+    # instead.
     init_from: str = ""
-    # a run directory or checkpoint of another run (the trunk) to branch from: this run starts from its
-    # weights, optimizer state and data position in its own run_dir, and decays to its own train.steps
-    # (scalevec_train/run/branch.py: which checkpoint, what must match); empty: no branch
+    # a run directory or checkpoint of another run (the trunk) to branch from: this run starts from
+    # its weights, optimizer state and data position in its own run_dir, and decays to its own
+    # train.steps (scalevec_train/run/branch.py: which checkpoint, what must match); empty: no
+    # branch
     branch_from: str = ""
     # auto (cuda if available) | cpu | cuda
     device: str = choice("auto", Literal["auto", "cpu", "cuda"])
@@ -74,13 +77,14 @@ class Config:
         self.distributed.validate()
         if self.distributed.expert_parallel > 1:
             moe = self.model.moe
-            check_expert_parallel(self.distributed, None if moe is None else moe.num_experts, world_size,
-                                  mesh_shape(self.distributed, world_size)[0])
+            check_expert_parallel(self.distributed, None if moe is None else moe.num_experts,
+                                  world_size, mesh_shape(self.distributed, world_size)[0])
         self.tasks.validate()
-        if self.model.parameterization == "mup" and self.optim.name == "muon" and self.optim.muon_router:
-            raise ScalevecError("optim.muon_router", "under model.parameterization=mup the router is a readout "
-                                "(its logits scaled by 1 / m_N), whose rule is AdamW's "
-                                "(docs/concepts/parameterization.md).",
+        if (self.model.parameterization == "mup" and self.optim.name == "muon"
+                and self.optim.muon_router):
+            raise ScalevecError("optim.muon_router", "under model.parameterization=mup the router "
+                                "is a readout (its logits scaled by 1 / m_N), whose rule is "
+                                "AdamW's (docs/concepts/parameterization.md).",
                                 "set optim.muon_router=false.")
         if self.train.seq_len > self.model.max_seq_len:
             raise ScalevecError("train.seq_len", f"{self.train.seq_len} is longer than the model's "
@@ -92,20 +96,23 @@ class Config:
         unknown = [k for k in self.resume_changes if not _is_option(self, k)]
         if unknown:
             raise ScalevecError("resume_changes", f"names no option: {unknown}.",
-                                "name dotted option keys, e.g. resume_changes=[optim.lr,optim.weight_decay].")
+                                "name dotted option keys, e.g. "
+                                "resume_changes=[optim.lr,optim.weight_decay].")
         if self.branch_from and (self.init_from or self.resume not in ("none", "auto")):
             other = "init_from" if self.init_from else "resume"
             raise ScalevecError("branch_from", f"and {other} both say where the run starts.",
-                                f"drop {other} (a branch starts from its trunk's checkpoint; resume=auto "
-                                "continues a branch that has checkpoints of its own).")
+                                f"drop {other} (a branch starts from its trunk's checkpoint; "
+                                "resume=auto continues a branch that has checkpoints of its own).")
 
     def derive(self, world_size: int) -> None:
-        """Fill the options derived from others: a null train.micro_batch from the ranks, train.steps and
-        checkpoint.every from their tokens per parameter."""
+        """Fill the options derived from others: a null train.micro_batch from the ranks,
+        train.steps and checkpoint.every from their tokens per parameter."""
         self.train.derive_micro_batch(world_size)
         tokens_per_step = self.train.global_batch * self.train.seq_len
-        per_param = {"steps": self.train.tokens_per_param, "every": self.checkpoint.every_tokens_per_param}
-        per_param = {k: v for k, v in per_param.items() if v is not None and v > 0}  # validate() names bad ones
+        per_param = {"steps": self.train.tokens_per_param,
+                     "every": self.checkpoint.every_tokens_per_param}
+        # validate() names bad ones
+        per_param = {k: v for k, v in per_param.items() if v is not None and v > 0}
         if not per_param or tokens_per_step <= 0:
             return
         self.model.validate()  # its shapes give the count
@@ -116,21 +123,22 @@ class Config:
             self.checkpoint.every = max(1, int(per_param["every"] * n / tokens_per_step))
 
 
-# The typed schema, built once (~60 ms a time): OmegaConf.merge copies its first config, so to_config and
-# from_record merge onto it without changing it.
+# The typed schema, built once (~60 ms a time): OmegaConf.merge copies its first config, so
+# to_config and from_record merge onto it without changing it.
 _SCHEMA = OmegaConf.structured(Config)
 # Hydra's base config (`- scalevec_defaults` in configs/config.yaml): every option at its default.
 ConfigStore.instance().store(name="scalevec_defaults", node=OmegaConf.to_container(_SCHEMA))
 
 
 def batch_tokens(tokens: int, *, _root_: DictConfig) -> int:
-    """`${batch_tokens:N}`: a global batch of N tokens in sequences of train.seq_len, so that a recipe's
-    batch stays N tokens when the sequence length is changed."""
+    """`${batch_tokens:N}`: a global batch of N tokens in sequences of train.seq_len, so that a
+    recipe's batch stays N tokens when the sequence length is changed."""
     seq_len = _root_.train.seq_len
     if seq_len <= 0 or tokens % seq_len:
-        raise ScalevecError("train.global_batch", f"{tokens} tokens are not a whole number of sequences of "
-                            f"train.seq_len={seq_len}.", "set train.global_batch (in sequences), or a sequence "
-                            f"length that divides {tokens}.")
+        raise ScalevecError("train.global_batch", f"{tokens} tokens are not a whole number of "
+                            f"sequences of train.seq_len={seq_len}.",
+                            "set train.global_batch (in sequences), or a sequence length that "
+                            f"divides {tokens}.")
     return tokens // seq_len
 
 
@@ -138,13 +146,15 @@ OmegaConf.register_new_resolver("batch_tokens", batch_tokens)
 
 
 def to_config(raw: DictConfig, world_size: int = 1) -> Config:
-    """Type-check the composed config against the dataclasses, derive what follows from it, validate it."""
+    """Type-check the composed config against the dataclasses, derive what follows from it, validate
+    it."""
     try:
         merged = OmegaConf.merge(_SCHEMA, raw)
         cfg = OmegaConf.to_object(merged)
     except (ConfigKeyError, ConfigAttributeError) as e:
         raise ScalevecError(e.full_key or "config", f"unknown key ({e.msg.splitlines()[0]}).",
-                            "check the spelling against the config file that defines this group.") from None
+                            "check the spelling against the config file that defines "
+                            "this group.") from None
     except OmegaConfBaseException as e:
         cause = e.__context__
         while cause is not None and not isinstance(cause, ScalevecError):  # a resolver's own error
@@ -159,29 +169,32 @@ def to_config(raw: DictConfig, world_size: int = 1) -> Config:
 
 
 def compose_raw(overrides: list[str]) -> DictConfig:
-    """The config Hydra composes from configs/ with command-line style overrides, before typing (what
-    to_config turns into a Config for any world size)."""
+    """The config Hydra composes from configs/ with command-line style overrides, before typing
+    (what to_config turns into a Config for any world size)."""
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
         return compose(config_name="config", overrides=list(overrides))
 
 
 def compose_config(overrides: list[str], world_size: int = 1) -> Config:
-    """The config Hydra composes from configs/ with command-line style overrides, typed and validated:
-    what the training command would run (for tools, scripts and tests that are not Hydra apps)."""
+    """The config Hydra composes from configs/ with command-line style overrides, typed and
+    validated: what the training command would run (for tools, scripts and tests that are not Hydra
+    apps)."""
     raw = compose_raw(overrides)
     check_overrides(raw, overrides)
     return to_config(raw, world_size)
 
 
 def check_overrides(raw: DictConfig, overrides: list[str]) -> None:
-    """A value the command line gives that the composed config would silently replace is an error: an
-    explicit train.steps where train.tokens_per_param (e.g. +experiment=ladder's) sets the length."""
+    """A value the command line gives that the composed config would silently replace is an error:
+    an explicit train.steps where train.tokens_per_param (e.g. +experiment=ladder's) sets the
+    length."""
     given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
     per_param = raw.train.get("tokens_per_param")
     if "train.steps" in given and per_param is not None:
-        raise ScalevecError("train.steps", f"{raw.train.steps} is given, but train.tokens_per_param={per_param} "
-                            "sets the run's length.", "drop train.steps, or add train.tokens_per_param=null "
-                            "to train for train.steps steps.")
+        raise ScalevecError("train.steps", f"{raw.train.steps} is given, but "
+                            f"train.tokens_per_param={per_param} sets the run's length.",
+                            "drop train.steps, or add train.tokens_per_param=null to train for "
+                            "train.steps steps.")
 
 
 def to_yaml(cfg: Config) -> str:
@@ -189,8 +202,8 @@ def to_yaml(cfg: Config) -> str:
 
 
 def from_record(record) -> Config:
-    """A config written out before (config.yaml, a checkpoint's train state), typed: options added since
-    take their defaults."""
+    """A config written out before (config.yaml, a checkpoint's train state), typed: options added
+    since take their defaults."""
     return OmegaConf.to_object(OmegaConf.merge(_SCHEMA, record))
 
 
@@ -201,7 +214,8 @@ def read_run_config(run_dir: Path) -> Config:
         return from_record(OmegaConf.load(path))
     except (OSError, OmegaConfBaseException) as e:
         raise ScalevecError(str(path), f"cannot be read as a run's config ({type(e).__name__}).",
-                            "branch from a run directory written by the trainer, or one of its checkpoints.") from None
+                            "branch from a run directory written by the trainer, or one of its "
+                            "checkpoints.") from None
 
 
 def _is_option(cfg: Config, key: str) -> bool:

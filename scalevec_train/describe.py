@@ -1,7 +1,7 @@
 """`python -m scalevec_train.describe model=<preset> scale=<preset> [format=json] [world_size=8]
-[device_gb=80]`: every scale site of a model under a strategy, every parameter's init, LR, decay, eps and
-forward multiplier, what it costs, and the memory each rank needs (costs/tables.py says what each table
-holds)."""
+[device_gb=80]`: every scale site of a model under a strategy, every parameter's init, LR, decay,
+eps and forward multiplier, what it costs, and the memory each rank needs (costs/tables.py says what
+each table holds)."""
 
 import sys
 from dataclasses import dataclass
@@ -21,9 +21,11 @@ class Options:
 
     def __post_init__(self) -> None:
         if self.format not in ("table", "json"):
-            raise ScalevecError("format", f"unknown format {self.format!r}.", "use format=table or format=json.")
+            raise ScalevecError("format", f"unknown format {self.format!r}.",
+                                "use format=table or format=json.")
         if self.world_size < 1 or self.device_gb <= 0:
-            raise ScalevecError("world_size/device_gb", f"world_size={self.world_size}, device_gb={self.device_gb:g}.",
+            raise ScalevecError("world_size/device_gb", f"world_size={self.world_size}, "
+                                f"device_gb={self.device_gb:g}.",
                                 "give a positive whole world_size and positive device_gb.")
 
 

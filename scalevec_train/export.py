@@ -1,6 +1,6 @@
-"""`python -m scalevec_train.export <run_dir or checkpoint> out=<dir> [verify=false]`: a Hugging Face
-transformers folder (interop/hf_export.py says what it holds). `verify=false` reads the checkpoint
-without checking it against its checksums first."""
+"""`python -m scalevec_train.export <run_dir or checkpoint> out=<dir> [verify=false]`: a Hugging
+Face transformers folder (interop/hf_export.py says what it holds). `verify=false` reads the
+checkpoint without checking it against its checksums first."""
 
 import sys
 from dataclasses import dataclass
@@ -12,7 +12,8 @@ from scalevec_train.run import cli
 
 @dataclass
 class Options:
-    path: str = cli.positional("a run directory (its newest complete checkpoint) or one checkpoints/step_N")
+    path: str = cli.positional("a run directory (its newest complete checkpoint) or one "
+                               "checkpoints/step_N")
     out: str = cli.option("the new folder the transformers files are written to")
     verify: bool = cli.option("check the checkpoint against its checksums before reading it", True)
 

@@ -1,9 +1,10 @@
-"""`python -m scalevec_train.verify <path>`: every checkpoint and every token shard under `path` (a run
-directory, a folder of runs, one checkpoint, an averaged folder, data.cache_dir or one prepared folder)
-checked against the checksums recorded when it was written, one line each (run/audit.py):
+"""`python -m scalevec_train.verify <path>`: every checkpoint and every token shard under `path` (a
+run directory, a folder of runs, one checkpoint, an averaged folder, data.cache_dir or one prepared
+folder) checked against the checksums recorded when it was written, one line each (run/audit.py):
 
     ok            runs/x/checkpoints/step_000300  (6 files, 12.1 MB)
-    MISMATCH      runs/x/checkpoints/step_000400/__0_0.distcp: does not match the checksum recorded ...
+    MISMATCH      runs/x/checkpoints/step_000400/__0_0.distcp: does not match the
+                  checksum recorded ...
     no checksums  runs/old/checkpoints/step_000100  (written before checksums were recorded)
     ok            data_cache/stdlib-1a2b3c/train/00000.bin
 
@@ -20,7 +21,8 @@ from scalevec_train.run.audit import MISMATCH, audit
 
 @dataclass
 class Options:
-    path: Path = cli.positional("a run directory, data.cache_dir, or one checkpoint or prepared folder")
+    path: Path = cli.positional("a run directory, data.cache_dir, or one checkpoint or "
+                                "prepared folder")
 
 
 def run(o: Options) -> int:

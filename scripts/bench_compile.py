@@ -1,13 +1,13 @@
-"""Eager against compiled on one machine, in one run: the unified/baseline step-time ratio of a preset
-with the blocks eager and compiled (distributed.compile), and the loss (cross-entropy on fp32 logits,
-forward and backward) eager and compiled, next to the step it belongs to.
+"""Eager against compiled on one machine, in one run: the unified/baseline step-time ratio of a
+preset with the blocks eager and compiled (distributed.compile), and the loss (cross-entropy on fp32
+logits, forward and backward) eager and compiled, next to the step it belongs to.
 
-    python scripts/bench_compile.py --preset dense-study                     # the study's 16 x 128 tokens
+    python scripts/bench_compile.py --preset dense-study  # the study's 16 x 128 tokens
     python scripts/bench_compile.py --preset dense-study -- data.cache_dir=/tmp/data_cache
 
 Each step time is scripts/bench_train.py's (the run built as training builds it, warmed up with the
-compilation, then --steps steps timed); baseline and unified run back to back in each mode, so that a
-shared machine's drift touches the two of a ratio alike.
+compilation, then --steps steps timed); baseline and unified run back to back in each mode, so that
+a shared machine's drift touches the two of a ratio alike.
 """
 
 import argparse
@@ -30,7 +30,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     p.add_argument("--micro-batch", type=int, default=16, help="sequences per step")
     p.add_argument("--steps", type=int, default=10, help="timed steps per run")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps first (compilation happens here)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides applied to every run (after --)")
     return p.parse_args()
 
@@ -54,8 +55,9 @@ def main() -> None:
     steps = {}
     for compiled in (False, True):
         for scale in ("baseline", "unified"):
-            run = argparse.Namespace(seq_len=args.seq_len, micro_batch=args.micro_batch, steps=args.steps,
-                                     warmup=args.warmup, compile=compiled, overrides=args.overrides)
+            run = argparse.Namespace(seq_len=args.seq_len, micro_batch=args.micro_batch,
+                                     steps=args.steps, warmup=args.warmup, compile=compiled,
+                                     overrides=args.overrides)
             steps[compiled, scale] = float(bench(args.preset, scale, run)["step ms"])
     vocab = compose_config([f"model={args.preset}", *args.overrides], 1).model.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -64,15 +66,17 @@ def main() -> None:
     losses = {False: loss_ms(logits, targets, cross_entropy),
               True: loss_ms(logits, targets, torch.compile(cross_entropy, fullgraph=True))}
 
-    print(f"{args.preset}, {args.micro_batch} x {args.seq_len} tokens per step, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {'CUDA' if torch.cuda.is_available() else 'CPU'}")
+    print(f"{args.preset}, {args.micro_batch} x {args.seq_len} tokens per step, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{'CUDA' if torch.cuda.is_available() else 'CPU'}")
     print("| blocks | baseline step ms | unified step ms | unified / baseline | loss fwd+bwd ms "
           "| loss share of baseline step |")
     print("|---|---|---|---|---|---|")
     for compiled in (False, True):
         base, unified = steps[compiled, "baseline"], steps[compiled, "unified"]
-        print(f"| {'compiled' if compiled else 'eager'} | {base:.1f} | {unified:.1f} | {unified / base:.2f} | "
-              f"{losses[compiled]:.1f} | {100 * losses[compiled] / base:.1f}% |")
+        print(f"| {'compiled' if compiled else 'eager'} | {base:.1f} | "
+              f"{unified:.1f} | {unified / base:.2f} | {losses[compiled]:.1f} | "
+              f"{100 * losses[compiled] / base:.1f}% |")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
 """Data preparation throughput: tokens/s with 1 and N encoding workers, next to the tokenizer's own
 single-thread encode speed on the same text (the per-core limit), and peak memory.
 
-The corpus is what the overrides after `--` configure (default: data=python_env, the standard library
-and the installed packages, a few hundred MB). First the tokenizer is trained once (untimed: its own
-cost does not depend on the workers); then each worker count prepares the shards from scratch, in a
-fresh process with a cache of its own, timed from start to manifest; then the tokenizer encodes every
-document in one thread, timed around the encode calls only (no file reading). "peak RSS" is the
-preparing process's peak resident memory; "worker RSS" the largest peak of its worker processes (read
-from /proc: Linux).
+The corpus is what the overrides after `--` configure (default: data=python_env, the standard
+library and the installed packages, a few hundred MB). First the tokenizer is trained once (untimed:
+its own cost does not depend on the workers); then each worker count prepares the shards from
+scratch, in a fresh process with a cache of its own, timed from start to manifest; then the
+tokenizer encodes every document in one thread, timed around the encode calls only (no file
+reading). "peak RSS" is the preparing process's peak resident memory; "worker RSS" the largest peak
+of its worker processes (read from /proc: Linux).
 The shards of every worker count are checked to be byte-identical.
 
     python scripts/bench_data.py                                   # python_env, 1 and all cores
@@ -32,32 +32,39 @@ from scalevec_train.data import DataConfig, prepare_data, tokenizer
 from scalevec_train.data.corpus import open_corpus
 from scalevec_train.data.encode import available_cores
 
-# "of limit": tokens/s over workers x the single-thread encode speed (100%: perfect scaling, no overhead)
+# "of limit": tokens/s over workers x the single-thread encode speed (100%: perfect scaling, no
+# overhead)
 COLUMNS = ["run", "workers", "seconds", "Mtokens/s", "MB/s", "speed-up", "of limit", "peak RSS MiB",
            "worker RSS MiB"]
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workers", default=f"1,{available_cores()}", help="worker counts, comma-separated")
-    p.add_argument("--cache-dir", default="", help="where the runs prepare (default: a temporary folder, removed)")
-    p.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: one timed preparation, as JSON
-    p.add_argument("overrides", nargs="*", help="Hydra overrides (after --); default data=python_env")
+    p.add_argument("--workers", default=f"1,{available_cores()}",
+                   help="worker counts, comma-separated")
+    p.add_argument("--cache-dir", default="",
+                   help="where the runs prepare (default: a temporary folder, removed)")
+    # internal: one timed preparation, as JSON
+    p.add_argument("--one", default="", help=argparse.SUPPRESS)
+    p.add_argument("overrides", nargs="*",
+                   help="Hydra overrides (after --); default data=python_env")
     return p.parse_args()
 
 
 def peak_mib(pid: int | str) -> float:
-    """A process's peak resident memory (VmHWM; unlike rusage, it does not count the pages of the parent
-    a process was forked from before it started Python); 0 once the process is gone."""
+    """A process's peak resident memory (VmHWM; unlike rusage, it does not count the pages of the
+    parent a process was forked from before it started Python); 0 once the process is gone."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return 0.0
-    return next(int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith("VmHWM:"))
+    return next(int(line.split()[1]) / 1024 for line in status.splitlines()
+                if line.startswith("VmHWM:"))
 
 
 class WorkerPeak(threading.Thread):
-    """The largest peak resident memory of this process's children (the workers), read while they run."""
+    """The largest peak resident memory of this process's children (the workers), read while they
+    run."""
 
     def __init__(self):
         super().__init__(daemon=True)
@@ -88,7 +95,8 @@ def one_preparation(spec: str) -> None:
 
 
 def encode_speed(cfg: DataConfig, tok_path: Path) -> tuple[float, int]:
-    """Seconds the tokenizer spends encoding every document in this thread, and the tokens it makes."""
+    """Seconds the tokenizer spends encoding every document in this thread, and the tokens it
+    makes."""
     tok = tokenizer.load(tok_path)
     seconds, tokens = 0.0, 0
     for doc in open_corpus(cfg).documents():
@@ -104,8 +112,9 @@ def main() -> int:
     if args.one:
         one_preparation(args.one)
         return 0
-    # Imported here, not above: the timed preparations and their workers import this module again, and
-    # would otherwise each load Hydra and torch (which the config imports), inflating their memory.
+    # Imported here, not above: the timed preparations and their workers import this module again,
+    # and would otherwise each load Hydra and torch (which the config imports), inflating their
+    # memory.
     from scalevec_train.config import compose_config
 
     cfg = compose_config(args.overrides or ["data=python_env"]).data
@@ -120,15 +129,16 @@ def main() -> int:
         elif not tok_path.is_file():
             start = time.perf_counter()
             texts = (doc.read() for doc in open_corpus(cfg).documents())
-            tokenizer.train(tokenizer.training_lines(texts, cfg.tokenizer_train_bytes), cfg.vocab_size,
-                            cfg.tokenizer_type, tok_path)
-            print(f"tokenizer trained in {time.perf_counter() - start:.1f}s (not timed below)", file=sys.stderr)
+            tokenizer.train(tokenizer.training_lines(texts, cfg.tokenizer_train_bytes),
+                            cfg.vocab_size, cfg.tokenizer_type, tok_path)
+            print(f"tokenizer trained in {time.perf_counter() - start:.1f}s (not timed below)",
+                  file=sys.stderr)
         runs = {}
         for workers in [int(w) for w in args.workers.split(",")]:
             spec = {**cfg.__dict__, "tokenizer_path": str(tok_path), "num_workers": workers,
                     "cache_dir": str(cache / f"workers-{workers}")}
-            done = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True,
-                                  text=True, check=True)
+            done = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)],
+                                  capture_output=True, text=True, check=True)
             runs[workers] = json.loads(done.stdout.strip().splitlines()[-1])
         encode_seconds, encode_tokens = encode_speed(cfg, tok_path)
     finally:

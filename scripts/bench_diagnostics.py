@@ -5,8 +5,8 @@ side by side. Both log every step, so they differ only in the diagnostics.
     python scripts/bench_diagnostics.py                                  # dense-tiny on the CPU
     python scripts/bench_diagnostics.py --steps 20 -- scale=unified model=moe-tiny
 
-Arguments after `--` are Hydra overrides for both runs. Prints the median step time of each (the first
---warmup steps left out) and their ratio.
+Arguments after `--` are Hydra overrides for both runs. Prints the median step time of each (the
+first --warmup steps left out) and their ratio.
 """
 
 import argparse
@@ -21,8 +21,8 @@ from scalevec_train.training.trainer import Callback, Trainer
 
 
 class StepClock(Callback):
-    """Wall time from a step's first hook (`first`, a clock that runs before every other callback) to its
-    last (the clock that runs after every other)."""
+    """Wall time from a step's first hook (`first`, a clock that runs before every other callback)
+    to its last (the clock that runs after every other)."""
 
     def __init__(self, times: list[float], first: bool):
         self.times, self.first = times, first
@@ -63,10 +63,11 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="scalevec_bench_diag_") as tmp:
         for name, every in (("off", 0), ("every step", 1)):
-            overrides = ["model=dense-tiny", "device=cpu", "logger.progress_bar=false", "train.log_every=1",
-                         "train.eval_every=0", f"train.steps={args.warmup + args.steps}", "schedule.warmup_steps=1",
-                         f"train.diagnostics_every={every}", f"run_dir={Path(tmp) / name.replace(' ', '_')}",
-                         *args.overrides]
+            overrides = ["model=dense-tiny", "device=cpu", "logger.progress_bar=false",
+                         "train.log_every=1", "train.eval_every=0",
+                         f"train.steps={args.warmup + args.steps}", "schedule.warmup_steps=1",
+                         f"train.diagnostics_every={every}",
+                         f"run_dir={Path(tmp) / name.replace(' ', '_')}", *args.overrides]
             rows.append((name, statistics.median(step_times(overrides)[args.warmup:]) * 1e3))
     print("| diagnostics | median step ms | ratio |")
     print("|---|---|---|")

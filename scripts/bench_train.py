@@ -1,37 +1,42 @@
 """Training throughput: tokens/s per device, MFU, peak memory and where a step's time goes.
 
 Each (preset, scale) pair is built the way `python -m scalevec_train.train` builds a run (Hydra
-composes configs/ with the overrides, then scalevec_train.run.build), warmed up (the warm-up includes torch.compile),
-and timed in two phases:
+composes configs/ with the overrides, then scalevec_train.run.build), warmed up (the warm-up
+includes torch.compile), and timed in two phases:
   1. throughput: --steps optimizer steps back to back, the device synchronized before and after;
-  2. split: --steps more steps with the device synchronized around data loading and the optimizer step.
-     "fwd+bwd" is the rest of the step: forward, backward, host-to-device copies, gradient clipping and
-     the loss all-reduce. The extra synchronization makes phase 2 a little slower than phase 1.
-MFU = tokens/s per device * training FLOPs per token / the device's dense bf16 peak (the FLOPs formula,
-attention included, is documented in scalevec_train/costs/accounting.py). Peak memory is the most GPU memory
-allocated (torch.cuda.max_memory_allocated) from the first warm-up step to the end of phase 2: the
-counter is reset once the run is built (weights initialized, data in place), so the build itself is left
-out, and the optimizer state, created by the first step, is counted. "build s" is the build (data
-preparation on first use included), "warm-up s" the untimed steps (compilation included): what a
-budget for the next run needs. "loss" is the training loss of the first step and of the last of phase 1
-(a run under model.fp8 beside one in bf16: the same data, the same steps).
+  2. split: --steps more steps with the device synchronized around data loading and the optimizer
+     step. "fwd+bwd" is the rest of the step: forward, backward, host-to-device copies, gradient
+     clipping and the loss all-reduce. The extra synchronization makes phase 2 a little slower than
+     phase 1.
+MFU = tokens/s per device * training FLOPs per token / the device's dense bf16 peak (the FLOPs
+formula, attention included, is documented in scalevec_train/costs/accounting.py). Peak memory is
+the most GPU memory allocated (torch.cuda.max_memory_allocated) from the first warm-up step to the
+end of phase 2: the counter is reset once the run is built (weights initialized, data in place), so
+the build itself is left out, and the optimizer state, created by the first step, is counted.
+"build s" is the build (data preparation on first use included), "warm-up s" the untimed steps
+(compilation included): what a budget for the next run needs. "loss" is the training loss of the
+first step and of the last of phase 1 (a run under model.fp8 beside one in bf16: the same data, the
+same steps).
 
     python scripts/bench_train.py --presets dense-0.12b,dense-1b --scales baseline,unified
-    python scripts/bench_train.py --presets dense-1b --micro-batch 4 -- distributed.activation_checkpointing=full
+    python scripts/bench_train.py --presets dense-1b --micro-batch 4 --
+        distributed.activation_checkpointing=full
     python scripts/bench_train.py --presets dense-1b --scales baseline,unified -- model.fp8=rowwise
     torchrun --nproc_per_node=8 scripts/bench_train.py --presets dense-1b     # rank 0 prints
-    torchrun --nproc_per_node=8 scripts/bench_train.py --presets moe-2b --expert-parallel 8   # experts over 8 ranks
-    python scripts/bench_train.py --presets dense-tiny --no-compile --seq-len 128 --steps 3 --warmup 1  # CPU smoke
+    torchrun --nproc_per_node=8 scripts/bench_train.py --presets moe-2b
+        --expert-parallel 8   # experts over 8 ranks
+    python scripts/bench_train.py --presets dense-tiny --no-compile --seq-len 128 --steps 3
+        --warmup 1  # CPU smoke
 
 Arguments after `--` are Hydra overrides for every run. Each row is printed as soon as its pair is
 measured, so a run stopped at a time limit keeps the rows it finished.
 
 The data is the real input path of training: the default stdlib corpus through the trainer's loader
-(so "data ms" is what training pays), unless overridden. Its tokenizer and shards are prepared on first
-use and cached in data_cache/ for later runs: once per machine, about 7 s to train the 32k-piece
-SentencePiece tokenizer and 19 s to encode 9M tokens in one process on the 2-core CPU machine
-(2026-11-25; encoding uses every core, data.num_workers). That happens in the build, before the first
-timed step, and never inside a measurement.
+(so "data ms" is what training pays), unless overridden. Its tokenizer and shards are prepared on
+first use and cached in data_cache/ for later runs: once per machine, about 7 s to train the
+32k-piece SentencePiece tokenizer and 19 s to encode 9M tokens in one process on the 2-core CPU
+machine (2026-11-25; encoding uses every core, data.num_workers). That happens in the build, before
+the first timed step, and never inside a measurement.
 """
 
 import argparse
@@ -51,25 +56,30 @@ from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.parallel import process_group
 from scalevec_train.run.build import build
 
-COLUMNS = ["preset", "scale", "ranks", "EP", "params", "tokens/step", "step ms", "tokens/s/device", "MFU",
-           "peak mem GiB", "fwd+bwd ms", "optimizer ms", "data ms", "build s", "warm-up s", "loss"]
+COLUMNS = ["preset", "scale", "ranks", "EP", "params", "tokens/step", "step ms", "tokens/s/device",
+           "MFU", "peak mem GiB", "fwd+bwd ms", "optimizer ms", "data ms", "build s", "warm-up s",
+           "loss"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--presets", default="dense-0.12b,dense-1b", help="model presets, comma-separated")
+    p.add_argument("--presets", default="dense-0.12b,dense-1b",
+                   help="model presets, comma-separated")
     p.add_argument("--scales", default="baseline", help="scale strategies, comma-separated")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     p.add_argument("--micro-batch", type=int, default=8,
                    help="sequences per rank and step (no gradient accumulation)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per phase")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed steps first (compilation happens here)")
     p.add_argument("--expert-parallel", type=int, default=1,
-                   help="ranks each MoE layer's experts are split over (distributed.expert_parallel)")
+                   help="ranks each MoE layer's experts are split over "
+                        "(distributed.expert_parallel)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="torch.compile each block (distributed.compile)")
     p.add_argument("--profile", action="store_true",
-                   help="then, per pair, the GPU kernels of two more steps by torch.profiler (CUDA only)")
+                   help="then, per pair, the GPU kernels of two more steps by torch.profiler "
+                        "(CUDA only)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides applied to every run (after --)")
     return p.parse_args(argv)
 
@@ -79,11 +89,13 @@ def pairs(args: argparse.Namespace) -> list[tuple[str, str]]:
     return [(p, s) for p in args.presets.split(",") for s in args.scales.split(",")]
 
 
-def run_overrides(preset: str, scale: str, args: argparse.Namespace, world: int, run_dir: str) -> list[str]:
-    """The Hydra overrides of one pair's run (no gradient accumulation: the global batch is one micro-batch
-    per rank)."""
+def run_overrides(preset: str, scale: str, args: argparse.Namespace, world: int,
+                  run_dir: str) -> list[str]:
+    """The Hydra overrides of one pair's run (no gradient accumulation: the global batch is one
+    micro-batch per rank)."""
     return [f"model={preset}", f"scale={scale}", f"train.seq_len={args.seq_len}",
-            f"train.micro_batch={args.micro_batch}", f"train.global_batch={args.micro_batch * world}",
+            f"train.micro_batch={args.micro_batch}",
+            f"train.global_batch={args.micro_batch * world}",
             "train.steps=100000", f"distributed.compile={str(args.compile).lower()}",
             f"distributed.expert_parallel={args.expert_parallel}",
             "logger.progress_bar=false", f"run_dir={run_dir}", "resume=none", *args.overrides]
@@ -111,11 +123,11 @@ class Timed:
 
 @contextmanager
 def timed(owner, name: str, device: torch.device) -> Iterator[Timed]:
-    """owner.<name> timed by a Timed wrapper while the context lasts. The wrapper is taken off again: left on,
-    owner -> Timed -> bound method -> owner is a reference cycle that keeps owner (the optimizer: the run's
-    parameters and their state) allocated after the run, until Python's cycle collector happens to run,
-    and the next run's peak memory counts it (the eager unified dense-1b row of the 2026-11-26 H200
-    measurements)."""
+    """owner.<name> timed by a Timed wrapper while the context lasts. The wrapper is taken off
+    again: left on, owner -> Timed -> bound method -> owner is a reference cycle that keeps owner
+    (the optimizer: the run's parameters and their state) allocated after the run, until Python's
+    cycle collector happens to run, and the next run's peak memory counts it (the eager unified
+    dense-1b row of the 2026-11-26 H200 measurements)."""
     wrapper, own = Timed(getattr(owner, name), device), vars(owner).get(name)
     setattr(owner, name, wrapper)
     try:
@@ -130,8 +142,8 @@ def timed(owner, name: str, device: torch.device) -> Iterator[Timed]:
 def bench(preset: str, scale: str, args: argparse.Namespace) -> dict:
     world = process_group.world_size()
     # build() only looks for checkpoints there; nothing is written.
-    run_dir = process_group.broadcast_object(tempfile.mkdtemp(prefix="scalevec_bench_") if process_group.is_main()
-                                           else None)
+    run_dir = process_group.broadcast_object(tempfile.mkdtemp(prefix="scalevec_bench_")
+                                             if process_group.is_main() else None)
     cfg = compose_config(run_overrides(preset, scale, args, world, run_dir), world)
     row = {"preset": preset, "scale": scale, "ranks": world, "EP": args.expert_parallel}
     device = None
@@ -163,9 +175,11 @@ def bench(preset: str, scale: str, args: argparse.Namespace) -> dict:
         row["tokens/s/device"] = f"{per_device:,.0f}"
         peak = peak_flops(device)
         if peak:
-            row["MFU"] = f"{100 * per_device * train_flops_per_token(trainer.model, cfg.train.seq_len) / peak:.1f}%"
+            flops = per_device * train_flops_per_token(trainer.model, cfg.train.seq_len)
+            row["MFU"] = f"{100 * flops / peak:.1f}%"
 
-        with timed(trainer.loader, "next_batch", device) as data, timed(trainer.optimizer, "step", device) as optim:
+        with (timed(trainer.loader, "next_batch", device) as data,
+              timed(trainer.optimizer, "step", device) as optim):
             sync(device)
             start = time.perf_counter()
             for _ in range(args.steps):
@@ -193,7 +207,8 @@ def bench(preset: str, scale: str, args: argparse.Namespace) -> dict:
 
 
 def profile_steps(trainer, steps: int) -> list[tuple[str, float]]:
-    """The GPU kernels of `steps` training steps by torch.profiler: (name, device ms per step), longest first."""
+    """The GPU kernels of `steps` training steps by torch.profiler: (name, device ms per step),
+    longest first."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -209,8 +224,9 @@ def profile_steps(trainer, steps: int) -> list[tuple[str, float]]:
 def print_profile(row: dict, top: int = 20) -> None:
     kernels = row["kernels"]
     total = sum(ms for _, ms in kernels)
-    print(f"\n{row['preset']} {row['scale']}: {total:.1f} ms of GPU kernels per step, the {top} longest "
-          f"({len(kernels)} kernels in all):\n\n| kernel | ms per step | share |\n|---|---|---|")
+    print(f"\n{row['preset']} {row['scale']}: {total:.1f} ms of GPU kernels per step, the {top} "
+          f"longest ({len(kernels)} kernels in all):\n\n"
+          "| kernel | ms per step | share |\n|---|---|---|")
     for name, ms in kernels[:top]:
         print(f"| {name[:90]} | {ms:.2f} | {100 * ms / max(total, 1e-9):.1f}% |")
 
@@ -227,8 +243,8 @@ def main() -> None:
         if main_rank:
             device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
             print(f"{device}, torch {torch.__version__}, {process_group.world_size()} rank(s), "
-                  f"seq_len {args.seq_len}, micro-batch {args.micro_batch}, compile {args.compile}, "
-                  f"overrides {args.overrides or 'none'}")
+                  f"seq_len {args.seq_len}, micro-batch {args.micro_batch}, compile "
+                  f"{args.compile}, overrides {args.overrides or 'none'}")
             print("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS), flush=True)
         rows = []
         for preset, scale in pairs(args):

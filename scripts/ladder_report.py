@@ -1,14 +1,16 @@
-"""The ladder study's own tables (scripts/run_study.sh ladder; docs/results/compute-multiplier-ladder.md).
+"""The ladder study's own tables (scripts/run_study.sh ladder;
+docs/results/compute-multiplier-ladder.md).
 
-  ladder_report.py lr OUT.md RUN_DIR...     the learning-rate grid: every arm's terminal val_loss at each
-                                            peak LR; prints "scale optim lr" per arm, its best LR (lowest
-                                            terminal val_loss; the lower LR on a tie)
-  ladder_report.py table OUT.md RUN_DIR...  per rung, budget and optimizer: baseline and unified terminal
-                                            val_loss and val_bpb (mean and sample std over seeds), and
-                                            unified minus baseline per seed (paired by seed); and the
-                                            embedded task's accuracy where a run directory holds
-                                            next_line.txt (`python -m scalevec_train.evaluate RUN
-                                            tasks=embedded` on its final checkpoint)
+  ladder_report.py lr OUT.md RUN_DIR...     the learning-rate grid: every arm's terminal val_loss at
+                                            each peak LR; prints "scale optim lr" per arm, its best
+                                            LR (lowest terminal val_loss; the lower LR on a tie)
+  ladder_report.py table OUT.md RUN_DIR...  per rung, budget and optimizer: baseline and unified
+                                            terminal val_loss and val_bpb (mean and sample std over
+                                            seeds), and unified minus baseline per seed (paired by
+                                            seed); and the embedded task's accuracy where a run
+                                            directory holds next_line.txt
+                                            (`python -m scalevec_train.evaluate RUN tasks=embedded`
+                                            on its final checkpoint)
 
 Terminal: the last logged value (the trainer evaluates at the final step). Budgets are tokens per
 non-embedding parameter (train.tokens_per_param).
@@ -34,7 +36,8 @@ def terminal(run, metric: str) -> float:
 def _task_scores(run_dir: str) -> dict[str, float]:
     """The "name value" lines the evaluate CLI printed for the run's final checkpoint."""
     lines = (Path(run_dir) / TASK_FILE).read_text().splitlines()
-    return {name: float(value) for name, value in (line.split() for line in lines if line.count(" ") == 1)}
+    return {name: float(value)
+            for name, value in (line.split() for line in lines if line.count(" ") == 1)}
 
 
 def lr_grid(out: Path, runs) -> str:
@@ -67,12 +70,13 @@ def table(out: Path, runs) -> str:
         c = run.config
         key = (c["optim.name"], c["model.dim"], c["model.name"], c["train.tokens_per_param"])
         cells[key].setdefault(c["scale.name"], {})[c["seed"]] = run
-    lines = ["| optimizer | rung | tokens/param | metric | baseline | unified | unified - baseline per seed "
-             "| mean Δ | seeds better |", "|---|---|---:|---|---:|---:|---|---:|---:|"]
+    lines = ["| optimizer | rung | tokens/param | metric | baseline | unified | unified - baseline "
+             "per seed | mean Δ | seeds better |", "|---|---|---:|---|---:|---:|---|---:|---:|"]
     for (optim, _, model, tpp), arms in sorted(cells.items()):
         base, uni = arms.get("baseline", {}), arms.get("unified", {})
         seeds = sorted(set(base) & set(uni))
-        scored = all((Path(r.name) / TASK_FILE).is_file() for arm in (base, uni) for r in arm.values())
+        scored = all((Path(r.name) / TASK_FILE).is_file()
+                     for arm in (base, uni) for r in arm.values())
         for metric in ("val_loss", "val_bpb", TASK) if scored else ("val_loss", "val_bpb"):
             b = [terminal(base[s], metric) for s in sorted(base)]
             u = [terminal(uni[s], metric) for s in sorted(uni)]
@@ -80,8 +84,8 @@ def table(out: Path, runs) -> str:
             per_seed = ", ".join(f"s{s} {d:+.4f}" for s, d in zip(seeds, deltas, strict=True))
             lower = f"{sum(d < 0 if metric != TASK else d > 0 for d in deltas)}/{len(deltas)}"
             mean = f"{statistics.fmean(deltas):+.4f}" if deltas else ""
-            lines.append(f"| {optim} | {model} | {tpp:g} | {metric} | {_mean_std(b) if b else ''} | "
-                         f"{_mean_std(u) if u else ''} | {per_seed} | {mean} | {lower} |")
+            lines.append(f"| {optim} | {model} | {tpp:g} | {metric} | {_mean_std(b) if b else ''} "
+                         f"| {_mean_std(u) if u else ''} | {per_seed} | {mean} | {lower} |")
     out.write_text("\n".join(lines) + "\n")
     return out.read_text()
 

@@ -1,10 +1,11 @@
 """Shared fixtures: a small real-text corpus (a slice of the standard library) and its cache.
 
 The suite is a CPU suite on any machine: unless SCALEVEC_GPU_TESTS=1, the GPUs are hidden from this
-process and every process it starts (before anything initializes CUDA), so that `device=auto` means the
-CPU, tolerances stay the CPU's, and a 2-rank launch never asks a 1-GPU host for device 1. The GPU tests
-(tests/gpu) run with SCALEVEC_GPU_TESTS=1 (make test-gpu, dev/gpu_session.sh), and only there.
-Processes a test starts belong to the `processes` / `module_processes` fixtures (tests/support/launch.py).
+process and every process it starts (before anything initializes CUDA), so that `device=auto` means
+the CPU, tolerances stay the CPU's, and a 2-rank launch never asks a 1-GPU host for device 1. The
+GPU tests (tests/gpu) run with SCALEVEC_GPU_TESTS=1 (make test-gpu, dev/gpu_session.sh), and only
+there. Processes a test starts belong to the `processes` / `module_processes` fixtures
+(tests/support/launch.py).
 """
 
 import os
@@ -17,9 +18,9 @@ import pytest
 GPU_TESTS = os.environ.get("SCALEVEC_GPU_TESTS") == "1"
 if not GPU_TESTS:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    # One intra-op thread (read when torch is imported): the suite's tiny models gain nothing from more,
-    # and on cores shared with other processes OpenMP threads spin waiting for a descheduled sibling,
-    # which made single-process training tests up to 10x slower beside a busy process.
+    # One intra-op thread (read when torch is imported): the suite's tiny models gain nothing from
+    # more, and on cores shared with other processes OpenMP threads spin waiting for a descheduled
+    # sibling, which made single-process training tests up to 10x slower beside a busy process.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
@@ -32,8 +33,9 @@ def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
 
 
 # Modules whose source makes a ~300 KB corpus: enough to train a tokenizer and see the loss fall.
-CORPUS_MODULES = ["argparse.py", "dataclasses.py", "functools.py", "inspect.py", "pathlib.py", "typing.py",
-                  "enum.py", "json/decoder.py", "json/encoder.py", "textwrap.py", "string.py", "shutil.py"]
+CORPUS_MODULES = ["argparse.py", "dataclasses.py", "functools.py", "inspect.py", "pathlib.py",
+                  "typing.py", "enum.py", "json/decoder.py", "json/encoder.py", "textwrap.py",
+                  "string.py", "shutil.py"]
 
 
 @pytest.fixture(scope="session")
@@ -47,10 +49,11 @@ def corpus_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def data_overrides(corpus_dir, tmp_path_factory) -> list[str]:
-    """Hydra overrides for a fast run on the small corpus (tokenizer and shards cached per session)."""
+    """Hydra overrides for a fast run on the small corpus (tokenizer and shards cached per
+    session)."""
     cache = tmp_path_factory.mktemp("data_cache")
-    return ["data=text_dir", f"data.path={corpus_dir}", f"data.cache_dir={cache}", "model.vocab_size=512",
-            "logger.progress_bar=false"]
+    return ["data=text_dir", f"data.path={corpus_dir}", f"data.cache_dir={cache}",
+            "model.vocab_size=512", "logger.progress_bar=false"]
 
 
 @pytest.fixture

@@ -1,9 +1,10 @@
-"""scripts/bench_torchtitan.py short of its GPU run (torchtitan's trainer runs on CUDA only): the train spec
-it registers builds torchtitan's Llama 3 in the shape of scalevec's dense presets, the arguments it passes
-parse as torchtitan's, its data are next-token pairs, torchtitan's log lines give the rate it reports, and
-torchtitan imports with the stand-in for a missing Hugging Face datasets. torchtitan 0.2.2 and datasets
-are dev dependencies, so CI runs every test; where torchtitan is missing they skip, and where datasets is
-(the GPU host) the tests of torchtitan's own modules skip, which import it, and the stand-in's runs."""
+"""scripts/bench_torchtitan.py short of its GPU run (torchtitan's trainer runs on CUDA only): the
+train spec it registers builds torchtitan's Llama 3 in the shape of scalevec's dense presets, the
+arguments it passes parse as torchtitan's, its data are next-token pairs, torchtitan's log lines
+give the rate it reports, and torchtitan imports with the stand-in for a missing Hugging Face
+datasets. torchtitan 0.2.2 and datasets are dev dependencies, so CI runs every test; where
+torchtitan is missing they skip, and where datasets is (the GPU host) the tests of torchtitan's own
+modules skip, which import it, and the stand-in's runs."""
 
 import os
 import subprocess
@@ -17,7 +18,8 @@ from scalevec_train.costs.tables import build_meta
 from tests.support.helpers import REPO, load_script
 
 TITAN = REPO / "scripts" / "torchtitan"
-NEEDS = "needs torchtitan 0.2.2 and Hugging Face datasets, which its train spec and config import (the dev extra)"
+NEEDS = ("needs torchtitan 0.2.2 and Hugging Face datasets, which its train spec and config import "
+         "(the dev extra)")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,8 @@ def test_flavor_has_the_presets_shape(spec, preset):
 
 
 def test_arguments_are_torchtitans(bench, spec, tmp_path):
-    args = bench.parse_args(["--preset", "dense-1b", "--seq-len", "256", "--micro-batch", "3", "--ac", "full",
+    args = bench.parse_args(["--preset", "dense-1b", "--seq-len", "256", "--micro-batch", "3",
+                             "--ac", "full",
                              "--warmup", "10", "--steps", "20", "--out", str(tmp_path)])
     config = pytest.importorskip("torchtitan.config", reason=NEEDS)
     cfg = config.ConfigManager().parse_args(bench.torchtitan_argv(args, str(tmp_path / "dump")))
@@ -63,18 +66,21 @@ def test_arguments_are_torchtitans(bench, spec, tmp_path):
         assert torch.equal(inputs[:, 1:], labels[:, :-1])
         assert 0 <= int(inputs.min()) and int(inputs.max()) < 32000
     assert not torch.equal(batches[0][0]["input"], batches[1][0]["input"])
-    assert torch.equal(batches[8][0]["input"], batches[0][0]["input"])  # eight distinct batches, cycled
+    # eight distinct batches, cycled
+    assert torch.equal(batches[8][0]["input"], batches[0][0]["input"])
 
 
 def test_rate_from_torchtitans_log_lines(bench):
     # torchtitan 0.2.2's line (components/metrics.py), colours off; steps 1 and 10 are the warm-up
-    line = ("[rank0]:[titan] 2026-11-23 12:00:00,000 - root - INFO - step: {step:2}  loss:  7.12345  "
-            "grad_norm:  1.2345  memory: {mem:5.2f}GiB(40.00%)  tps: {tps:,}  tflops: 123.45  mfu: {mfu:.2f}%")
+    line = ("[rank0]:[titan] 2026-11-23 12:00:00,000 - root - INFO - step: {step:2}  loss:  "
+            "7.12345  grad_norm:  1.2345  memory: {mem:5.2f}GiB(40.00%)  tps: {tps:,}  "
+            "tflops: 123.45  mfu: {mfu:.2f}%")
     log = "\n".join(line.format(step=s, mem=m, tps=t, mfu=u)
-                    for s, m, t, u in [(1, 9.0, 5, 0.1), (10, 30.0, 1_000, 1.0), (20, 31.5, 10_000, 40.0),
-                                       (30, 31.0, 30_000, 50.0)])
+                    for s, m, t, u in [(1, 9.0, 5, 0.1), (10, 30.0, 1_000, 1.0),
+                                       (20, 31.5, 10_000, 40.0), (30, 31.0, 30_000, 50.0)])
     rate = bench.torchtitan_rate(log, warmup=10, steps=20)
-    assert rate["tokens/s/device"] == pytest.approx(15_000)  # equal tokens at 10,000 and 30,000 per second
+    # equal tokens at 10,000 and 30,000 per second
+    assert rate["tokens/s/device"] == pytest.approx(15_000)
     assert rate["MFU"] == "45.0%" and rate["peak mem GiB"] == "31.5 (reserved)"
     with pytest.raises(ValueError, match="expected 3 torchtitan log lines"):
         bench.torchtitan_rate(log, warmup=0, steps=30)
@@ -83,16 +89,19 @@ def test_rate_from_torchtitans_log_lines(bench):
 def test_torchtitan_imports_with_the_datasets_stand_in():
     pytest.importorskip("torchtitan", reason="torchtitan is not installed (the dev extra)")
     code = ("import datasets, torchtitan.models.llama3\n"
-            f"assert datasets.__file__.startswith({str(TITAN / 'placeholders')!r}), datasets.__file__\n"
+            f"assert datasets.__file__.startswith({str(TITAN / 'placeholders')!r}), "
+            "datasets.__file__\n"
             "try:\n    datasets.load_dataset('c4')\nexcept RuntimeError as e:\n    print(e)\n")
     env = {**os.environ, "PYTHONPATH": str(TITAN / "placeholders")}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "must not reach a torchtitan text loader" in out.stdout
 
 
 def test_a_failed_run_prints_the_end_of_its_log(bench, tmp_path):
-    """A GPU session brings back the benchmark's output, not the logs it writes: a failure's cause is in it."""
+    """A GPU session brings back the benchmark's output, not the logs it writes: a failure's cause
+    is in it."""
     script = "for i in range(100):\n    print('line', i)\nraise SystemExit(3)"
     with pytest.raises(SystemExit) as stopped:
         bench.run("demo", [sys.executable, "-c", script], tmp_path / "demo.log")

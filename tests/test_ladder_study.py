@@ -1,7 +1,8 @@
-"""The ladder study's design (scripts/run_study.sh ladder, configs/experiment/ladder.yaml) holds for every
-rung as the script composes it: the budgets in tokens per parameter, a checkpoint for each branch to start
-from before its decay, the same validation sequences on every rung, and a run directory per run; the
-adamw_l3 and fp8 studies' arms compose and are named by every key they vary."""
+"""The ladder study's design (scripts/run_study.sh ladder, configs/experiment/ladder.yaml) holds for
+every rung as the script composes it: the budgets in tokens per parameter, a checkpoint for each
+branch to start from before its decay, the same validation sequences on every rung, and a run
+directory per run; the adamw_l3 and fp8 studies' arms compose and are named by every key they
+vary."""
 
 import os
 import re
@@ -24,7 +25,8 @@ RUNGS = ["dense-l1", "dense-l2", "dense-l3", "dense-l4", "dense-l6", "moe-l2", "
 
 def rung_overrides() -> dict[str, list[str]]:
     """{rung: its overrides} from the script's rung_args."""
-    found = re.findall(r"^\s*((?:dense|moe)-l\d(?:\|moe-l\d)?)\) echo (.*?) ;;$", SCRIPT.read_text(), flags=re.M)
+    found = re.findall(r"^\s*((?:dense|moe)-l\d(?:\|moe-l\d)?)\) echo (.*?) ;;$",
+                       SCRIPT.read_text(), flags=re.M)
     return {rung: args.split() for rungs, args in found for rung in rungs.split("|")}
 
 
@@ -53,8 +55,8 @@ def test_budgets_branch_points_and_validation_set(rung, scale):
     for budget in (2.5, 5):
         branch = ladder_config(rung, f"scale={scale}", f"train.tokens_per_param={budget}")
         assert branch.train.steps * tokens_per_step == pytest.approx(budget * n, rel=0.02)
-        # WSD decays over the last 20%: the branch starts from the trunk's newest checkpoint before that,
-        # at 2 and 4 tokens per parameter, only a few steps before its decay
+        # WSD decays over the last 20%: the branch starts from the trunk's newest checkpoint before
+        # that, at 2 and 4 tokens per parameter, only a few steps before its decay
         decay_start = shared_steps(trunk, branch, branch.train.steps)
         start = decay_start // trunk.checkpoint.every * trunk.checkpoint.every
         assert start * tokens_per_step == pytest.approx(0.8 * budget * n, rel=0.02)
@@ -66,7 +68,8 @@ def test_every_run_has_its_own_directory():
     dirs = {cfg.run_dir for cfg in make_configs(
         ladder_overrides(rung, f"scale={scale}", f"optim={optim}", f"optim.lr={lr}", f"seed={seed}",
                          *([] if tpp is None else [f"train.tokens_per_param={tpp}"]))
-        for rung in ("dense-l1", "dense-l3") for scale in ("baseline", "unified") for optim in ("adamw", "muon")
+        for rung in ("dense-l1", "dense-l3")
+        for scale in ("baseline", "unified") for optim in ("adamw", "muon")
         for lr in (0.003, 0.01) for seed in (0, 1) for tpp in (None, 2.5, 5))}
     assert len(dirs) == 2 * 2 * 2 * 2 * 2 * 3
     assert all(d.startswith("runs/ladder/") for d in dirs)
@@ -79,10 +82,11 @@ def study_arms() -> dict[str, list[str]]:
 
 
 def name_of(overrides: list[str]) -> str:
-    """The run name the study's convention gives these overrides, written out here: scale, optimizer and
-    LR, then every other key the arm sets, in order."""
+    """The run name the study's convention gives these overrides, written out here: scale, optimizer
+    and LR, then every other key the arm sets, in order."""
     values = dict(o.split("=", 1) for o in overrides)
-    short = {"optim.scale_lr": "scale_lr", "optim.adamw_lr": "adamw_lr", "optim.scale_weight_decay": "scale_wd"}
+    short = {"optim.scale_lr": "scale_lr", "optim.adamw_lr": "adamw_lr",
+             "optim.scale_weight_decay": "scale_wd"}
     parts = [values.pop("scale"), values.pop("optim"), "lr" + values.pop("optim.lr")]
     for key, value in values.items():
         if key in short:
@@ -102,8 +106,8 @@ def test_the_adamw_l3_study_names_every_key_its_arms_vary_and_every_arm_composes
 
 
 def ladder_commands(tmp_path: Path, *args: str, **env: str) -> list[list[str]]:
-    """The overrides of each training command the script's ladder_run starts for `args` (its own bash
-    function, run with PY standing for a program that records its arguments)."""
+    """The overrides of each training command the script's ladder_run starts for `args` (its own
+    bash function, run with PY standing for a program that records its arguments)."""
     text = SCRIPT.read_text()
     functions = "".join(re.search(rf"^{name}\(\) {{.*?^}}\n", text, flags=re.S | re.M).group(0)
                         for name in ("rung_args", "ladder_run"))
@@ -111,17 +115,19 @@ def ladder_commands(tmp_path: Path, *args: str, **env: str) -> list[list[str]]:
     record = tmp_path / "record"
     record.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "commands"}\n')
     record.chmod(0o755)
-    subprocess.run(["bash", "-c", f"{functions}ladder_run {' '.join(args)}"], cwd=tmp_path, check=True,
-                   env={**os.environ, "PY": str(record), **env})
+    subprocess.run(["bash", "-c", f"{functions}ladder_run {' '.join(args)}"], cwd=tmp_path,
+                   check=True, env={**os.environ, "PY": str(record), **env})
     lines = (tmp_path / "commands").read_text().splitlines()
     assert all(line.startswith("-m scalevec_train.train ") for line in lines)
     return [line.split()[2:] for line in lines]
 
 
-def test_ladder_runs_go_where_the_experiment_puts_them_and_a_variant_to_a_folder_of_its_own(tmp_path):
-    """A trunk and its two branches: by default in runs/ladder/ as configs/experiment/ladder.yaml names
-    them; with LADDER and LADDER_ARGS (the adamw_l3 study's ladder at optim.scale_lr=0.01), in that
-    folder under the same names, every run with the override, each branch from its own trunk."""
+def test_ladder_runs_go_where_the_experiment_puts_them_and_a_variant_to_a_folder_of_its_own(
+        tmp_path):
+    """A trunk and its two branches: by default in runs/ladder/ as configs/experiment/ladder.yaml
+    names them; with LADDER and LADDER_ARGS (the adamw_l3 study's ladder at optim.scale_lr=0.01), in
+    that folder under the same names, every run with the override, each branch from its own
+    trunk."""
     default = ladder_commands(tmp_path / "default", "dense-l1", "unified", "adamw", "0.01", "1")
     names = ["dense-l1-unified-adamw-lr0.01-tpp10.0-s1", "dense-l1-unified-adamw-lr0.01-tpp2.5-s1",
              "dense-l1-unified-adamw-lr0.01-tpp5.0-s1"]
@@ -131,12 +137,15 @@ def test_ladder_runs_go_where_the_experiment_puts_them_and_a_variant_to_a_folder
         others = [o for o in command if not o.startswith("run_dir=")]
         assert make_config_shared(*others).run_dir == f"runs/ladder/{name}"
     variant = ladder_commands(tmp_path / "variant", "dense-l1", "unified", "adamw", "0.01", "1",
-                              LADDER="runs/adamw_l3/ladder_scale_lr0.01", LADDER_ARGS="optim.scale_lr=0.01")
+                              LADDER="runs/adamw_l3/ladder_scale_lr0.01",
+                              LADDER_ARGS="optim.scale_lr=0.01")
     assert len(variant) == 3
     for command, name in zip(variant, names, strict=True):
         cfg = make_config_shared(*command)
-        assert cfg.run_dir == f"runs/adamw_l3/ladder_scale_lr0.01/{name}" and cfg.optim.scale_lr == 0.01
-    assert all(f"branch_from=runs/adamw_l3/ladder_scale_lr0.01/{names[0]}" in c for c in variant[1:])
+        assert (cfg.run_dir == f"runs/adamw_l3/ladder_scale_lr0.01/{name}"
+                and cfg.optim.scale_lr == 0.01)
+    assert all(f"branch_from=runs/adamw_l3/ladder_scale_lr0.01/{names[0]}" in c
+               for c in variant[1:])
 
 
 def fp8_study_arms() -> dict[str, list[str]]:
@@ -146,14 +155,16 @@ def fp8_study_arms() -> dict[str, list[str]]:
 
 
 def test_the_fp8_study_names_every_key_its_arms_vary_and_runs_every_map_in_fp8(tmp_path):
-    """15 arms: baseline, unified and unified's 3 ablations, each in bf16 and under tensorwise and rowwise;
-    every FP8 arm converts all 21 block maps of dense-l3; arm_run puts each run in runs/fp8/."""
+    """15 arms: baseline, unified and unified's 3 ablations, each in bf16 and under tensorwise and
+    rowwise; every FP8 arm converts all 21 block maps of dense-l3; arm_run puts each run in
+    runs/fp8/."""
     arms = fp8_study_arms()
     assert len(arms) == 15
     precisions: dict[str, set[str]] = {}
     for name, overrides in arms.items():
         assert name == name_of(overrides)
-        cfg = ladder_config("dense-l3", "model.fp8_filter=all", *overrides, "train.diagnostics_every=180", "seed=0")
+        cfg = ladder_config("dense-l3", "model.fp8_filter=all", *overrides,
+                            "train.diagnostics_every=180", "seed=0")
         assert cfg.train.steps // cfg.train.diagnostics_every >= 9
         assert (cfg.optim.lr, cfg.optim.scale_lr) == (0.003, 0.01)
         with torch.device("meta"):
@@ -161,7 +172,8 @@ def test_the_fp8_study_names_every_key_its_arms_vary_and_runs_every_map_in_fp8(t
         assert sum(r.fp8 for r in rows) == (0 if cfg.model.fp8 == "none" else 3 * 7), name
         strategy = " ".join(o for o in overrides if not o.startswith("model.fp8="))
         precisions.setdefault(strategy, set()).add(cfg.model.fp8)
-    assert len(precisions) == 5 and all(p == {"none", "tensorwise", "rowwise"} for p in precisions.values())
+    assert len(precisions) == 5 and all(p == {"none", "tensorwise", "rowwise"}
+                                        for p in precisions.values())
     text = SCRIPT.read_text()
     functions = "".join(re.search(rf"^{name}\(\) {{.*?^}}\n", text, flags=re.S | re.M).group(0)
                         for name in ("rung_args", "diag_every", "arm_run"))
@@ -171,9 +183,12 @@ def test_the_fp8_study_names_every_key_its_arms_vary_and_runs_every_map_in_fp8(t
     (tmp_path / "runs" / "fp8_logs").mkdir(parents=True)
     name, overrides = "unified-adamw-lr0.003-scale_lr0.01-model.fp8.rowwise", arms[
         "unified-adamw-lr0.003-scale_lr0.01-model.fp8.rowwise"]
-    subprocess.run(["bash", "-c", f"{functions}arm_run dense-l3 {name} 2 model.fp8_filter=all {' '.join(overrides)}"],
-                   cwd=tmp_path, check=True, env={**os.environ, "PY": str(record), "ARMS": "runs/fp8"})
+    subprocess.run(["bash", "-c", f"{functions}arm_run dense-l3 {name} 2 model.fp8_filter=all "
+                                  f"{' '.join(overrides)}"],
+                   cwd=tmp_path, check=True,
+                   env={**os.environ, "PY": str(record), "ARMS": "runs/fp8"})
     [command] = (tmp_path / "commands").read_text().splitlines()
     cfg = make_config_shared(*command.split()[2:])
-    assert cfg.run_dir == f"runs/fp8/dense-l3-{name}-s2" and cfg.model.fp8 == "rowwise" and cfg.seed == 2
+    assert (cfg.run_dir == f"runs/fp8/dense-l3-{name}-s2" and cfg.model.fp8 == "rowwise"
+            and cfg.seed == 2)
     assert cfg.model.fp8_filter == "all" and cfg.train.diagnostics_every == 180

@@ -1,5 +1,6 @@
-"""scalevec_kernels' kernels compiled ahead of time, without a GPU: which launch variants a workload makes, and what
-each costs in registers, spills, shared memory and occupancy on a given GPU architecture.
+"""scalevec_kernels' kernels compiled ahead of time, without a GPU: which launch variants a workload
+makes, and what each costs in registers, spills, shared memory and occupancy on a given GPU
+architecture.
 
     with capture() as launches:     # the ops record their launches instead of running the kernels,
         run_the_workload_on_cpu()   # on CPU tensors, interpreter or not, with the real launch code
@@ -12,8 +13,9 @@ constexprs and num_warps. The kernels' outputs under capture are left unwritten 
 workload's numbers are meaningless but its shapes, dtypes, and so its launches, are the real ones.
 
 Registers and the per-thread local frame (bytes a thread spills to local memory) come from the cubin
-(cuobjdump -res-usage, bundled with triton), shared memory from the compiled kernel's metadata, and the
-global loads and stores with the batches of loads a warp keeps in flight from its SASS (sass.py).
+(cuobjdump -res-usage, bundled with triton), shared memory from the compiled kernel's metadata, and
+the global loads and stores with the batches of loads a warp keeps in flight from its SASS
+(sass.py).
 """
 
 import contextlib
@@ -36,18 +38,20 @@ from . import sass
 SHARED_PER_BLOCK = {80: 163 * 1024, 90: 227 * 1024}
 SHARED_PER_SM = {80: 164 * 1024, 90: 228 * 1024}
 MAX_WARPS_PER_SM, MAX_BLOCKS_PER_SM = 64, 32
-# The kernels by module of scalevec_kernels (imported by name: the package's names rms_norm etc. are the
-# functions, see its __init__.py), and the modules that route a call to them or to the reference.
-_KERNELS = {"rms_norm": ("_fwd_kernel", "_bwd_kernel"), "swiglu_norm": ("_fwd_kernel", "_bwd_kernel"),
-            "partials": ("_reduce_kernel",)}
+# The kernels by module of scalevec_kernels (imported by name: the package's names rms_norm etc. are
+# the functions, see its __init__.py), and the modules that route a call to them or to the
+# reference.
+_KERNELS = {"rms_norm": ("_fwd_kernel", "_bwd_kernel"),
+            "swiglu_norm": ("_fwd_kernel", "_bwd_kernel"), "partials": ("_reduce_kernel",)}
 _ROUTING_MODULES = tuple(importlib.import_module(f"scalevec_kernels.{m}")
                          for m in ("rms_norm", "swiglu_norm", "head_rms_norm"))
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One compiled binary: `kernel` is module.function, `signature` the argument types by name (pointers
-    as '*bf16', ...; 'constexpr' for specialized ones), `constexprs` the compile-time values by name."""
+    """One compiled binary: `kernel` is module.function, `signature` the argument types by name
+    (pointers as '*bf16', ...; 'constexpr' for specialized ones), `constexprs` the compile-time
+    values by name."""
     kernel: str
     signature: tuple[tuple[str, str], ...]
     constexprs: tuple[tuple[str, object], ...]
@@ -60,9 +64,10 @@ class Variant:
 
     @property
     def params(self) -> list[str | None]:
-        """The compiled kernel's parameters in order (the arguments that are not compile-time constants),
-        by name for pointers, None for scalars: what sass.analyze takes."""
-        return [name if kind.startswith("*") else None for name, kind in self.signature if kind != "constexpr"]
+        """The compiled kernel's parameters in order (the arguments that are not compile-time
+        constants), by name for pointers, None for scalars: what sass.analyze takes."""
+        return [name if kind.startswith("*") else None for name, kind in self.signature
+                if kind != "constexpr"]
 
     def constexpr(self, name: str):
         return dict(self.constexprs)[name]
@@ -78,19 +83,22 @@ class Variant:
         return dict(self.signature)[arg].lstrip("*")
 
     def cache_key(self, cc: int) -> str:
-        """Changes with the kernel's source (triton's own hash of it), the variant and the target."""
+        """Changes with the kernel's source (triton's own hash of it), the variant and the
+        target."""
         return hashlib.sha256(f"{self.fn.cache_key}-{self!r}-{cc}".encode()).hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)
 class Usage:
-    """A compiled variant's resources on one architecture, per thread (registers, spill_bytes) or per block."""
+    """A compiled variant's resources on one architecture, per thread (registers, spill_bytes) or
+    per block."""
     cc: int
     registers: int
     spill_bytes: int
     shared_bytes: int
-    # From the SASS (empty unless compile_variant read it): each global access as (kind, argument, bytes
-    # per lane), in program order, and the batches of loads in flight together as indices into `accesses`
+    # From the SASS (empty unless compile_variant read it): each global access as (kind, argument,
+    # bytes per lane), in program order, and the batches of loads in flight together as indices into
+    # `accesses`
     accesses: tuple[tuple[str, str | None, int], ...] = ()
     batches: tuple[tuple[int, ...], ...] = ()
 
@@ -104,7 +112,8 @@ class Usage:
     def blocks_per_sm(self, num_warps: int) -> int:
         per_warp = -(-self.registers // backend.REGISTER_UNIT) * backend.REGISTER_UNIT * 32
         by_regs = backend.REGISTERS_PER_SM // (per_warp * num_warps)
-        by_shared = SHARED_PER_SM[self.cc] // self.shared_bytes if self.shared_bytes else MAX_BLOCKS_PER_SM
+        by_shared = (SHARED_PER_SM[self.cc] // self.shared_bytes if self.shared_bytes
+                     else MAX_BLOCKS_PER_SM)
         return min(by_regs, by_shared, MAX_WARPS_PER_SM // num_warps, MAX_BLOCKS_PER_SM)
 
     def occupancy(self, num_warps: int) -> float:
@@ -139,14 +148,15 @@ class Launches:
     def record(self, fn, args: tuple, kwargs: dict) -> None:
         target, backend_, binder = _binding(fn)
         bound, specialization, options = binder(*args, **kwargs)
-        options, signature, constexprs, attrs = fn._pack_args(backend_, kwargs, bound, specialization, options)
+        options, signature, constexprs, attrs = fn._pack_args(backend_, kwargs, bound,
+                                                              specialization, options)
         names = fn.arg_names
         variant = Variant(
             kernel=f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}",
             signature=tuple(signature.items()),
             constexprs=tuple((names[path[0]], value) for path, value in sorted(constexprs.items())),
-            attrs=repr(sorted(attrs.items())), num_warps=options.num_warps, num_stages=options.num_stages,
-            maxnreg=options.maxnreg,
+            attrs=repr(sorted(attrs.items())), num_warps=options.num_warps,
+            num_stages=options.num_stages, maxnreg=options.maxnreg,
             packed=(signature, constexprs, attrs))
         self._seen.setdefault(variant)
         self.calls.append(variant.kernel)
@@ -154,7 +164,8 @@ class Launches:
 
 
 class _Recorder:
-    """Stands in for a JITFunction: `kernel[grid](*args, **kwargs)` records the launch, runs nothing."""
+    """Stands in for a JITFunction: `kernel[grid](*args, **kwargs)` records the launch, runs
+    nothing."""
 
     def __init__(self, fn, launches: Launches):
         self.fn, self.launches = fn, launches
@@ -178,8 +189,8 @@ def _binding(fn):
 
 @contextlib.contextmanager
 def capture(sm_count: int = 132) -> Iterator[Launches]:
-    """Within the block, the ops take the kernel path on any device as they would on a CUDA device with
-    `sm_count` SMs (132: an H100 SXM), and record each kernel launch instead of running it."""
+    """Within the block, the ops take the kernel path on any device as they would on a CUDA device
+    with `sm_count` SMs (132: an H100 SXM), and record each kernel launch instead of running it."""
     if backend.triton is None:
         raise KernelError("capture needs the triton package.", "Install triton.")
     if backend.INTERPRETED:
@@ -211,15 +222,16 @@ def _cuobjdump() -> str:
 
     path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(path):
-        raise KernelError(f"no cuobjdump at {path}.", "Use a triton wheel with the NVIDIA backend's tools.")
+        raise KernelError(f"no cuobjdump at {path}.",
+                          "Use a triton wheel with the NVIDIA backend's tools.")
     return path
 
 
 def compile_variant(variant: Variant, cc: int, code: bool = True) -> Usage:
-    """Compile with Triton's compiler for sm_<cc> (80, 90) and read the binary's resource usage, and with
-    `code` its global accesses from the SASS (sass.py: disassembling takes about 0.4 s of CPU a variant,
-    more than the compile). Triton's compile cache (TRITON_CACHE_DIR) makes a repeated compile a cache
-    read."""
+    """Compile with Triton's compiler for sm_<cc> (80, 90) and read the binary's resource usage, and
+    with `code` its global accesses from the SASS (sass.py: disassembling takes about 0.4 s of CPU a
+    variant, more than the compile). Triton's compile cache (TRITON_CACHE_DIR) makes a repeated
+    compile a cache read."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -228,21 +240,25 @@ def compile_variant(variant: Variant, cc: int, code: bool = True) -> Usage:
     target = GPUTarget("cuda", cc, 32)
     # The options as the target's own backend derives them from the launch's (another architecture's
     # defaults would select instructions this one lacks).
-    options = make_backend(target).parse_options({"num_warps": variant.num_warps, "num_stages": variant.num_stages,
+    options = make_backend(target).parse_options({"num_warps": variant.num_warps,
+                                                  "num_stages": variant.num_stages,
                                                   "maxnreg": variant.maxnreg})
     kernel = triton.compile(ASTSource(variant.fn, signature, constexprs, attrs), target=target,
                             options=options.__dict__)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        report = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True,
-                                check=True).stdout
+        report = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True,
+                                text=True, check=True).stdout
     fields = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", report))
-    usage = Usage(cc=cc, registers=int(fields["REG"]), spill_bytes=int(fields["STACK"]) + int(fields["LOCAL"]),
+    usage = Usage(cc=cc, registers=int(fields["REG"]),
+                  spill_bytes=int(fields["STACK"]) + int(fields["LOCAL"]),
                   shared_bytes=kernel.metadata.shared)
     if not code:
         return usage
     found = sass.analyze(kernel.asm["cubin"], variant.params, cc, _cuobjdump())
     index = {id(a): i for i, a in enumerate(found.accesses)}
-    return dataclasses.replace(usage, accesses=tuple((a.kind, a.arg, a.width) for a in found.accesses),
-                               batches=tuple(tuple(index[id(a)] for a in batch) for batch in found.batches))
+    return dataclasses.replace(usage,
+                               accesses=tuple((a.kind, a.arg, a.width) for a in found.accesses),
+                               batches=tuple(tuple(index[id(a)] for a in batch)
+                                             for batch in found.batches))

@@ -1,4 +1,5 @@
-"""Hydra's basic sweeper, whose points never share a run directory (scalevec_train/run/sweep.py); configs/
+"""Hydra's basic sweeper, whose points never share a run directory
+(scalevec_train/run/sweep.py); configs/
 hydra/sweeper/scalevec.yaml selects it. It lives here because Hydra instantiates plugins from the
 hydra_plugins package only."""
 
@@ -10,10 +11,11 @@ from hydra.core.override_parser.types import Override
 
 
 class ScalevecSweeper(BasicSweeper):
-    def split_arguments(self, overrides: list[Override], max_batch_size: int | None) -> list[list[list[str]]]:
-        """Hydra's expansion of the sweep, every point named; called by sweep() before it writes anything
-        (runs/multirun.yaml) or launches a point. A sweep whose points would share a run directory exits
-        here with one line, as the trainer does for bad input."""
+    def split_arguments(self, overrides: list[Override],
+                        max_batch_size: int | None) -> list[list[list[str]]]:
+        """Hydra's expansion of the sweep, every point named; called by sweep() before it writes
+        anything (runs/multirun.yaml) or launches a point. A sweep whose points would share a run
+        directory exits here with one line, as the trainer does for bad input."""
         from scalevec_train.infra.errors import ScalevecError
         from scalevec_train.run.sweep import name_points
 
@@ -23,7 +25,8 @@ class ScalevecSweeper(BasicSweeper):
         except ScalevecError as e:
             sys.stderr.write(f"error: {e}\n")
             sys.exit(e.exit_code)
-        return [named] if max_batch_size is None else list(self.split_overrides_to_chunks(named, max_batch_size))
+        return ([named] if max_batch_size is None
+                else list(self.split_overrides_to_chunks(named, max_batch_size)))
 
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         """Nothing left to check: split_arguments composed every point."""

@@ -2,9 +2,9 @@
 
 A standalone library: it needs torch (and triton for the kernels), never the training framework.
 
-Public API (N(x) = x / sqrt(mean(x^2) + eps) over the last dim, computed in fp32, written in x.dtype;
-scales may have another dtype than x, e.g. fp32 scales with bf16 activations, and every gradient comes
-back in its input's dtype):
+Public API (N(x) = x / sqrt(mean(x^2) + eps) over the last dim, computed in fp32, written in
+x.dtype; scales may have another dtype than x, e.g. fp32 scales with bf16 activations, and every
+gradient comes back in its input's dtype):
 
     rms_norm_scales(x, scales, eps, residual=None, backend="auto") -> tuple[Tensor, ...]
         x: [..., N]; scales: list of K >= 1 tensors of shape [N], an entry None meaning an unscaled
@@ -17,33 +17,34 @@ back in its input's dtype):
         (full width), or None.
 
     swiglu_norm(gate, up, gate_scale, up_scale, eps, expert_offsets=None, backend="auto") -> Tensor
-        silu(u_g * N(gate)) * (u_u * N(up)); gate, up: [..., F] of one shape and dtype. Each scale is
-        None, [F] (shared by every row) or, with expert_offsets, [E, F]: the rows are grouped by expert
-        and row r uses the scale row of the expert e with offsets[e-1] <= r < offsets[e] (expert_offsets:
-        int [E], the cumulative row counts, the last one equal to the number of rows; experts may be
-        empty). Differentiable w.r.t. gate, up and both scales.
+        silu(u_g * N(gate)) * (u_u * N(up)); gate, up: [..., F] of one shape and dtype. Each scale
+        is None, [F] (shared by every row) or, with expert_offsets, [E, F]: the rows are grouped by
+        expert and row r uses the scale row of the expert e with offsets[e-1] <= r < offsets[e]
+        (expert_offsets: int [E], the cumulative row counts, the last one equal to the number of
+        rows; experts may be empty). Differentiable w.r.t. gate, up and both scales.
 
     rms_norm_scales_reference, head_rms_norm_reference, swiglu_norm_reference
         The plain PyTorch computations (no backend argument).
 
     check_backend(backend, device_type) -> None
-        Raises KernelError when `backend` is unknown or cannot run on tensors of that device type, so
-        that a caller can validate its configuration before any work.
+        Raises KernelError when `backend` is unknown or cannot run on tensors of that device type,
+        so that a caller can validate its configuration before any work.
 
-backend: "auto" runs the Triton kernels when x is on CUDA and triton imports (and the call fits them:
-rms_norm_scales K <= 4, rows of up to 16384 features, tensors in fp32/bf16/fp16), else the PyTorch
-reference; inside torch.compile it runs the reference (which torch.compile turns into its own code) for
-the ops and shapes where the latest measurements on a GPU found that faster (choice.py, measured/);
-"triton" insists on the kernels (on CPU only under TRITON_INTERPRET=1, set before this package is
-imported) and raises KernelError where they cannot run; "torch" is the plain reference.
-Every error of the package is a KernelError (a ValueError): bad backend names, misshapen scales,
-residuals or offsets. Scale reparameterizations (`or`: s = beta * alpha / rms(alpha), `er`) are
-computed by the caller with ordinary torch ops, once per step; autograd carries the kernels' ds on to
-beta and alpha.
+backend: "auto" runs the Triton kernels when x is on CUDA and triton imports (and the call fits
+them: rms_norm_scales K <= 4, rows of up to 16384 features, tensors in fp32/bf16/fp16), else the
+PyTorch reference; inside torch.compile it runs the reference (which torch.compile turns into its
+own code) for the ops and shapes where the latest measurements on a GPU found that faster
+(choice.py, measured/); "triton" insists on the kernels (on CPU only under TRITON_INTERPRET=1, set
+before this package is imported) and raises KernelError where they cannot run; "torch" is the plain
+reference. Every error of the package is a KernelError (a ValueError): bad backend names, misshapen
+scales, residuals or offsets. Scale reparameterizations (`or`: s = beta * alpha / rms(alpha), `er`)
+are computed by the caller with ordinary torch ops, once per step; autograd carries the kernels' ds
+on to beta and alpha.
 
 Compiling the kernels ahead of time and modelling their memory traffic from the SASS are maintainer
-tools outside this package (dev/kernel_tools/; tests/kernels/test_compile_ahead.py): a run needs none of
-them. The kernel modules declare what those tools read: ROW_ARGS, each kernel's [rows, N] arguments.
+tools outside this package (dev/kernel_tools/; tests/kernels/test_compile_ahead.py): a run needs
+none of them. The kernel modules declare what those tools read: ROW_ARGS, each kernel's [rows, N]
+arguments.
 
 The Triton paths go through the ops `torch.ops.scalevec.rms_norm_fwd` / `rms_norm_bwd` and
 `swiglu_norm_fwd` / `swiglu_norm_bwd` (registered with torch.library, with fake implementations and

@@ -1,13 +1,13 @@
 """What `backend="auto"` runs inside torch.compile, per op and shape: the fused kernel, or the plain
-reference (which torch.compile turns into its own Triton code), whichever the latest measurements on a GPU
-found faster (forward + backward at its micro-batch, measured/<date>-<device>.json: the date, the device and
-the versions are in the file).
+reference (which torch.compile turns into its own Triton code), whichever the latest measurements on
+a GPU found faster (forward + backward at its micro-batch, measured/<date>-<device>.json: the date,
+the device and the versions are in the file).
 
-A shape the table measured takes the faster one; a shape it did not measure takes the pick of the nearest
-measured width of the same op and outputs (K, or per-expert scales) within a factor of two; beyond that,
-the fused kernel (one pass over the row, where the reference's unfused ops take several). Every pick
-comes with its reason. Outside torch.compile, `auto` runs the fused kernels: there the reference would
-run as separate eager ops.
+A shape the table measured takes the faster one; a shape it did not measure takes the pick of the
+nearest measured width of the same op and outputs (K, or per-expert scales) within a factor of two;
+beyond that, the fused kernel (one pass over the row, where the reference's unfused ops take
+several). Every pick comes with its reason. Outside torch.compile, `auto` runs the fused kernels:
+there the reference would run as separate eager ops.
 """
 
 import functools
@@ -35,10 +35,12 @@ def pick(op: str, n: int, k: int = 1, experts: int = 0) -> tuple[str, str]:
             and bool(m.get("experts", 0)) == bool(experts)]
     near = [m for m in same if abs(math.log2(m["n"] / n)) <= math.log2(NEAREST)]
     if not near:
-        what = f"K = {k}" if op == "rms_norm" else ("per-expert scales" if experts else "shared scales")
-        return "fused", f"not measured (no width within {NEAREST:g}x of {n} with {what}): the fused kernel, one pass"
+        what = (f"K = {k}" if op == "rms_norm"
+                else ("per-expert scales" if experts else "shared scales"))
+        return "fused", (f"not measured (no width within {NEAREST:g}x of {n} with {what}): "
+                         "the fused kernel, one pass")
     m = min(near, key=lambda m: (abs(math.log2(m["n"] / n)), m["n"]))
     faster = "fused" if m["fused"] <= m["compile"] else "compile"
     shape = "measured" if m["n"] == n else f"nearest measured width {m['n']}"
-    return faster, (f"{shape}: fused {m['fused']:g} us, compile {m['compile']:g} us ({m['time']} time, "
-                    f"{t['rows']} rows, forward + backward; {where})")
+    return faster, (f"{shape}: fused {m['fused']:g} us, compile {m['compile']:g} us "
+                    f"({m['time']} time, {t['rows']} rows, forward + backward; {where})")

@@ -35,8 +35,9 @@ def head_rms_norm(x: Tensor, scale: Tensor | None, eps: float, backend: str = "a
         if scale.shape in ((heads, d), (heads * d,)):
             groups = heads
         elif scale.shape != (d,):
-            raise KernelError(f"head_rms_norm: scale has shape {tuple(scale.shape)}; expected ({d},), "
-                              f"({heads}, {d}) or ({heads * d},) for x of shape {tuple(x.shape)}.",
+            raise KernelError(f"head_rms_norm: scale has shape {tuple(scale.shape)}; "
+                              f"expected ({d},), ({heads}, {d}) or ({heads * d},) for x of shape "
+                              f"{tuple(x.shape)}.",
                               "Pass a scale shared across heads, one row per head, or None.")
     if not use_triton(backend, x, misfit(x, 1), shape=("rms_norm", d, 1)):
         return head_rms_norm_reference(x, scale, eps)

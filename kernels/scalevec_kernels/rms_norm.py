@@ -32,11 +32,13 @@ from .backend import (
 from .errors import KernelError
 from .partials import reduce_partials
 
-# One pointer argument per output/scale slot in the kernels; the forward holds whole rows in registers.
+# One pointer argument per output/scale slot in the kernels; the forward holds whole rows in
+# registers.
 MAX_SCALES = 4
 MAX_FEATURES = 16384
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# The kernels' [rows, N] arguments: the large tensors the memory model counts (dev/kernel_tools/traffic.py)
+# The kernels' [rows, N] arguments: the large tensors the memory model counts
+# (dev/kernel_tools/traffic.py)
 ROW_ARGS = {"_fwd_kernel": ("X", "R", "H", "Y0", "Y1", "Y2", "Y3"),
             "_bwd_kernel": ("X", "DH", "DX", "DY0", "DY1", "DY2", "DY3")}
 
@@ -56,15 +58,19 @@ def rms_norm_scales(x: Tensor, scales: list[Tensor | None] | None, eps: float,
     """K scaled copies of N(x) (or of N(x + residual), with h = x + residual returned last)."""
     scales = [None] if scales is None else list(scales)
     if not scales:
-        raise KernelError("rms_norm_scales: scales is empty.", "Pass [None] for one unscaled output.")
+        raise KernelError("rms_norm_scales: scales is empty.",
+                          "Pass [None] for one unscaled output.")
     n = x.shape[-1]
     for i, s in enumerate(scales):
         if s is not None and s.shape != (n,):
-            raise KernelError(f"rms_norm_scales: scales[{i}] has shape {tuple(s.shape)}, expected ({n},).",
-                              "Pass one scale vector per output, as wide as the last dim of x, or None.")
+            raise KernelError(f"rms_norm_scales: scales[{i}] has shape {tuple(s.shape)}, "
+                              f"expected ({n},).",
+                              "Pass one scale vector per output, as wide as the last dim of x, "
+                              "or None.")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise KernelError(f"rms_norm_scales: residual {tuple(residual.shape)} {residual.dtype} must match "
-                          f"x {tuple(x.shape)} {x.dtype}.", "Pass a residual shaped and typed like x.")
+        raise KernelError(f"rms_norm_scales: residual {tuple(residual.shape)} {residual.dtype} "
+                          f"must match x {tuple(x.shape)} {x.dtype}.",
+                          "Pass a residual shaped and typed like x.")
     if not use_triton(backend, x, misfit(x, len(scales)), shape=("rms_norm", n, len(scales))):
         return rms_norm_scales_reference(x, scales, eps, residual)
     ys, h = fused_forward(x, residual, scales, 1, eps)
@@ -76,8 +82,9 @@ def misfit(x: Tensor, k: int) -> str | None:
     n = x.shape[-1]
     if k <= MAX_SCALES and n <= MAX_FEATURES and x.dtype in _DTYPES:
         return None
-    return (f"the fused kernels take up to {MAX_SCALES} outputs of rows of up to {MAX_FEATURES} features in "
-            f"{', '.join(map(str, _DTYPES))}; got {k} outputs of {n} features in {x.dtype}.")
+    return (f"the fused kernels take up to {MAX_SCALES} outputs of rows of up to {MAX_FEATURES} "
+            f"features in {', '.join(map(str, _DTYPES))}; got {k} outputs of {n} features in "
+            f"{x.dtype}.")
 
 
 if triton is not None:
@@ -95,14 +102,16 @@ if triton is not None:
         x = tl.load(X + offs, mask=mask, other=0.0)
         if HAS_RES:
             # h is rounded to x's dtype before the norm, as x + residual in PyTorch is.
-            x = (x.to(tl.float32) + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+            x = (x.to(tl.float32)
+                 + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
             tl.store(H + offs, x, mask=mask)
         xf = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)
         tl.store(RSTD + rows, rstd, mask=row_ok)
         normed = xf * rstd[:, None]
-        # The K outputs unrolled at compile time (static_range; a jit helper call would instead cost the
-        # interpreter a re-patch of triton.language per call, which dominates the CPU test time).
+        # The K outputs unrolled at compile time (static_range; a jit helper call would instead cost
+        # the interpreter a re-patch of triton.language per call, which dominates the CPU test
+        # time).
         s_offs = ((rows % G) * N)[:, None] + cols[None, :]
         ys, ss = (Y0, Y1, Y2, Y3), (S0, S1, S2, S3)
         for k in tl.static_range(K):
@@ -124,9 +133,9 @@ if triton is not None:
         part = DS + (c * K * G + g) * N
         if CHUNKED:
             # Rows longer than a tile: per tile of rows, one pass over the column chunks for the row
-            # reduction, a second (re-reading the chunks, mostly from cache) for dx, adding each chunk's
-            # scale-gradient sums into the program's own partials (written by its first tile: every
-            # program has one, the caller launches at most a program per tile).
+            # reduction, a second (re-reading the chunks, mostly from cache) for dx, adding each
+            # chunk's scale-gradient sums into the program's own partials (written by its first
+            # tile: every program has one, the caller launches at most a program per tile).
             for t0 in range(c * BLOCK_M, T, C * BLOCK_M):
                 tokens = (t0 + tl.arange(0, BLOCK_M)).to(tl.int64)
                 row_ok = tokens < T
@@ -134,8 +143,8 @@ if triton is not None:
                 rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
                 proj = tl.zeros([BLOCK_M], tl.float32)
                 for n0 in range(0, N, BLOCK_N):
-                    normed, dn, _, _, _, _ = _bwd_chunk(X, DY0, DY1, DY2, DY3, S0, S1, S2, S3, rows, row_ok,
-                                                        rstd, n0 + cols, N, g, K, SCALED)
+                    normed, dn, _, _, _, _ = _bwd_chunk(X, DY0, DY1, DY2, DY3, S0, S1, S2, S3, rows,
+                                                        row_ok, rstd, n0 + cols, N, g, K, SCALED)
                     proj += tl.sum(dn * normed, axis=1)
                 proj = proj / N
                 for n0 in range(0, N, BLOCK_N):
@@ -145,20 +154,22 @@ if triton is not None:
                     # Issued with the chunk's other loads (before any arithmetic waits for them).
                     if HAS_DH:
                         dh = tl.load(DH + offs, mask=mask, other=0.0)
-                    normed, dn, dy0, dy1, dy2, dy3 = _bwd_chunk(X, DY0, DY1, DY2, DY3, S0, S1, S2, S3, rows,
-                                                                row_ok, rstd, chunk, N, g, K, SCALED)
+                    normed, dn, dy0, dy1, dy2, dy3 = _bwd_chunk(
+                        X, DY0, DY1, DY2, DY3, S0, S1, S2, S3, rows, row_ok, rstd, chunk, N, g, K,
+                        SCALED)
                     dx = (dn - normed * proj[:, None]) * rstd[:, None]
                     if HAS_DH:
                         dx += dh.to(tl.float32)
                     tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
                     dys = (dy0, dy1, dy2, dy3)
-                    # The partials an earlier tile wrote (a mask of the chunk's shape: triton's interpreter
-                    # takes no scalar in one)
+                    # The partials an earlier tile wrote (a mask of the chunk's shape: triton's
+                    # interpreter takes no scalar in one)
                     earlier = (chunk < N) & (t0 + 0 * chunk > c * BLOCK_M)
                     for k in tl.static_range(K):
                         if (SCALED >> k) & 1:
                             p = part + k * G * N + chunk
-                            total = tl.load(p, mask=earlier, other=0.0) + tl.sum(dys[k] * normed, axis=0)
+                            total = (tl.load(p, mask=earlier, other=0.0)
+                                     + tl.sum(dys[k] * normed, axis=0))
                             tl.store(p, total, mask=chunk < N)
                 # The next tile's threads may read partials other threads of this program wrote.
                 tl.debug_barrier()
@@ -188,8 +199,8 @@ if triton is not None:
                 rows = tokens * G + g
                 mask = row_ok[:, None] & col_ok[None, :]
                 offs = rows[:, None] * N + cols[None, :]
-                # Every large load of the tile first, then the arithmetic: the warp has them all in flight
-                # before it first waits (traffic.py counts what it has).
+                # Every large load of the tile first, then the arithmetic: the warp has them all in
+                # flight before it first waits (traffic.py counts what it has).
                 rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
                 x = tl.load(X + offs, mask=mask, other=0.0)
                 dy0 = tl.load(DY0 + offs, mask=mask, other=0.0)
@@ -230,7 +241,8 @@ if triton is not None:
     @triton.jit
     def _bwd_chunk(X, DY0, DY1, DY2, DY3, S0, S1, S2, S3, rows, row_ok, rstd, chunk, N, g,
                    K: tl.constexpr, SCALED: tl.constexpr):
-        """(normed, dn, dy_0..3) of a chunk of columns: dn = sum_k s_k dy_k; absent dy_k are zeros."""
+        """(normed, dn, dy_0..3) of a chunk of columns: dn = sum_k s_k dy_k; absent dy_k are
+        zeros."""
         col_ok = chunk < N
         mask = row_ok[:, None] & col_ok[None, :]
         offs = rows[:, None] * N + chunk[None, :]
@@ -254,35 +266,39 @@ if triton is not None:
         for k in tl.static_range(K):
             dy = dys[k]
             if (SCALED >> k) & 1:
-                dy = dy * tl.load(ss[k] + g * N + chunk, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+                dy = dy * tl.load(ss[k] + g * N + chunk, mask=col_ok,
+                                  other=0.0).to(tl.float32)[None, :]
             dn += dy
         return normed, dn, dy0, dy1, dy2, dy3
 
 
-# Elements per forward tile (whole rows); a backward's tile and widest chunk (None: by the in-flight rule,
-# backend.backward_tile; longer rows are walked in chunks). The interpreter pays per operation, not
-# per element: larger tiles keep the CPU tests fast (and tests force small chunks to run the chunked path).
+# Elements per forward tile (whole rows); a backward's tile and widest chunk (None: by the in-flight
+# rule, backend.backward_tile; longer rows are walked in chunks). The interpreter pays per
+# operation, not per element: larger tiles keep the CPU tests fast (and tests force small chunks to
+# run the chunked path).
 _FWD_TILE, _BWD_TILE = (65536, 65536) if INTERPRETED else (4096, None)
 _BWD_CHUNK = None
-# Registers within which the kernels compile without a spill on every tile the presets launch (sm_90,
-# dev/kernel_table.py): the forward on at least 40 on a tile of one row, 48 on several (their rows'
-# offsets and statistics: a tile of 4 rows with K = 3 outputs spilled at 40), the backward at up to 32
-# elements a thread
-FORWARD_LEAST_REGISTERS, FORWARD_LEAST_REGISTERS_ROWS, BACKWARD_WIDEST = 40, 48, 4 * BACKWARD_PER_THREAD
+# Registers within which the kernels compile without a spill on every tile the presets launch
+# (sm_90, dev/kernel_table.py): the forward on at least 40 on a tile of one row, 48 on several
+# (their rows' offsets and statistics: a tile of 4 rows with K = 3 outputs spilled at 40), the
+# backward at up to 32 elements a thread
+FORWARD_LEAST_REGISTERS, FORWARD_LEAST_REGISTERS_ROWS, BACKWARD_WIDEST = (40, 48,
+                                                                          4 * BACKWARD_PER_THREAD)
 
 
 def backward_grid(n: int, tokens: int, groups: int, row_bytes: int, touched: int, residual: bool,
                   device: torch.device) -> tuple[int, int, int, int, bool]:
-    """(BLOCK_M, BLOCK_N, num_warps, programs per scale row, chunked) of the backward, whose loads of x and
-    the K output gradients take `row_bytes` per element (the residual's gradient is left out: the
-    chunked path every backward with one takes reads it in its second pass only, so the first pass's
-    loads are the fewer), and all its large tensors `touched` (backend.backward_tile); each program
-    writes one fp32 partial per scale gradient. Tiles of more than
+    """(BLOCK_M, BLOCK_N, num_warps, programs per scale row, chunked) of the backward, whose loads
+    of x and the K output gradients take `row_bytes` per element (the residual's gradient is left
+    out: the chunked path every backward with one takes reads it in its second pass only, so the
+    first pass's loads are the fewer), and all its large tensors `touched` (backend.backward_tile);
+    each program writes one fp32 partial per scale gradient. Tiles of more than
     BACKWARD_PER_THREAD elements a thread, and every backward with a residual's gradient, take the
-    chunked path even when one chunk holds the row: without the K [BLOCK_M, BLOCK_N] accumulators ptxas
-    issues all of a tile's loads before it waits (with them, it left the residual's load behind the
-    arithmetic: a warp then had one tensor in flight)."""
-    block_m, block_n, warps, per_thread = backward_tile(n, row_bytes, touched, BACKWARD_WIDEST, _BWD_CHUNK)
+    chunked path even when one chunk holds the row: without the K [BLOCK_M, BLOCK_N] accumulators
+    ptxas issues all of a tile's loads before it waits (with them, it left the residual's load
+    behind the arithmetic: a warp then had one tensor in flight)."""
+    block_m, block_n, warps, per_thread = backward_tile(n, row_bytes, touched, BACKWARD_WIDEST,
+                                                        _BWD_CHUNK)
     if _BWD_TILE:
         block_m, block_n, warps = chunked_tile(n, _BWD_TILE, per_thread, _BWD_CHUNK)
     programs = triton.cdiv(resident_programs(device, warps), groups)
@@ -306,15 +322,15 @@ def fused_forward(x: Tensor, residual: Tensor | None, scales: list[Tensor | None
     # The op takes only the present scales (plus which outputs they scale): autograd routes
     # gradients into a list argument only when every entry is a tensor.
     present = [s for s in scales if s is not None]
-    ys, h, _ = torch.ops.scalevec.rms_norm_fwd(x, residual, present, [s is not None for s in scales],
-                                               groups, eps)
+    ys, h, _ = torch.ops.scalevec.rms_norm_fwd(x, residual, present,
+                                               [s is not None for s in scales], groups, eps)
     return ys, h
 
 
 _FWD_SCHEMA = ("(Tensor x, Tensor? residual, Tensor[] scales, bool[] scaled, int groups, float eps)"
                " -> (Tensor[], Tensor, Tensor)")
-_BWD_SCHEMA = ("(Tensor[] grad_ys, Tensor? grad_h, Tensor x, Tensor rstd, Tensor[] scales, bool[] scaled,"
-               " int groups) -> (Tensor, Tensor[])")
+_BWD_SCHEMA = ("(Tensor[] grad_ys, Tensor? grad_h, Tensor x, Tensor rstd, Tensor[] scales,"
+               " bool[] scaled, int groups) -> (Tensor, Tensor[])")
 
 
 @torch.library.custom_op("scalevec::rms_norm_fwd", mutates_args=(), schema=_FWD_SCHEMA)
@@ -333,9 +349,11 @@ def _fwd_op(x, residual, scales, scaled, groups, eps):
     _fwd_kernel[(triton.cdiv(m, block_m),)](
         x, res, h if residual is not None else x, rstd, *pointer_slots(ys, ys[0], MAX_SCALES),
         *pointer_slots(_by_slot(scales, scaled), x, MAX_SCALES), m, n, groups, eps, K=len(scaled),
-        SCALED=_mask(scaled), HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        SCALED=_mask(scaled), HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=warps,
         maxnreg=forward_registers(n, block_m, block_n, warps, row_bytes,
-                                  FORWARD_LEAST_REGISTERS if block_m == 1 else FORWARD_LEAST_REGISTERS_ROWS))
+                                  FORWARD_LEAST_REGISTERS if block_m == 1
+                                  else FORWARD_LEAST_REGISTERS_ROWS))
     return ys, h, rstd
 
 
@@ -360,15 +378,18 @@ def _bwd_op(grad_ys, grad_h, x, rstd, scales, scaled, groups):
         return dx, [d.zero_() for d in ds]
     row_bytes = x.element_size() + sum(g.element_size() for g in grad_ys)
     touched = row_bytes + dx.element_size() + (0 if grad_h is None else grad_h.element_size())
-    block_m, block_n, warps, programs, chunked = backward_grid(n, tokens, groups, row_bytes, touched,
-                                                               grad_h is not None, x.device)
-    partials = torch.empty((programs, len(grad_ys), groups, n), dtype=torch.float32, device=x.device)
+    block_m, block_n, warps, programs, chunked = backward_grid(n, tokens, groups, row_bytes,
+                                                               touched, grad_h is not None,
+                                                               x.device)
+    partials = torch.empty((programs, len(grad_ys), groups, n), dtype=torch.float32,
+                           device=x.device)
     dh = x if grad_h is None else grad_h.contiguous()
     _bwd_kernel[(programs * groups,)](
-        x.contiguous(), rstd.contiguous(), dh, dx, *pointer_slots([g.contiguous() for g in grad_ys], x, MAX_SCALES),
-        *pointer_slots(_by_slot(scales, scaled), x, MAX_SCALES), partials, tokens, n, groups, programs, K=len(scaled),
-        SCALED=_mask(scaled), HAS_DH=grad_h is not None, BLOCK_M=block_m, BLOCK_N=block_n, CHUNKED=chunked,
-        num_warps=warps, maxnreg=MAX_REGISTERS)
+        x.contiguous(), rstd.contiguous(), dh, dx,
+        *pointer_slots([g.contiguous() for g in grad_ys], x, MAX_SCALES),
+        *pointer_slots(_by_slot(scales, scaled), x, MAX_SCALES), partials, tokens, n, groups,
+        programs, K=len(scaled), SCALED=_mask(scaled), HAS_DH=grad_h is not None, BLOCK_M=block_m,
+        BLOCK_N=block_n, CHUNKED=chunked, num_warps=warps, maxnreg=MAX_REGISTERS)
     reduce_partials(partials, _by_slot(ds, scaled), [False] * len(scaled))
     return dx, ds
 
@@ -392,8 +413,8 @@ def _backward(ctx, grad_ys, grad_h, _grad_rstd):
     normed_input, rstd, *scales = ctx.saved_tensors
     grad_ys = [torch.zeros_like(normed_input) if g is None else g for g in grad_ys]
     grad_h = grad_h if ctx.has_residual else None
-    dx, ds = torch.ops.scalevec.rms_norm_bwd(grad_ys, grad_h, normed_input, rstd, scales, ctx.scaled,
-                                             ctx.groups)
+    dx, ds = torch.ops.scalevec.rms_norm_bwd(grad_ys, grad_h, normed_input, rstd, scales,
+                                             ctx.scaled, ctx.groups)
     return dx, dx if ctx.has_residual else None, ds, None, None, None
 
 

@@ -1,1 +1,2 @@
-"""What a run costs: parameters and FLOPs, activation and per-rank memory, communication, and describe's report."""
+"""What a run costs: parameters and FLOPs, activation and per-rank memory, communication, and
+describe's report."""

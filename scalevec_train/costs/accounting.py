@@ -7,13 +7,13 @@ Training FLOPs per token = 6 * (parameters in matrix multiplies that a token pas
 as PaLM and Megatron do, so MFU figures compare with theirs. Under document masking a query attends
 only to its document's earlier tokens: attention counts 2 * (the mean keys a query attends, measured
 on the data: TokenLoader.attended_keys) in place of seq_len, the same convention, and what the
-block-sparse kernel (FlexAttention) spends up to its block granularity. Embedding lookups are free; the output
-head counts. MoE layers count only the experts a token is routed to.
+block-sparse kernel (FlexAttention) spends up to its block granularity. Embedding lookups are free;
+the output head counts. MoE layers count only the experts a token is routed to.
 
 Normalizations and scale sites are counted apart (norm_flops_per_token), from the rows of the scale
-plan: per element and token, forward, a normalization N costs 3 FLOPs (square-accumulate, scale by the
-inverse RMS, and the RMS itself amortized) and a scale site 1 multiply (NORM_FLOPS, SITE_FLOPS); training
-costs 3x forward.
+plan: per element and token, forward, a normalization N costs 3 FLOPs (square-accumulate, scale by
+the inverse RMS, and the RMS itself amortized) and a scale site 1 multiply (NORM_FLOPS, SITE_FLOPS);
+training costs 3x forward.
 """
 
 import torch
@@ -47,7 +47,8 @@ def active_params(model: nn.Module) -> int:
     skipped = 0
     for m in model.modules():
         if isinstance(m, MoEFeedForward):
-            skipped += m.experts.per_expert_numel() * (m.cfg.num_experts - m.cfg.top_k) // m.cfg.num_experts
+            skipped += (m.experts.per_expert_numel() * (m.cfg.num_experts - m.cfg.top_k)
+                        // m.cfg.num_experts)
     return total_params(model) - skipped
 
 
@@ -70,11 +71,11 @@ def matmul_params_per_token(model: Transformer) -> int:
 
 
 def non_embedding_params(model: nn.Module) -> int:
-    """N of `train.tokens_per_param` and of the ladder's size rule: the weights a token multiplies with
-    (MoE: the active ones) minus the embedding and the output head. Without embeddings because at the
-    ladder's small sizes the vocabulary table is a large, size-irregular share (Kaplan et al. 2020 fit
-    cleaner laws without it); active because 6 N D is then the training compute; without scale sites
-    so that every strategy of a model gets the same token budget."""
+    """N of `train.tokens_per_param` and of the ladder's size rule: the weights a token multiplies
+    with (MoE: the active ones) minus the embedding and the output head. Without embeddings because
+    at the ladder's small sizes the vocabulary table is a large, size-irregular share (Kaplan et al.
+    2020 fit cleaner laws without it); active because 6 N D is then the training compute; without
+    scale sites so that every strategy of a model gets the same token budget."""
     return matmul_params_per_token(model) - model.cfg.vocab_size * model.cfg.dim
 
 
@@ -88,16 +89,17 @@ def train_flops_per_token(model: nn.Module, seq_len: int, attended: float | None
 
 def norm_flops_per_token(plan: ScalePlan) -> int:
     """Forward FLOPs per token spent in normalizations and scale sites: every normalization a site
-    multiplies (each counted once, however many sites it feeds) and every site that is not fixed, over
-    the features they act on, as often as a token passes them (top_k times inside routed experts)."""
+    multiplies (each counted once, however many sites it feeds) and every site that is not fixed,
+    over the features they act on, as often as a token passes them (top_k times inside routed
+    experts)."""
     norms = {row.norm for row in plan.rows if row.norm is not None}
     return (sum(NORM_FLOPS * n.width * n.passes for n in norms)
             + sum(SITE_FLOPS * row.width * row.passes for row in plan.rows if row.param != "fixed"))
 
 
 def peak_flops(device: torch.device) -> float | None:
-    """The device's dense bf16 peak, or None when unknown (then MFU is not logged). MFU is against it under
-    model.fp8 too, so that runs in bf16 and in FP8 compare on one scale."""
+    """The device's dense bf16 peak, or None when unknown (then MFU is not logged). MFU is against
+    it under model.fp8 too, so that runs in bf16 and in FP8 compare on one scale."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)

@@ -1,8 +1,8 @@
 """Activation memory of a training forward, counted from the model and strategy configs alone: the
 bytes autograd keeps for the backward pass, per token, per block and around the blocks.
 
-It follows the forward of model/transformer.py, model/layers.py and model/moe.py tensor by tensor, with
-the sites and normalizations of the model's scale plan (model/plan.py):
+It follows the forward of model/transformer.py, model/layers.py and model/moe.py tensor by tensor,
+with the sites and normalizations of the model's scale plan (model/plan.py):
 every op that keeps an input or output for its backward adds that tensor once (a tensor kept by
 several ops, e.g. the pre-norm output read by q, k and v, counts once). What is kept depends on the
 precision and the kernels:
@@ -11,9 +11,9 @@ precision and the kernels:
                     as well as the input and 1/rms).
   Precision.gpu()   bf16 autocast (matmul inputs and outputs bf16), the Triton norm kernels (they
                     keep only the input and 1/rms), the residual stream in bf16 (one precision
-                    regime on one process and under FSDP: docs/concepts/architecture.md, "Precision"); the
-                    weights the forward reads are FSDP's bf16 copies, or the fp32 master weights on
-                    one process.
+                    regime on one process and under FSDP: docs/concepts/architecture.md,
+                    "Precision"); the weights the forward reads are FSDP's bf16 copies, or the fp32
+                    master weights on one process.
 
 Besides the per-token tensors, a forward keeps copies of weights (weight_copy_bytes): the bf16
 casts autocast makes of fp32 weights on one process, and the MoE expert weights with their sites
@@ -52,14 +52,16 @@ class Precision:
 
     @classmethod
     def cpu(cls, bf16: bool = False) -> "Precision":
-        """One process on the CPU: fp32, or bf16 autocast (train.dtype=bf16) with the reference norms."""
+        """One process on the CPU: fp32, or bf16 autocast (train.dtype=bf16) with the reference
+        norms."""
         compute = 2 if bf16 else FP32
         return cls(compute=compute, stream=compute, weights=FP32, fused=False)
 
     @classmethod
     def gpu(cls, sharded: bool, bf16: bool = True, fused: bool = True) -> "Precision":
         compute = 2 if bf16 else FP32
-        return cls(compute=compute, stream=compute, weights=compute if sharded else FP32, fused=fused)
+        return cls(compute=compute, stream=compute, weights=compute if sharded else FP32,
+                   fused=fused)
 
 
 class _Saved:
@@ -101,7 +103,8 @@ def _multiplies(site: SiteRow | None) -> bool:
     return site is not None and site.param != "fixed"
 
 
-def _linear(s: _Saved, plan: MapPlan, x: tuple[str, int], m: ModelConfig, prefix: str) -> tuple[str, int]:
+def _linear(s: _Saved, plan: MapPlan, x: tuple[str, int], m: ModelConfig,
+            prefix: str) -> tuple[str, int]:
     """Linear.forward (model/layers.py): input site, the map, output norm or site."""
     name, d_in, d_out = plan.ref.name, plan.d_in, plan.d_out
     if _multiplies(plan.in_site):
@@ -111,7 +114,8 @@ def _linear(s: _Saved, plan: MapPlan, x: tuple[str, int], m: ModelConfig, prefix
     y = (f"{prefix}{name}.y", s.p.compute)
     scaled = _multiplies(plan.out_site)
     if plan.out_norm is not None:
-        s.norm(y, d_out, rows=d_out // m.head_dim if plan.out_norm is NormKind.HEAD else 1, scaled=scaled)
+        s.norm(y, d_out, rows=d_out // m.head_dim if plan.out_norm is NormKind.HEAD else 1,
+               scaled=scaled)
         return (f"{prefix}{name}.out", s.p.compute)
     if scaled:
         s.keep(y[0], y[1] * d_out)
@@ -121,8 +125,8 @@ def _linear(s: _Saved, plan: MapPlan, x: tuple[str, int], m: ModelConfig, prefix
 
 def _swiglu(s: _Saved, gate: tuple[str, int], up: tuple[str, int], width: int, rows: int = 1,
             norms: bool = False, scaled: bool = False, per_expert_scales: bool = False) -> None:
-    """silu(gate) * up on `rows` rows of width / rows per token, or swiglu_norm's u_g N(gate), u_u N(up)
-    first (norms; scaled: with scales, one row per expert under per_expert_scales)."""
+    """silu(gate) * up on `rows` rows of width / rows per token, or swiglu_norm's u_g N(gate), u_u
+    N(up) first (norms; scaled: with scales, one row per expert under per_expert_scales)."""
     if not norms:
         s.keep(gate[0], gate[1] * width)
         s.keep(f"{gate[0]}.silu", s.p.compute * width)
@@ -177,8 +181,8 @@ def _feed_forward(s: _Saved, b: dict, m: ModelConfig, plan: SwiGLUPlan, prefix: 
     _linear(s, plan.down, (f"{prefix}hidden", s.p.compute), m, prefix)
 
 
-def _expert_swiglu(s: _Saved, x_gate, x_up, m: ModelConfig, plan: SwiGLUPlan, rows: int, per_expert: bool,
-                   prefix: str) -> None:
+def _expert_swiglu(s: _Saved, x_gate, x_up, m: ModelConfig, plan: SwiGLUPlan, rows: int,
+                   per_expert: bool, prefix: str) -> None:
     """An expert (stack)'s SwiGLU on `rows` rows per token (top_k for the routed experts): input,
     gate/up (their sites folded into the weights, their norms on the outputs), hidden, down input.
     per_expert: the output sites have one row per expert."""
@@ -190,7 +194,8 @@ def _expert_swiglu(s: _Saved, x_gate, x_up, m: ModelConfig, plan: SwiGLUPlan, ro
     fused = normed["gate"] and normed["up"]
     gate, up = (f"{prefix}gate", c), (f"{prefix}up", c)
     if fused:
-        _swiglu(s, gate, up, width * rows, rows, norms=True, scaled=scaled, per_expert_scales=per_expert)
+        _swiglu(s, gate, up, width * rows, rows, norms=True, scaled=scaled,
+                per_expert_scales=per_expert)
         return
     outs = {}
     for n, t in (("gate", gate), ("up", up)):
@@ -220,7 +225,8 @@ def _moe(s: _Saved, b: dict, m: ModelConfig, plan: MoEPlan, prefix: str) -> None
     if moe.renormalize:
         s.keep(f"{prefix}router.weight_sum", FP32)
     x_gate, x_up = b[plan.experts.gate.reads], b[plan.experts.up.reads]
-    for index in ("token_of", "order", "inverse"):  # the sort by expert, its gathers and their inverse
+    # the sort by expert, its gathers and their inverse
+    for index in ("token_of", "order", "inverse"):
         s.keep(f"{prefix}experts.{index}", INDEX * k)
     xs_gate = (f"{prefix}experts.x_gate", c)
     xs_up = xs_gate if x_up is x_gate else (f"{prefix}experts.x_up", c)
@@ -242,8 +248,8 @@ def _moe(s: _Saved, b: dict, m: ModelConfig, plan: MoEPlan, prefix: str) -> None
 
 
 def block_bytes(m: ModelConfig, plan: BlockPlan, p: Precision) -> float:
-    """Bytes per token one block keeps without checkpointing. Its first norm keeps one stream tensor:
-    the embedding's output in the first block, the sum x + plus it writes in the others."""
+    """Bytes per token one block keeps without checkpointing. Its first norm keeps one stream
+    tensor: the embedding's output in the first block, the sum x + plus it writes in the others."""
     s = _Saved(p)
     x = ("x", p.stream)
     a = _norm_outputs(s, x, m, plan.attn_norm, "attn_norm.")
@@ -256,7 +262,8 @@ def block_bytes(m: ModelConfig, plan: BlockPlan, p: Precision) -> float:
     return s.total()
 
 
-def block_kept_bytes(m: ModelConfig, plan: BlockPlan, p: Precision, mode: str, first: bool) -> float:
+def block_kept_bytes(m: ModelConfig, plan: BlockPlan, p: Precision, mode: str,
+                     first: bool) -> float:
     """Bytes per token a checkpointed block keeps through the forward: its inputs (the stream x, and
     the previous block's update), and under `selective` the outputs of its matmuls and attention."""
     inputs = p.stream * m.dim + (0 if first else p.compute * m.dim)
@@ -269,7 +276,8 @@ def block_kept_bytes(m: ModelConfig, plan: BlockPlan, p: Precision, mode: str, f
         ffn = 2 * m.ffn_dim + m.dim
         down = plan.ffn.down
         if not first and down.out_norm is None and not _multiplies(down.out_site):
-            inputs -= p.compute * m.dim  # the update is the previous block's down output, kept already
+            # the update is the previous block's down output, kept already
+            inputs -= p.compute * m.dim
     else:
         # the router's fp32 logits and the shared expert's matmuls; the experts' grouped matmuls
         # are recomputed
@@ -302,11 +310,12 @@ def logits_peak_bytes(m: ModelConfig, p: Precision) -> float:
 
 
 def weight_copy_bytes(model: Transformer, p: Precision, block: int | None = None) -> float:
-    """Bytes of weight copies one forward of `model` (on the meta device), or of its block `block`, keeps:
-    a matrix with k >= 1 sites folded in at every forward (an expert's own sites behind no normalization,
-    model/swiglu.py) keeps k - 1 fp32 products and its compute-dtype copy; without sites, the
-    compute-dtype cast when the weights are stored in another dtype (fp32 weights under bf16 autocast on
-    one process; FSDP's bf16 weights need none). The router runs in fp32: a copy of bf16 weights."""
+    """Bytes of weight copies one forward of `model` (on the meta device), or of its block `block`,
+    keeps: a matrix with k >= 1 sites folded in at every forward (an expert's own sites behind no
+    normalization, model/swiglu.py) keeps k - 1 fp32 products and its compute-dtype copy; without
+    sites, the compute-dtype cast when the weights are stored in another dtype (fp32 weights under
+    bf16 autocast on one process; FSDP's bf16 weights need none). The router runs in fp32: a copy of
+    bf16 weights."""
     folded: dict[str, int] = {}
     routers = set()
     for plan in model.plan.blocks:
@@ -322,7 +331,8 @@ def weight_copy_bytes(model: Transformer, p: Precision, block: int | None = None
     lookup = "tok_emb.weight" if model.head is not None else None
     total = 0.0
     for name, t in model.named_parameters():
-        if name in sites or name == lookup or (block is not None and not name.startswith(f"layers.{block}.")):
+        if (name in sites or name == lookup
+                or (block is not None and not name.startswith(f"layers.{block}."))):
             continue
         k = folded.get(name, 0)
         if name in routers:

@@ -1,14 +1,15 @@
-"""What expert parallelism sends between ranks per optimizer step, predicted from the config (describe
-reports it; tests/parallel/test_expert_parallel.py checks it against what a 2-rank run's all-to-alls move).
+"""What expert parallelism sends between ranks per optimizer step, predicted from the config
+(describe reports it; tests/parallel/test_expert_parallel.py checks it against what a 2-rank run's
+all-to-alls move).
 
-Every MoE layer sends each routed row (a token's copy for one of its top_k experts) whose expert lives on
-another rank of its EP group there and back (parallel/expert_parallel.py): the dispatch carries the
-expert's input (two, dim wide each, where gate and up read different branches) and the routing weight,
-the combine the expert's output (dim), all in the compute dtype. The backward sends the gradients of
-both, of the same sizes; activation checkpointing runs the forward's again when it recomputes a block
-(`full`; `selective` keeps only matmul and attention outputs, so it recomputes them too). Routing is
-taken as balanced: a row's expert is on another rank with probability (EP - 1) / EP. The exchange of
-the per-expert counts (E integers per rank and layer) is left out.
+Every MoE layer sends each routed row (a token's copy for one of its top_k experts) whose expert
+lives on another rank of its EP group there and back (parallel/expert_parallel.py): the dispatch
+carries the expert's input (two, dim wide each, where gate and up read different branches) and the
+routing weight, the combine the expert's output (dim), all in the compute dtype. The backward sends
+the gradients of both, of the same sizes; activation checkpointing runs the forward's again when it
+recomputes a block (`full`; `selective` keeps only matmul and attention outputs, so it recomputes
+them too). Routing is taken as balanced: a row's expert is on another rank with probability
+(EP - 1) / EP. The exchange of the per-expert counts (E integers per rank and layer) is left out.
 """
 
 from dataclasses import dataclass
@@ -25,7 +26,8 @@ class AllToAll:
     rows: float  # routed rows sent off-rank per step, dispatch (forward) only
     dispatch_row: int  # bytes of one dispatched row
     combine_row: int  # bytes of one combined row
-    forwards: int  # forward passes of each all-to-all per step: 1, or 2 under activation checkpointing
+    # forward passes of each all-to-all per step: 1, or 2 under activation checkpointing
+    forwards: int
 
     @property
     def total(self) -> float:
@@ -33,7 +35,8 @@ class AllToAll:
         return self.rows * (self.dispatch_row + self.combine_row) * (self.forwards + 1)
 
 
-def expert_all_to_all(cfg: Config, model: Transformer, world: int, compute_bytes: int) -> AllToAll | None:
+def expert_all_to_all(cfg: Config, model: Transformer, world: int,
+                      compute_bytes: int) -> AllToAll | None:
     """The all-to-all traffic of `model` (built from cfg) on `world` ranks, in a compute dtype of
     `compute_bytes`; None without expert parallelism."""
     ep = cfg.distributed.expert_parallel
@@ -47,4 +50,5 @@ def expert_all_to_all(cfg: Config, model: Transformer, world: int, compute_bytes
     tokens = accumulation * cfg.train.micro_batch * cfg.train.seq_len
     rows = len(layers) * tokens * k * (ep - 1) / ep
     forwards = 1 if cfg.distributed.activation_checkpointing == "none" else 2
-    return AllToAll(rows, ((2 if separate.pop() else 1) * dim + 1) * compute_bytes, dim * compute_bytes, forwards)
+    return AllToAll(rows, ((2 if separate.pop() else 1) * dim + 1) * compute_bytes,
+                    dim * compute_bytes, forwards)

@@ -8,26 +8,27 @@ Counted from the config on the meta device (no weights are allocated):
                      gradients between micro-steps (the reduce-scatter waits for the last one).
   optimizer          AdamW: exp_avg + exp_avg_sq (fp32) and a step count per tensor; Muon: a fp32
                      momentum per hidden matrix, AdamW's state for the rest.
-  skip_copies        the copies of parameters, optimizer state and buffers that training/skip.py keeps
-                     between steps to undo a skipped one, for the optimizer that cannot skip it
-                     itself: torch's for-loop AdamW (CPU). None for fused AdamW (CUDA) and Muon.
-  ema                the weight EMA (train.ema.half_life_tokens): a fp32 copy of the rank's share of the
-                     parameters and of the floating-point buffers a checkpoint holds.
+  skip_copies        the copies of parameters, optimizer state and buffers that training/skip.py
+                     keeps between steps to undo a skipped one, for the optimizer that cannot skip
+                     it itself: torch's for-loop AdamW (CPU). None for fused AdamW (CUDA) and Muon.
+  ema                the weight EMA (train.ema.half_life_tokens): a fp32 copy of the rank's share of
+                     the parameters and of the floating-point buffers a checkpoint holds.
   activations        what autograd keeps through one micro-batch's forward (activations.py), for the
-                     activation-checkpointing mode; `recompute`: one block's tensors again during its
-                     backward when blocks are checkpointed.
+                     activation-checkpointing mode; `recompute`: one block's tensors again during
+                     its backward when blocks are checkpointed.
   logits             the logits and their fp32 upcast for the loss, then their gradients.
   fsdp_buffers       unsharded compute-dtype parameters of the root and of two blocks (the current
                      one and the prefetched one; under model.fp8=tensorwise the maps it converts are
-                     gathered in FP8, 1 byte each: parallel/fp8.py), and one block's unsharded gradients
-                     being reduced;
+                     gathered in FP8, 1 byte each: parallel/fp8.py), and one block's unsharded
+                     gradients being reduced;
                      under expert parallelism a block's routed experts are those of the rank's EP
-                     slice only (the all-to-all's rows are the sorted rows a rank keeps without EP, on
-                     balanced routing: activations as without EP).
+                     slice only (the all-to-all's rows are the sorted rows a rank keeps without EP,
+                     on balanced routing: activations as without EP).
   optimizer_step     Muon's transient copies: the update, the exchange of whole matrices with their
                      owner ranks, Newton-Schulz's workspace on the largest matrix and its new value
-                     before it is selected into place (its skip on the device); the new value, denominator
-                     and update of the largest AdamW-group tensor (the activations are gone by then).
+                     before it is selected into place (its skip on the device); the new value,
+                     denominator and update of the largest AdamW-group tensor (the activations are
+                     gone by then).
 The peak is the larger of the backward's (states + activations + recompute + logits + FSDP buffers)
 and the optimizer step's (states + optimizer_step), plus OVERHEAD.
 """
@@ -56,7 +57,8 @@ from scalevec_train.parallel.fp8 import map_precisions
 GB = 10**9
 # CUDA context, NCCL buffers and the caching allocator's fragmentation: an allowance, not a count.
 OVERHEAD = 3 * GB
-# distributed.replicate=0 makes one replica group per node; describe assumes nodes of this many GPUs.
+# distributed.replicate=0 makes one replica group per node; describe assumes nodes of this many
+# GPUs.
 RANKS_PER_NODE = 8
 FP32 = 4
 
@@ -86,7 +88,8 @@ class MemoryEstimate:
 
     @property
     def states(self) -> int:
-        return self.params + self.grads + self.accumulated_grads + self.optimizer + self.skip_copies + self.ema
+        return (self.params + self.grads + self.accumulated_grads + self.optimizer
+                + self.skip_copies + self.ema)
 
     @property
     def total(self) -> int:
@@ -109,8 +112,9 @@ def precision(cfg: Config, device: str, world: int) -> Precision:
     if device == "cpu":
         return Precision.cpu(bf16=cfg.train.dtype == "bf16")
     bf16 = cfg.train.dtype in ("auto", "bf16")
-    # kernels=auto runs the reference only inside torch.compile (scalevec_kernels/choice.py), whose graph
-    # keeps what the kernels keep: the norm's input and 1/rms (inductor's partitioner; measured on CPU)
+    # kernels=auto runs the reference only inside torch.compile (scalevec_kernels/choice.py), whose
+    # graph keeps what the kernels keep: the norm's input and 1/rms (inductor's partitioner;
+    # measured on CPU)
     return Precision.gpu(sharded=world > 1, bf16=bf16, fused=cfg.model.kernels != "torch")
 
 
@@ -151,7 +155,8 @@ def estimate(cfg: Config, world: int, device: str = "cuda") -> MemoryEstimate:
             adamw += group["params"]
     skip_copies = 0.0
     if cfg.optim.name != "muon" and device == "cpu":
-        skip_copies = FP32 * held + optimizer + sum(b.numel() * b.element_size() for b in model.buffers())
+        skip_copies = FP32 * held + optimizer + sum(b.numel() * b.element_size()
+                                                    for b in model.buffers())
     ema = 0.0
     if cfg.train.ema.half_life_tokens:
         param_ids = {id(p) for p in params}
@@ -170,10 +175,11 @@ def estimate(cfg: Config, world: int, device: str = "cuda") -> MemoryEstimate:
 
     fsdp = 0.0
     if world > 1:
-        root = sum(t.numel() for n, t in model.named_parameters() if not n.startswith("layers.") and id(t) not in sites)
+        root = sum(t.numel() for n, t in model.named_parameters()
+                   if not n.startswith("layers.") and id(t) not in sites)
         # each rank gathers its EP slice of the experts (expert_parallel.py)
-        slices = {id(t): cfg.distributed.expert_parallel for m in model.modules() if isinstance(m, RoutedExperts)
-                  for t in m.weights()}
+        slices = {id(t): cfg.distributed.expert_parallel for m in model.modules()
+                  if isinstance(m, RoutedExperts) for t in m.weights()}
         # FP8's all-gather (NCCL: describe's GPUs) hands the converted maps' weights on in 1 byte
         fp8 = ({id(model.get_parameter(r.name)) for r in map_precisions(model) if r.fp8}
                if cfg.model.fp8 == "tensorwise" else set())
@@ -191,7 +197,8 @@ def estimate(cfg: Config, world: int, device: str = "cuda") -> MemoryEstimate:
         largest = max(t.numel() for t in muon)
         ns_bytes = torch.empty((), dtype=getattr(torch, cfg.optim.ns_dtype)).element_size()
         # the update and the matrices exchanged with their owners (sent, gathered, reply, returned)
-        exchange = (FP32 + FP32 + FP32 + 2 * ns_bytes) * sum(t.numel() for t in muon) / shard if world > 1 else 0
+        exchange = ((FP32 + FP32 + FP32 + 2 * ns_bytes) * sum(t.numel() for t in muon) / shard
+                    if world > 1 else 0)
         # Newton-Schulz: x, gram, poly, new x; then the new parameter
         step = exchange + 2 * FP32 * largest + 4 * ns_bytes * largest
         step = max(step, 3 * FP32 * max((local([t]) for t in adamw), default=0))
@@ -221,7 +228,8 @@ def fix(cfg: Config, world: int, device_bytes: float, device: str = "cuda") -> s
         if estimate(trial, world, device).total <= device_bytes:
             return f"distributed.activation_checkpointing={mode}"
     per_rank = cfg.train.global_batch // world
-    for micro in sorted((d for d in range(1, cfg.train.micro_batch) if per_rank % d == 0), reverse=True):
+    for micro in sorted((d for d in range(1, cfg.train.micro_batch) if per_rank % d == 0),
+                        reverse=True):
         trial = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch=micro))
         if estimate(trial, world, device).total <= device_bytes:
             return f"train.max_micro_batch_tokens={micro * cfg.train.seq_len} (micro-batch {micro})"

@@ -1,18 +1,18 @@
-"""describe's report of a config: every scale site of a model under a strategy (the rows of its scale plan:
-role, parameterization, shape, the optimizer's peak LR and decay, the maps it scales, how it folds, a
-cancelled magnitude), every other parameter's init, LR, decay, Adam eps and forward multiplier under
-model.parameterization (parameterization.py, optim/groups.py's `rates`), what it costs in parameters and
-FLOPs, under model.fp8 every matrix's precision and why (parallel/fp8.py decides), and the memory each
-rank needs. Builds the model on the meta device, so any preset describes
-instantly.
+"""describe's report of a config: every scale site of a model under a strategy (the rows of its
+scale plan: role, parameterization, shape, the optimizer's peak LR and decay, the maps it scales,
+how it folds, a cancelled magnitude), every other parameter's init, LR, decay, Adam eps and forward
+multiplier under model.parameterization (parameterization.py, optim/groups.py's `rates`), what it
+costs in parameters and FLOPs, under model.fp8 every matrix's precision and why
+(parallel/fp8.py decides), and the memory each rank needs. Builds the model on the meta device, so
+any preset describes instantly.
 
 Memory: per rank on `world_size` GPUs (the micro-batch derived for that many ranks) for the config's
 optimizer and distributed.activation_checkpointing: parameters, gradients, optimizer state,
 activations (kept by the forward, and one block's recompute under checkpointing), logits and loss,
-FSDP's gathered blocks, the optimizer step's transients, and the total against a device of `device_gb`
-GB (10^9 bytes), with the change that makes it fit when it does not and the world sizes it fits on
-(memory.py documents each term); under distributed.expert_parallel, the bytes each rank sends per step in
-the experts' all-to-alls (communication.py)."""
+FSDP's gathered blocks, the optimizer step's transients, and the total against a device of
+`device_gb` GB (10^9 bytes), with the change that makes it fit when it does not and the world sizes
+it fits on (memory.py documents each term); under distributed.expert_parallel, the bytes each rank
+sends per step in the experts' all-to-alls (communication.py)."""
 
 
 import copy
@@ -48,7 +48,8 @@ JSON_SITE_KEYS = ("name", "role", "param", "shape", "behind_norm", "lr", "weight
 
 
 def report(raw: DictConfig, world: int, device_gb: float) -> dict:
-    """describe's report of a composed config: its sites and costs, and its memory on `world` ranks."""
+    """describe's report of a composed config: its sites and costs, and its memory on `world`
+    ranks."""
     # the sites and their costs do not depend on the ranks: described as on one process
     d = describe(to_config(OmegaConf.merge(raw, {"distributed": {"expert_parallel": 1}})))
     d["memory"] = memory(raw, world, device_gb)
@@ -61,7 +62,8 @@ def as_json(d: dict) -> str:
 
 def as_text(d: dict) -> str:
     precisions = [format_precisions(d)] if "fp8" in d else []
-    return "\n\n".join([format_table(d), format_parameters(d), *precisions, format_memory(d["memory"])])
+    return "\n\n".join([format_table(d), format_parameters(d), *precisions,
+                        format_memory(d["memory"])])
 
 
 def build_meta(model_cfg, scale_cfg) -> Transformer:
@@ -70,8 +72,9 @@ def build_meta(model_cfg, scale_cfg) -> Transformer:
 
 
 def describe(cfg, attended: float | None = None) -> dict:
-    """attended: under model.attention_mask=document, the mean keys a query attends on the run's data
-    (TokenLoader.attended_keys); without it attention is counted at its causal bound, seq_len."""
+    """attended: under model.attention_mask=document, the mean keys a query attends on the run's
+    data (TokenLoader.attended_keys); without it attention is counted at its causal bound,
+    seq_len."""
     model = build_meta(cfg.model, cfg.scale)
     total = total_params(model)
     # each site's LR and decay as the optimizer gets them (optim/groups.py), not decided again here
@@ -91,7 +94,8 @@ def describe(cfg, attended: float | None = None) -> dict:
             "weight_decay": max(decay.values(), default=0.0), "decayed": decayed,
             "magnitude_cancelled_by": row.cancelled_by,
             # the maps it scales (their inputs or outputs), and what folding does with it
-            "side": row.side, "maps": list(dict.fromkeys(m.name for m in row.maps)), "folds": row.fold,
+            "side": row.side, "maps": list(dict.fromkeys(m.name for m in row.maps)),
+            "folds": row.fold,
         })
     scale_params = sum(s["params"] for s in sites)
     parameters = _parameters(model, cfg.optim, group_of)
@@ -100,17 +104,18 @@ def describe(cfg, attended: float | None = None) -> dict:
     documents = cfg.model.attention_mask == "document"
     model_flops = train_flops_per_token(model, cfg.train.seq_len, attended if documents else None)
     out = {
-        "model": cfg.model.name, "scale": cfg.scale.name, "n_layers": cfg.model.n_layers, "total_params": total,
-        "non_embedding_params": non_embedding_params(model),
+        "model": cfg.model.name, "scale": cfg.scale.name, "n_layers": cfg.model.n_layers,
+        "total_params": total, "non_embedding_params": non_embedding_params(model),
         "scale_params": scale_params, "scale_share": scale_params / total,
         "extra_train_flops_per_token": extra, "extra_flops_share": extra / model_flops,
-        "train_flops_per_token": model_flops, "sites": sites, "parameterization": _multipliers(model),
-        "parameters": parameters,
+        "train_flops_per_token": model_flops, "sites": sites,
+        "parameterization": _multipliers(model), "parameters": parameters,
     }
     if cfg.model.moe is not None:
         out["active_params"] = active_params(model)
     if cfg.model.fp8 != "none":
-        out["fp8"] = {"recipe": cfg.model.fp8, "filter": cfg.model.fp8_filter, "maps": _precisions(model, cfg)}
+        out["fp8"] = {"recipe": cfg.model.fp8, "filter": cfg.model.fp8_filter,
+                      "maps": _precisions(model, cfg)}
     if documents:
         out["attention_mask"] = "document"
         out["attended_keys"] = attended  # None: not measured, attention counted at seq_len
@@ -119,14 +124,16 @@ def describe(cfg, attended: float | None = None) -> dict:
 
 def _multipliers(model: Transformer) -> dict:
     p = model.parameterization
-    return {"name": p.name, "width_multiplier": p.width, "depth_multiplier": p.depth, "logits": p.readout,
-            "router_logits": p.readout, "residual_branches": p.residual,
-            "attention_scale": p.attention_scale if p.attention_scale is not None else p.head_dim**-0.5}
+    return {"name": p.name, "width_multiplier": p.width, "depth_multiplier": p.depth,
+            "logits": p.readout, "router_logits": p.readout, "residual_branches": p.residual,
+            "attention_scale": p.attention_scale if p.attention_scale is not None
+            else p.head_dim**-0.5}
 
 
 def _parameters(model: Transformer, optim, group_of: dict) -> list[dict]:
-    """Every parameter but the scale sites' (their table above): its muP kind, init std, peak LR and the
-    multiplier the parameterization puts on it, decoupled weight decay, Adam eps and forward multiplier."""
+    """Every parameter but the scale sites' (their table above): its muP kind, init std, peak LR and
+    the multiplier the parameterization puts on it, decoupled weight decay, Adam eps and forward
+    multiplier."""
     p = model.parameterization
     sites = model.plan.site_parameters()
     rows = []
@@ -137,38 +144,43 @@ def _parameters(model: Transformer, optim, group_of: dict) -> list[dict]:
         g = group_of[name]
         muon = bool(g.get("use_muon"))
         r = rates(p, kind, optim, muon)
-        rows.append({"name": name, "kind": kind, "shape": list(param.shape), "init_std": p.init(name, kind),
+        rows.append({"name": name, "kind": kind, "shape": list(param.shape),
+                     "init_std": p.init(name, kind),
                      "lr": g["base_lr"], "lr_multiplier": r.lr, "weight_decay": g["weight_decay"],
                      "eps": None if muon else g.get("eps", optim.eps),
-                     "forward_multiplier": p.forward_multiplier(name, kind), "optimizer": "muon" if muon else "adamw"})
+                     "forward_multiplier": p.forward_multiplier(name, kind), "optimizer": "muon"
+                     if muon else "adamw"})
     return rows
 
 
 def _precisions(model: Transformer, cfg) -> list[dict]:
-    """Every matrix's matmul precision under model.fp8: the recipe where it converts, else train.dtype's
-    compute dtype on a GPU (the routers' fp32)."""
+    """Every matrix's matmul precision under model.fp8: the recipe where it converts, else
+    train.dtype's compute dtype on a GPU (the routers' fp32)."""
     other = "bf16" if cfg.train.dtype in ("auto", "bf16") else "fp32"
     return [{"name": r.name, "shape": list(r.shape), "fp8": r.fp8, "why": r.why,
-             "precision": f"fp8 {cfg.model.fp8}" if r.fp8 else "fp32" if ".router." in r.name else other}
+             "precision": f"fp8 {cfg.model.fp8}" if r.fp8 else "fp32" if ".router." in r.name
+             else other}
             for r in map_precisions(model)]
 
 
 def format_precisions(d: dict) -> str:
-    """The matrices' precisions under model.fp8, one row per name with every layer's index as * where the
-    layers agree (a layer that differs gets rows of its own)."""
+    """The matrices' precisions under model.fp8, one row per name with every layer's index
+    as * where the layers agree (a layer that differs gets rows of its own)."""
     f = d["fp8"]
     rows: dict[tuple, list[int | None]] = {}
     for m in f["maps"]:
         parts = m["name"].split(".")
         layer = int(parts[1]) if parts[0] == "layers" else None
         name = ".".join(["layers", "*", *parts[2:]]) if layer is not None else m["name"]
-        rows.setdefault((name, "x".join(map(str, m["shape"])), m["precision"], m["why"]), []).append(layer)
+        rows.setdefault((name, "x".join(map(str, m["shape"])), m["precision"], m["why"]),
+                        []).append(layer)
     converted = sum(m["fp8"] for m in f["maps"])
-    lines = [f"model.fp8={f['recipe']}, model.fp8_filter={f['filter']}: {converted} of {len(f['maps'])} matrices "
-             "in FP8 (MFU stays against the bf16 peak)",
+    lines = [f"model.fp8={f['recipe']}, model.fp8_filter={f['filter']}: {converted} of "
+             f"{len(f['maps'])} matrices in FP8 (MFU stays against the bf16 peak)",
              f"{'matrix':<34} {'layers':<8} {'shape':<14} {'precision':<24} why"]
     for (name, shape, runs_in, why), layers in rows.items():
-        where = "-" if layers == [None] else "all" if len(layers) == d["n_layers"] else ",".join(map(str, layers))
+        where = ("-" if layers == [None] else "all" if len(layers) == d["n_layers"]
+                 else ",".join(map(str, layers)))
         lines.append(f"{name:<34} {where:<8} {shape:<14} {runs_in:<24} {why}")
     return "\n".join(lines)
 
@@ -176,11 +188,11 @@ def format_precisions(d: dict) -> str:
 def format_parameters(d: dict) -> str:
     """The parameters' table, one row per name with every layer's index as *."""
     m = d["parameterization"]
-    lines = [f"parameterization {m['name']}: width x{m['width_multiplier']:g}, depth x{m['depth_multiplier']:g}; "
-             f"logits x{m['logits']:g}, residual branches x{m['residual_branches']:g}, attention scale "
-             f"{m['attention_scale']:.4g}",
-             f"{'parameter':<34} {'kind':<9} {'init std':>9} {'lr':>9} {'lr mult':>8} {'decay':>7} {'eps':>9} "
-             f"{'forward':>8} optimizer"]
+    lines = [f"parameterization {m['name']}: width x{m['width_multiplier']:g}, depth "
+             f"x{m['depth_multiplier']:g}; logits x{m['logits']:g}, residual branches "
+             f"x{m['residual_branches']:g}, attention scale {m['attention_scale']:.4g}",
+             f"{'parameter':<34} {'kind':<9} {'init std':>9} {'lr':>9} {'lr mult':>8} {'decay':>7} "
+             f"{'eps':>9} {'forward':>8} optimizer"]
     seen = set()
     for r in d["parameters"]:
         parts = r["name"].split(".")
@@ -189,14 +201,15 @@ def format_parameters(d: dict) -> str:
             continue
         seen.add(name)
         eps = "-" if r["eps"] is None else f"{r['eps']:.3g}"
-        lines.append(f"{name:<34} {r['kind']:<9} {r['init_std']:>9.4g} {r['lr']:>9.4g} {r['lr_multiplier']:>8.4g} "
-                     f"{r['weight_decay']:>7.4g} {eps:>9} {r['forward_multiplier']:>8.4g} {r['optimizer']}")
+        lines.append(f"{name:<34} {r['kind']:<9} {r['init_std']:>9.4g} {r['lr']:>9.4g} "
+                     f"{r['lr_multiplier']:>8.4g} {r['weight_decay']:>7.4g} {eps:>9} "
+                     f"{r['forward_multiplier']:>8.4g} {r['optimizer']}")
     return "\n".join(lines)
 
 
 def format_table(d: dict) -> str:
-    lines = [f"{'layer':>5}  {'site':<28} {'role':<6} {'param':<5} {'shape':<12} {'lr':<8} {'decay':<16} "
-             f"{'params':>8}  {'scales':<20} {'folds':<7} notes"]
+    lines = [f"{'layer':>5}  {'site':<28} {'role':<6} {'param':<5} {'shape':<12} {'lr':<8} "
+             f"{'decay':<16} {'params':>8}  {'scales':<20} {'folds':<7} notes"]
     for s in d["sites"]:
         layer = "-" if s["layer"] is None else str(s["layer"])
         shape = "x".join(map(str, s["shape"]))
@@ -204,19 +217,25 @@ def format_table(d: dict) -> str:
         lr = "-" if s["lr"] is None else f"{s['lr']:g}"
         decay = f"{s['weight_decay']:g} on {'+'.join(s['decayed'])}" if s["decayed"] else "no"
         scales = f"{s['side']}: {','.join(s['maps'])}" if s["maps"] else "-"
-        notes = f"magnitude cancelled by {s['magnitude_cancelled_by']}" if s["magnitude_cancelled_by"] else ""
-        lines.append(f"{layer:>5}  {site:<28} {s['role']:<6} {s['param']:<5} {shape:<12} {lr:<8} {decay:<16} "
-                     f"{s['params']:>8,}  {scales:<20} {s['folds']:<7} {notes}".rstrip())
+        notes = (f"magnitude cancelled by {s['magnitude_cancelled_by']}"
+                 if s["magnitude_cancelled_by"] else "")
+        lines.append(f"{layer:>5}  {site:<28} {s['role']:<6} {s['param']:<5} {shape:<12} {lr:<8} "
+                     f"{decay:<16} {s['params']:>8,}  {scales:<20} "
+                     f"{s['folds']:<7} {notes}".rstrip())
     lines.append("")
     lines.append(f"model {d['model']}, scale {d['scale']}: {d['total_params']:,} parameters"
                  + (f" ({d['active_params']:,} active per token)" if "active_params" in d else ""))
-    lines.append(f"scale parameters: {d['scale_params']:,} ({100 * d['scale_share']:.4f}% of the model)")
-    lines.append(f"extra training FLOPs per token against baseline: {d['extra_train_flops_per_token']:,} "
-                 f"({100 * d['extra_flops_share']:.4f}% of {d['train_flops_per_token']:,.0f})")
+    lines.append(f"scale parameters: {d['scale_params']:,} "
+                 f"({100 * d['scale_share']:.4f}% of the model)")
+    lines.append("extra training FLOPs per token against baseline: "
+                 f"{d['extra_train_flops_per_token']:,} ({100 * d['extra_flops_share']:.4f}% of "
+                 f"{d['train_flops_per_token']:,.0f})")
     if d.get("attention_mask") == "document":
         lines.append("attention within documents: " + (
-            f"{d['attended_keys']:,.1f} keys per query on the data" if d["attended_keys"] is not None else
-            "counted at seq_len, its causal bound (the run measures it on the data: describe.json)"))
+            f"{d['attended_keys']:,.1f} keys per query on the data"
+            if d["attended_keys"] is not None else
+            "counted at seq_len, its causal bound (the run measures it on the "
+            "data: describe.json)"))
     return "\n".join(lines)
 
 
@@ -225,8 +244,9 @@ WORLD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def memory(raw: DictConfig, world: int, device_gb: float) -> dict:
-    """The per-rank memory of the composed config on `world` GPUs against `device_gb`, the fix when it
-    does not fit, and the world sizes (of WORLD_SIZES, where the global batch splits) it fits on."""
+    """The per-rank memory of the composed config on `world` GPUs against `device_gb`, the fix when
+    it does not fit, and the world sizes (of WORLD_SIZES, where the global batch splits) it fits
+    on."""
     device = device_gb * GB
     try:
         at_world = to_config(raw, world)
@@ -248,7 +268,8 @@ def memory(raw: DictConfig, world: int, device_gb: float) -> dict:
         trial.distributed.activation_checkpointing = mode
         e = estimate(trial, world)
         by_mode[mode] = {"activations": e.activations, "recompute": e.recompute, "total": e.total}
-    return dict(est.as_dict(), device_bytes=device, fits=est.total <= device, fix=fix(at_world, world, device),
+    return dict(est.as_dict(), device_bytes=device, fits=est.total <= device,
+                fix=fix(at_world, world, device),
                 fits_world_sizes=fits_on, by_checkpointing=by_mode,
                 expert_parallel=at_world.distributed.expert_parallel,
                 all_to_all_bytes_per_step=None if all_to_all is None else all_to_all.total)
@@ -257,13 +278,15 @@ def memory(raw: DictConfig, world: int, device_gb: float) -> dict:
 def format_memory(m: dict) -> str:
     if "error" in m:
         return f"memory per rank on {m['world_size']} GPU(s): not estimated: {m['error']}"
-    rows = ["params", "grads", "accumulated_grads", "optimizer", "skip_copies", "ema", "activations", "recompute",
+    rows = ["params", "grads", "accumulated_grads", "optimizer", "skip_copies", "ema",
+            "activations", "recompute",
             "logits", "fsdp_buffers", "optimizer_step", "overhead", "total"]
-    lines = [f"memory per rank on {m['world_size']} GPU(s) (sharded over {m['shard_size']}), micro-batch of "
-             f"{m['micro_batch_tokens']:,} tokens x {m['accumulation']}, activation checkpointing "
-             f"{m['activation_checkpointing']}:"]
+    lines = [f"memory per rank on {m['world_size']} GPU(s) (sharded over {m['shard_size']}), "
+             f"micro-batch of {m['micro_batch_tokens']:,} tokens x {m['accumulation']}, activation "
+             f"checkpointing {m['activation_checkpointing']}:"]
     lines += [f"  {k:<18} {m[k] / GB:8.2f} GB" for k in rows]
-    modes = ", ".join(f"{mode} {(e['activations'] + e['recompute']) / GB:.2f} GB (total {e['total'] / GB:.1f})"
+    modes = ", ".join(f"{mode} {(e['activations'] + e['recompute']) / GB:.2f} GB (total "
+                      f"{e['total'] / GB:.1f})"
                       for mode, e in m["by_checkpointing"].items())
     lines.append(f"  activations (+ recompute) by checkpointing mode: {modes}")
     verdict = "fits" if m["fits"] else f"does not fit; fix: {m['fix']}"
@@ -272,8 +295,8 @@ def format_memory(m: dict) -> str:
     lines.append(f"  fits {m['device_bytes'] / GB:.0f} GB on world sizes: {sizes}")
     if m["all_to_all_bytes_per_step"] is not None:
         lines.append(f"  expert parallelism over {m['expert_parallel']} ranks: each rank sends "
-                     f"{m['all_to_all_bytes_per_step'] / GB:.3f} GB per step in the experts' all-to-alls "
-                     "(balanced routing)")
+                     f"{m['all_to_all_bytes_per_step'] / GB:.3f} GB per step in the experts' "
+                     "all-to-alls (balanced routing)")
     return "\n".join(lines)
 
 

@@ -1,8 +1,10 @@
-"""Document sources: files of the running Python or of a folder here, or the rows of a `datasets` dataset.
+"""Document sources: files of the running Python or of a folder here, or the rows of a `datasets`
+dataset.
 
-A corpus is documents in a fixed order and a cheap fingerprint of its content. A document's key names it
-stably (a relative file path, a row number) and decides the validation split; its size (bytes of text) is
-known without reading it, so that a process can step over the documents another process encodes.
+A corpus is documents in a fixed order and a cheap fingerprint of its content. A document's key
+names it stably (a relative file path, a row number) and decides the validation split; its size
+(bytes of text) is known without reading it, so that a process can step over the documents another
+process encodes.
 
 source=hf: the rows of a `datasets` dataset, by hub name or local path.
 
@@ -35,24 +37,25 @@ class Corpus(Protocol):
         """All document keys up front, or None where they are only known by reading (streaming)."""
 
     def fingerprint(self) -> object:
-        """A JSON-able value that changes whenever the documents may have changed; cheap to compute."""
+        """A JSON-able value that changes whenever the documents may have changed; cheap to
+        compute."""
 
     def documents(self) -> Iterator[Document]:
         """The documents, always in the same order."""
 
 
-# Not entered: bytecode caches, and under the standard library its installed packages (python_env reads
-# the environment's package folder as a tree of its own).
+# Not entered: bytecode caches, and under the standard library its installed packages (python_env
+# reads the environment's package folder as a tree of its own).
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
 class FileCorpus:
-    """Every file under the `trees` (name, root) whose name matches one of `patterns`; each file is one
-    document, keyed by its path relative to its root (under the tree's name, when it has one).
+    """Every file under the `trees` (name, root) whose name matches one of `patterns`; each file is
+    one document, keyed by its path relative to its root (under the tree's name, when it has one).
 
-    Files are listed by walking each tree with sorted names, so the order does not depend on the file
-    system. Hidden folders and `skip_dirs` are not entered. With `max_bytes` > 0 only the first files
-    up to that many bytes are used.
+    Files are listed by walking each tree with sorted names, so the order does not depend on the
+    file system. Hidden folders and `skip_dirs` are not entered. With `max_bytes` > 0 only the first
+    files up to that many bytes are used.
     """
 
     def __init__(self, trees: list[tuple[str, Path]], patterns: list[str], max_bytes: int = 0,
@@ -63,7 +66,8 @@ class FileCorpus:
         total = 0
         for name, root in trees:
             for dirpath, dirnames, filenames in os.walk(root):
-                dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in skip_dirs)
+                dirnames[:] = sorted(d for d in dirnames
+                                     if not d.startswith(".") and d not in skip_dirs)
                 for file in sorted(filenames):
                     if not any(fnmatch.fnmatch(file, p) for p in patterns):
                         continue
@@ -73,7 +77,8 @@ class FileCorpus:
                         return
                     total += st.st_size
                     rel = Path(os.path.relpath(full, root)).as_posix()
-                    self.files.append((f"{name}/{rel}" if name else rel, st.st_size, st.st_mtime_ns))
+                    self.files.append((f"{name}/{rel}" if name else rel, st.st_size,
+                                       st.st_mtime_ns))
                     self.paths.append(full)
 
     def keys(self) -> list[str]:
@@ -83,7 +88,8 @@ class FileCorpus:
         if len(self.trees) == 1 and not self.trees[0][0]:
             # the form every single-folder cache so far was keyed by
             return {"root": str(self.trees[0][1].resolve()), "files": self.files}
-        return {"roots": [[name, str(root.resolve())] for name, root in self.trees], "files": self.files}
+        return {"roots": [[name, str(root.resolve())] for name, root in self.trees],
+                "files": self.files}
 
     def documents(self) -> Iterator[Document]:
         for (key, size, _), path in zip(self.files, self.paths, strict=True):
@@ -115,7 +121,8 @@ def open_corpus(cfg: DataConfig) -> Corpus:
     """The documents of cfg.source (not for source=shards, which holds tokens, not text)."""
     if cfg.source == "stdlib":
         corpus = FileCorpus([("", stdlib_root())], ["*.py"], cfg.max_corpus_bytes, _SKIP_DIRS)
-        where, fix = "data.source=stdlib", "this Python has no standard library source; use data=text_dir."
+        where, fix = ("data.source=stdlib",
+                      "this Python has no standard library source; use data=text_dir.")
     elif cfg.source == "python_env":
         corpus = FileCorpus(python_env_trees(), ["*.py"], cfg.max_corpus_bytes, _SKIP_DIRS)
         where, fix = "data.source=python_env", "this Python has no source files; use data=text_dir."
@@ -125,7 +132,8 @@ def open_corpus(cfg: DataConfig) -> Corpus:
             raise ScalevecError("data.path", f"{root} is not a folder.",
                                 "point data.path at a folder of text files.")
         corpus = FileCorpus([("", root)], list(cfg.patterns), cfg.max_corpus_bytes)
-        where, fix = "data.path", f"put files matching data.patterns={list(cfg.patterns)} under {root}."
+        where, fix = ("data.path",
+                      f"put files matching data.patterns={list(cfg.patterns)} under {root}.")
     elif cfg.source == "hf":
         return HfCorpus(cfg)
     else:
@@ -149,7 +157,8 @@ class HfCorpus:
     """Each row is one document, keyed by its row number; missing texts (None) are skipped.
 
     A dataset on disk is read in Arrow batches: a row's size comes from the column without making a
-    Python string of its text, which only a row that is encoded here needs. A stream is read row by row.
+    Python string of its text, which only a row that is encoded here needs. A stream is read row by
+    row.
     """
 
     def __init__(self, cfg: DataConfig):
@@ -163,8 +172,9 @@ class HfCorpus:
         cfg = self.cfg
         # A hub dataset is identified by name only: a new revision upstream is not noticed, so clear
         # data.cache_dir (or change a setting) to re-read it.
-        return {"path": cfg.path, "config": cfg.hf_config, "split": cfg.hf_split, "field": cfg.text_field,
-                "max_bytes": cfg.max_corpus_bytes, "files": _local_files(self.path)}
+        return {"path": cfg.path, "config": cfg.hf_config, "split": cfg.hf_split,
+                "field": cfg.text_field, "max_bytes": cfg.max_corpus_bytes,
+                "files": _local_files(self.path)}
 
     def documents(self) -> Iterator[Document]:
         cap, total = self.cfg.max_corpus_bytes, 0
@@ -213,25 +223,29 @@ class HfCorpus:
 
     def _check_field(self, columns: list[str]) -> str:
         if self.cfg.text_field not in columns:
-            raise ScalevecError("data.text_field", f"{self.cfg.text_field!r} is not a column of {self.cfg.path}.",
+            raise ScalevecError("data.text_field",
+                                f"{self.cfg.text_field!r} is not a column of {self.cfg.path}.",
                                 f"use one of {columns}.")
         return self.cfg.text_field
 
     def _not_text(self, kind: str) -> ScalevecError:
-        return ScalevecError("data.text_field", f"column {self.cfg.text_field!r} of {self.cfg.path} holds "
+        return ScalevecError("data.text_field",
+                             f"column {self.cfg.text_field!r} of {self.cfg.path} holds "
                              f"{kind}, not text.", "name a column of strings.")
 
     def _load(self):
         try:
             import datasets
         except ImportError:
-            raise ScalevecError("data.source", "source=hf needs the `datasets` package, which is not "
+            raise ScalevecError("data.source",
+                                "source=hf needs the `datasets` package, which is not "
                                 "installed.", "pip install 'scalevec[hf]'.") from None
         cfg, path = self.cfg, self.path
         if path.is_file():
             builder = _FILE_BUILDERS.get(path.suffix)
             if builder is None:
-                raise ScalevecError("data.path", f"{path} is not a .jsonl, .json, .parquet or .arrow file.",
+                raise ScalevecError("data.path",
+                                    f"{path} is not a .jsonl, .json, .parquet or .arrow file.",
                                     "convert it, or use data=text_dir for plain text files.")
             return datasets.load_dataset(builder, data_files=str(path), split="train",
                                          streaming=cfg.streaming)
@@ -249,7 +263,8 @@ class HfCorpus:
         except (FileNotFoundError, ValueError, ConnectionError) as err:
             raise ScalevecError("data.path", f"cannot load dataset {cfg.path!r} "
                                 f"(hf_config={cfg.hf_config!r}, hf_split={cfg.hf_split!r}): {err}",
-                                "check the name or path, data.hf_config and data.hf_split.") from None
+                                "check the name or path, data.hf_config and "
+                                "data.hf_split.") from None
 
 
 def _local_files(path: Path) -> list[tuple[str, int, int]]:

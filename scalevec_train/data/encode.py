@@ -1,7 +1,7 @@
-"""Encoding batches of documents on every core: worker processes encode, results come back in the order
-the batches went in whatever order the workers finish in, and at most a few batches per worker are in
-flight, so memory stays bounded however large the corpus. Each worker encodes one text at a time on one
-thread, so the token ids never depend on the number of workers.
+"""Encoding batches of documents on every core: worker processes encode, results come back in the
+order the batches went in whatever order the workers finish in, and at most a few batches per worker
+are in flight, so memory stays bounded however large the corpus. Each worker encodes one text at a
+time on one thread, so the token ids never depend on the number of workers.
 """
 
 import multiprocessing
@@ -31,7 +31,8 @@ class Batch:
 @dataclass(frozen=True)
 class Encoded:
     part: int
-    tokens: dict[str, np.ndarray]  # split -> uint32 ids of its documents, each followed by the eos id
+    # split -> uint32 ids of its documents, each followed by the eos id
+    tokens: dict[str, np.ndarray]
     documents: dict[str, int]  # split -> documents with at least one token (empty ones are dropped)
 
 
@@ -52,7 +53,8 @@ class Encoder:
             ids[s] += doc
             ids[s].append(self.eos)
             documents[s] += 1
-        return Encoded(batch.part, {s: np.array(v, dtype=np.uint32) for s, v in ids.items()}, documents)
+        return Encoded(batch.part, {s: np.array(v, dtype=np.uint32) for s, v in ids.items()},
+                       documents)
 
 
 def available_cores() -> int:
@@ -72,7 +74,8 @@ def encode_batches(batches: Iterable[Batch], tokenizer_path: Path, split: ValSpl
         return
     # spawn, not fork: the caller may hold threads (torch's, a tokenizer's) that a fork would break
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(workers, context, initializer=_start_worker, initargs=(tokenizer_path, split)) as pool:
+    with ProcessPoolExecutor(workers, context, initializer=_start_worker,
+                             initargs=(tokenizer_path, split)) as pool:
         pending = deque()
         try:
             for batch in chain(head, batches):

@@ -18,34 +18,38 @@ EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
 
 
 class HfTokenizer:
-    """`backend` is the tokenizers.Tokenizer. As in SentencePiece, special tokens written in text are
-    text: a document that quotes "</s>" does not end there."""
+    """`backend` is the tokenizers.Tokenizer. As in SentencePiece, special tokens written in text
+    are text: a document that quotes "</s>" does not end there."""
 
     def __init__(self, path: Path):
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise ScalevecError("data.tokenizer_path", f"{path} needs the `tokenizers` package, which is not "
+            raise ScalevecError("data.tokenizer_path",
+                                f"{path} needs the `tokenizers` package, which is not "
                                 "installed.", "pip install 'scalevec[hf]'.") from None
         try:
             self.backend = Tokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises a bare Exception for a malformed file
             raise ScalevecError(str(path), f"is not a Hugging Face tokenizer.json: {err}",
-                                "point data.tokenizer_path at a tokenizer.json or a SentencePiece .model "
-                                "file.") from None
+                                "point data.tokenizer_path at a tokenizer.json or a SentencePiece "
+                                ".model file.") from None
         self.backend.encode_special_tokens = True
         vocab = self.backend.get_vocab(with_added_tokens=True)
-        # ids need not be dense (added tokens may leave gaps): a model needs a row for the highest one
+        # ids need not be dense (added tokens may leave gaps): a model needs a row for the highest
+        # one
         self._size = max(vocab.values()) + 1
         names = sorted(t.content for t in self.backend.get_added_tokens_decoder().values()
                        if t.special and t.content in EOS_NAMES)
         if not names:
-            raise ScalevecError(str(path), f"has none of the special tokens {list(EOS_NAMES)}, so the token "
+            raise ScalevecError(str(path),
+                                f"has none of the special tokens {list(EOS_NAMES)}, so the token "
                                 "that ends a document is not known.",
-                                "add one as a special token (tokenizers: Tokenizer.add_special_tokens) and "
-                                "save the tokenizer.json again.")
+                                "add one as a special token (tokenizers: "
+                                "Tokenizer.add_special_tokens) and save the tokenizer.json again.")
         if len(names) > 1:
-            raise ScalevecError(str(path), f"has several special tokens that may end a document ({names}).",
+            raise ScalevecError(str(path),
+                                f"has several special tokens that may end a document ({names}).",
                                 "keep one of them special and save the tokenizer.json again.")
         self._eos = vocab[names[0]]
 
@@ -59,9 +63,9 @@ class HfTokenizer:
         return self.backend.decode(ids, skip_special_tokens=False)
 
     def token_bytes(self) -> np.ndarray:
-        """The UTF-8 bytes of text each id stands for (data.tokenizer.token_bytes): 0 for special tokens and
-        unused ids; under a ByteLevel decoder each character of a token is one byte; otherwise "▁" is a
-        space (Metaspace) and <0xNN> one byte (byte fallback)."""
+        """The UTF-8 bytes of text each id stands for (data.tokenizer.token_bytes): 0 for special
+        tokens and unused ids; under a ByteLevel decoder each character of a token is one byte;
+        otherwise "▁" is a space (Metaspace) and <0xNN> one byte (byte fallback)."""
         byte_level = _has_decoder(json.loads(self.backend.to_str()).get("decoder"), "ByteLevel")
         special = {t.content for t in self.backend.get_added_tokens_decoder().values() if t.special}
         added = {t.content for t in self.backend.get_added_tokens_decoder().values()}
@@ -91,4 +95,5 @@ def _has_decoder(decoder: dict | None, kind: str) -> bool:
     """Whether a tokenizer.json decoder (or one of a Sequence's) is of type `kind`."""
     if not decoder:
         return False
-    return decoder.get("type") == kind or any(_has_decoder(d, kind) for d in decoder.get("decoders", []))
+    return decoder.get("type") == kind or any(_has_decoder(d, kind)
+                                              for d in decoder.get("decoders", []))

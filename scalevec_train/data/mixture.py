@@ -1,6 +1,7 @@
 """A mixture's data (data.mixture): each source prepared as a single source would be (its own cache
-entry, the same parallel workers), all with one tokenizer: data.tokenizer_path, or one trained here on
-the sources' training text in proportion to their weights, cached under tokenizers/ like any other."""
+entry, the same parallel workers), all with one tokenizer: data.tokenizer_path, or one trained here
+on the sources' training text in proportion to their weights, cached under tokenizers/ like any
+other."""
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +15,9 @@ from scalevec_train.data.split import ValSplit
 
 @dataclass(frozen=True)
 class MixtureData:
-    """The prepared sources of a mixture, in config order. The tokenizer attributes are the one all of
-    them share, so that code written for one PreparedData (check_vocab, token_bytes) takes a mixture."""
+    """The prepared sources of a mixture, in config order. The tokenizer attributes are the one all
+    of them share, so that code written for one PreparedData (check_vocab, token_bytes) takes a
+    mixture."""
 
     sources: list[tuple[MixtureSource, PreparedData]]
 
@@ -43,11 +45,14 @@ class MixtureData:
         return self.first.load_tokenizer()
 
 
-def prepare_mixture_share(cfg: DataConfig, rank: int, world: int, local_world: int = 1) -> MixtureData | None:
-    """sources.prepare_share for a mixture: process `rank`'s share of every source in turn; None while another
-    process still has parts of some source to write (the last process to finish each source merges it)."""
+def prepare_mixture_share(cfg: DataConfig, rank: int, world: int,
+                          local_world: int = 1) -> MixtureData | None:
+    """sources.prepare_share for a mixture: process `rank`'s share of every source in turn; None
+    while another process still has parts of some source to write (the last process to finish each
+    source merges it)."""
     cfg.validate()
-    tok_path = tokenizer.resolve(Path(cfg.tokenizer_path)) if cfg.tokenizer_path else _shared_tokenizer(cfg)
+    tok_path = (tokenizer.resolve(Path(cfg.tokenizer_path)) if cfg.tokenizer_path
+                else _shared_tokenizer(cfg))
     prepared = []
     for entry, single in cfg.sources():
         # shards are checked against it (open_prepared), text is encoded with it
@@ -62,11 +67,13 @@ def _shared_tokenizer(cfg: DataConfig) -> Path:
     """The tokenizer trained on about data.tokenizer_train_bytes of the sources' training documents,
     weight_k / sum(weights) of them from source k (in its corpus order)."""
     total = sum(m.weight for m in cfg.mixture)
-    sources = [(entry.weight / total, single, open_corpus(single)) for entry, single in cfg.sources()]
+    sources = [(entry.weight / total, single, open_corpus(single))
+               for entry, single in cfg.sources()]
     identity = {"mixture": [{"source": single.source, "corpus": corpus.fingerprint(),
                              "val_fraction": single.val_fraction, "share": share}
                             for share, single, corpus in sources],
-                "tokenizer": tokenizer.settings(cfg.vocab_size, cfg.tokenizer_type, cfg.tokenizer_train_bytes)}
+                "tokenizer": tokenizer.settings(cfg.vocab_size, cfg.tokenizer_type,
+                                                cfg.tokenizer_train_bytes)}
     path = Path(cfg.cache_dir) / "tokenizers" / f"mixture-{digest(identity)}.model"
     with exclusive(Path(cfg.cache_dir)):
         if not path.is_file():

@@ -1,14 +1,14 @@
 """Shards written in parts, by one process or many, and merged into a prepared folder.
 
-The documents, in corpus order, are cut into parts of about data.part_bytes bytes of text: a part ends
-with the document that reaches that size. Of the `world` processes preparing together (one; or those of
-a torchrun job or a SLURM array, on any nodes that share the cache), process `rank` encodes parts
-rank, rank + world, ...; it steps over the documents of the others by their size, without reading them.
-Each part's tokens go to shard files of a folder of its own, renamed into place when complete, so that a
-killed preparation resumes from the parts it finished. Once every part is there, one process (under the
-cache lock: the last to finish) merges: it links the parts' shards, numbered in corpus order, into the
-prepared folder and writes the manifests. Parts and shards are the same for any number of processes and
-workers, so the prepared folder is too.
+The documents, in corpus order, are cut into parts of about data.part_bytes bytes of text: a part
+ends with the document that reaches that size. Of the `world` processes preparing together (one; or
+those of a torchrun job or a SLURM array, on any nodes that share the cache), process `rank` encodes
+parts rank, rank + world, ...; it steps over the documents of the others by their size, without
+reading them. Each part's tokens go to shard files of a folder of its own, renamed into place when
+complete, so that a killed preparation resumes from the parts it finished. Once every part is there,
+one process (under the cache lock: the last to finish) merges: it links the parts' shards, numbered
+in corpus order, into the prepared folder and writes the manifests. Parts and shards are the same
+for any number of processes and workers, so the prepared folder is too.
 
 Staging, beside the prepared folder <root>, until the merge removes it:
     .<root>.<part_bytes>.parts/part-00007/{train,val}/NNNNN.bin, part.json   a finished part
@@ -49,8 +49,8 @@ def part_dir(staging: Path, part: int) -> Path:
 
 class Cutter:
     """The batches of the documents of this process's unfinished parts: each within one part, and at
-    least one per part (an empty one for a part without text, which is written all the same). `parts` is
-    the number of parts once the documents are exhausted."""
+    least one per part (an empty one for a part without text, which is written all the same).
+    `parts` is the number of parts once the documents are exhausted."""
 
     def __init__(self, documents: Iterator[Document], part_bytes: int, mine: Callable[[int], bool]):
         self.documents, self.part_bytes, self.mine = documents, part_bytes, mine
@@ -81,7 +81,8 @@ class Cutter:
 
 
 class PartWriter:
-    """One part's shards and record, built in a temporary folder and renamed into place by finish()."""
+    """One part's shards and record, built in a temporary folder and renamed into place by
+    finish()."""
 
     def __init__(self, staging: Path, part: int, vocab_size: int, shard_tokens: int, rank: int = 0):
         self.part, self.final, self.rank = part, part_dir(staging, part), rank
@@ -98,7 +99,8 @@ class PartWriter:
             fault_point("prepare.shards", self.part, self.rank)
 
     def finish(self) -> None:
-        record = {s: {"shards": self.writers[s].finish(), "num_documents": self.documents[s]} for s in SPLITS}
+        record = {s: {"shards": self.writers[s].finish(), "num_documents": self.documents[s]}
+                  for s in SPLITS}
         (self.tmp / _RECORD).write_text(json.dumps(record))
         fault_point("prepare.part", self.part, self.rank)
         try:
@@ -113,8 +115,9 @@ class PartWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def encode_parts(documents: Iterator[Document], split: ValSplit, tok_path: Path, staging: Path, part_bytes: int,
-                 shard_tokens: int, vocab_size: int, rank: int, world: int, workers: int) -> None:
+def encode_parts(documents: Iterator[Document], split: ValSplit, tok_path: Path, staging: Path,
+                 part_bytes: int, shard_tokens: int, vocab_size: int, rank: int, world: int,
+                 workers: int) -> None:
     """Writes this process's parts that are not in `staging` yet, then the number of parts."""
     staging.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -137,15 +140,15 @@ def encode_parts(documents: Iterator[Document], split: ValSplit, tok_path: Path,
             writer.discard()
     fault_point("prepare.count", 0, rank)
     tokenizer.write_atomic(staging / _COUNT, json.dumps({"parts": cutter.parts}).encode())
-    log.info("process %d of %d: encoded %d of %d parts in %.1fs (workers: %d)", rank, world, written,
-             cutter.parts, time.perf_counter() - start, workers)
+    log.info("process %d of %d: encoded %d of %d parts in %.1fs (workers: %d)", rank, world,
+             written, cutter.parts, time.perf_counter() - start, workers)
 
 
 def merge(staging: Path, root: Path, tok_path: Path, tok_hash: str, vocab_size: int, eos: int,
           corpus_info: dict, rank: int = 0) -> bool:
-    """Builds `root` from the parts in `staging` if all are there (False if not); the caller holds the
-    cache lock. The folder appears whole or not at all: a merge killed midway leaves its temporary
-    folder, which the next merge removes."""
+    """Builds `root` from the parts in `staging` if all are there (False if not); the caller holds
+    the cache lock. The folder appears whole or not at all: a merge killed midway leaves its
+    temporary folder, which the next merge removes."""
     if not (staging / _COUNT).is_file():
         return False
     count = json.loads((staging / _COUNT).read_text())["parts"]
@@ -157,10 +160,12 @@ def merge(staging: Path, root: Path, tok_path: Path, tok_hash: str, vocab_size: 
         raise ScalevecError("data", "empty corpus: no training document holds any text.",
                             "point data.source/data.path at text.")
     if documents["val"] == 0:
-        raise ScalevecError("data.val_fraction", "no document with text fell into the validation split.",
+        raise ScalevecError("data.val_fraction",
+                            "no document with text fell into the validation split.",
                             "raise data.val_fraction or add documents.")
     for stale in root.parent.glob(f".{root.name}.*"):
-        if stale != staging and not stale.name.endswith(".parts"):  # a killed merge's (no other runs now)
+        # a killed merge's (no other runs now)
+        if stale != staging and not stale.name.endswith(".parts"):
             shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{root.name}."))
     try:
@@ -174,8 +179,8 @@ def merge(staging: Path, root: Path, tok_path: Path, tok_hash: str, vocab_size: 
                     _link(part_dir(staging, p) / s / shard["name"], tmp / s / name)
                     shards.append({**shard, "name": name})  # its token count and checksum
             fault_point("prepare.links", SPLITS.index(s), rank)
-            m = write_manifest(tmp / s, vocab_size, tok_hash, shards, split=s, num_documents=documents[s],
-                               eos_id=eos, corpus=corpus_info)
+            m = write_manifest(tmp / s, vocab_size, tok_hash, shards, split=s,
+                               num_documents=documents[s], eos_id=eos, corpus=corpus_info)
             log.info("%s: %d documents, %d tokens", s, documents[s], m["num_tokens"])
         fault_point("prepare.rename", 0, rank)
         try:
@@ -193,8 +198,8 @@ def merge(staging: Path, root: Path, tok_path: Path, tok_hash: str, vocab_size: 
 
 
 def _link(src: Path, dst: Path) -> None:
-    """A second name for a shard (the parts stay whole until the merge is complete), or a copy where the
-    file system has no hard links."""
+    """A second name for a shard (the parts stay whole until the merge is complete), or a copy where
+    the file system has no hard links."""
     try:
         os.link(src, dst)
     except OSError:
@@ -204,7 +209,8 @@ def _link(src: Path, dst: Path) -> None:
 def launch_processes(env: dict[str, str]) -> tuple[int, int, int]:
     """(rank, world size, processes on this node) of the preparation this process takes part in."""
     if "WORLD_SIZE" in env:
-        rank, world, local = int(env.get("RANK", 0)), int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", 1))
+        rank, world, local = (int(env.get("RANK", 0)), int(env["WORLD_SIZE"]),
+                              int(env.get("LOCAL_WORLD_SIZE", 1)))
     elif "SLURM_ARRAY_TASK_COUNT" in env:
         rank = int(env["SLURM_ARRAY_TASK_ID"]) - int(env.get("SLURM_ARRAY_TASK_MIN", 0))
         world, local = int(env["SLURM_ARRAY_TASK_COUNT"]), 1
@@ -212,5 +218,6 @@ def launch_processes(env: dict[str, str]) -> tuple[int, int, int]:
         return 0, 1, 1
     if not 0 <= rank < world:
         raise ScalevecError("process", f"rank {rank} is outside [0, {world}).",
-                            "launch under torchrun, or as a SLURM array with consecutive task ids (--array=0-N).")
+                            "launch under torchrun, or as a SLURM array with consecutive task ids "
+                            "(--array=0-N).")
     return rank, world, local

@@ -1,9 +1,9 @@
 """A keyed pseudo-random permutation of range(n), evaluated index by index in O(1) memory.
 
 The loader needs "the j-th window of epoch e" for any j without materializing a shuffled index array
-(which for a large corpus would cost gigabytes per rank and time at every resume). A balanced Feistel
-network is a bijection on [0, 4^h) for any round function; cycle walking (re-applying it until the
-value falls below n) restricts it to a bijection on [0, n).
+(which for a large corpus would cost gigabytes per rank and time at every resume). A balanced
+Feistel network is a bijection on [0, 4^h) for any round function; cycle walking (re-applying it
+until the value falls below n) restricts it to a bijection on [0, n).
 """
 
 import numpy as np
@@ -14,7 +14,8 @@ _M2 = np.uint64(0x94D049BB133111EB)
 
 
 def permute(index: np.ndarray, n: int, seed: int, epoch: int) -> np.ndarray:
-    """The images of `index` (values in [0, n)) under the permutation of range(n) keyed by (seed, epoch)."""
+    """The images of `index` (values in [0, n)) under the permutation of range(n) keyed by (seed,
+    epoch)."""
     half = max(1, ((n - 1).bit_length() + 1) // 2)
     keys = np.random.SeedSequence([seed, epoch]).generate_state(_ROUNDS, dtype=np.uint64)
     x = np.asarray(index, dtype=np.uint64).copy()

@@ -1,9 +1,10 @@
 """Token shards of one split on disk: writing them with their manifest, checking them, reading them.
 
-A split folder holds raw little-endian token files (uint16 when the vocabulary fits, else uint32) and a
-manifest.json naming them with their token counts and checksums (scalevec_train/infra/checksums.py, of the
-bytes as they were written; absent in folders prepared before checksums were recorded), the dtype, the
-vocab size and the hash of the tokenizer that produced them.
+A split folder holds raw little-endian token files (uint16 when the vocabulary fits, else uint32)
+and a manifest.json naming them with their token counts and checksums
+(scalevec_train/infra/checksums.py, of the bytes as they were written; absent in folders prepared
+before checksums were recorded), the dtype, the vocab size and the hash of the tokenizer that
+produced them.
 """
 
 import json
@@ -43,7 +44,8 @@ class ShardWriter:
 
     def add(self, tokens: np.ndarray) -> None:
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
-            raise ScalevecError(str(self.dir), f"the tokenizer produced id {int(tokens.max())} outside "
+            raise ScalevecError(str(self.dir),
+                                f"the tokenizer produced id {int(tokens.max())} outside "
                                 f"[0, vocab_size={self.vocab_size}).", "check data.tokenizer_path.")
         self.pending.append(tokens.astype(_DTYPES[self.dtype]))
         self.pending_len += tokens.size
@@ -51,7 +53,8 @@ class ShardWriter:
             self._flush(self.shard_tokens)
 
     def finish(self) -> list[dict]:
-        """Writes the last shard; returns the shards written, {"name", "num_tokens", ALGORITHM} each."""
+        """Writes the last shard; returns the shards written, {"name", "num_tokens", ALGORITHM}
+        each."""
         if self.pending_len:
             self._flush(self.pending_len)
         return self.shards
@@ -60,16 +63,18 @@ class ShardWriter:
         tokens = np.concatenate(self.pending)
         name = shard_name(len(self.shards))
         tokens[:n].tofile(self.dir / name)
-        self.shards.append({"name": name, "num_tokens": n, ALGORITHM: digest(memoryview(tokens[:n]))})
+        self.shards.append({"name": name, "num_tokens": n,
+                            ALGORITHM: digest(memoryview(tokens[:n]))})
         rest = tokens[n:]
         self.pending, self.pending_len = ([rest] if rest.size else []), rest.size
 
 
-def write_manifest(split_dir: Path, vocab_size: int, tokenizer_hash: str, shards: list[dict], **info) -> dict:
+def write_manifest(split_dir: Path, vocab_size: int, tokenizer_hash: str, shards: list[dict],
+                   **info) -> dict:
     """The manifest of the split folder holding `shards` (with `info` added to it); returns it."""
     manifest = {"format": FORMAT, "dtype": dtype_name(vocab_size), "vocab_size": vocab_size,
-                "tokenizer_hash": tokenizer_hash, "num_tokens": sum(s["num_tokens"] for s in shards),
-                "shards": shards, **info}
+                "tokenizer_hash": tokenizer_hash,
+                "num_tokens": sum(s["num_tokens"] for s in shards), "shards": shards, **info}
     # Written last: a split folder whose writer died midway has no manifest and is refused.
     (split_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
@@ -101,11 +106,12 @@ def open_manifest(split_dir: Path) -> dict:
         raise bad("has no tokenizer_hash.")
     shards = m.get("shards")
     if not isinstance(shards, list) or not all(
-            isinstance(s, dict) and isinstance(s.get("name"), str) and Path(s["name"]).name == s["name"]
+            isinstance(s, dict) and isinstance(s.get("name"), str)
+            and Path(s["name"]).name == s["name"]
             and isinstance(s.get("num_tokens"), int) and s["num_tokens"] >= 0
             and isinstance(s.get(ALGORITHM, ""), str) for s in shards):
-        raise bad(f"has a malformed shard list; each entry needs a file name and a num_tokens (and a "
-                  f"{ALGORITHM} checksum, if any, in hex).")
+        raise bad("has a malformed shard list; each entry needs a file name and a num_tokens (and "
+                  f"a {ALGORITHM} checksum, if any, in hex).")
     if m.get("num_tokens") != sum(s["num_tokens"] for s in shards):
         raise bad(f"says num_tokens={m.get('num_tokens')!r} but its shards add up to "
                   f"{sum(s['num_tokens'] for s in shards)}.")
@@ -123,17 +129,18 @@ def open_manifest(split_dir: Path) -> dict:
 
 
 def shard_mismatch(split_dir: Path, shard: dict) -> str | None:
-    """Why the file of `shard` (a manifest entry that records a checksum) does not match it; None if it
-    does."""
+    """Why the file of `shard` (a manifest entry that records a checksum) does not match it; None if
+    it does."""
     now = file_digest(split_dir / shard["name"])
     if now == shard[ALGORITHM]:
         return None
-    return (f"does not match the checksum its manifest recorded at preparation ({ALGORITHM} {shard[ALGORITHM]} "
-            f"recorded, {now} read): its bytes changed since.")
+    return (f"does not match the checksum its manifest recorded at preparation ({ALGORITHM} "
+            f"{shard[ALGORITHM]} recorded, {now} read): its bytes changed since.")
 
 
 def scan_token_range(split_dir: Path, manifest: dict) -> None:
-    """Raises if any stored token id is not below the manifest's vocab size (for shards made elsewhere)."""
+    """Raises if any stored token id is not below the manifest's vocab size (for shards made
+    elsewhere)."""
     vocab = manifest["vocab_size"]
     for s in manifest["shards"]:
         if not s["num_tokens"]:
@@ -142,7 +149,8 @@ def scan_token_range(split_dir: Path, manifest: dict) -> None:
         for start in range(0, tokens.size, _SCAN_CHUNK):
             top = int(tokens[start:start + _SCAN_CHUNK].max())
             if top >= vocab:
-                raise ScalevecError(str(split_dir / s["name"]), f"holds token id {top} >= vocab_size={vocab} "
+                raise ScalevecError(str(split_dir / s["name"]),
+                                    f"holds token id {top} >= vocab_size={vocab} "
                                     "from its manifest.",
                                     "re-tokenize it with the tokenizer the manifest names.")
 

@@ -19,9 +19,9 @@ def key_hash(key: str) -> int:
 class ValSplit:
     """`is_val(key)` is True for held-out documents.
 
-    With the full key list known (file corpora) exactly max(1, round(fraction * n)) documents are held
-    out, so that small folders still get a validation split; a streamed corpus holds out each document
-    with probability `fraction`.
+    With the full key list known (file corpora) exactly max(1, round(fraction * n)) documents are
+    held out, so that small folders still get a validation split; a streamed corpus holds out each
+    document with probability `fraction`.
     """
 
     def __init__(self, fraction: float, keys: list[str] | None):
@@ -29,7 +29,8 @@ class ValSplit:
             self.threshold = int(fraction * _SPACE)
             return
         if len(keys) < 2:
-            raise ScalevecError("data", f"the corpus has {len(keys)} document(s); a train/validation split "
+            raise ScalevecError("data",
+                                f"the corpus has {len(keys)} document(s); a train/validation split "
                                 "needs at least 2.", "add documents (each file is one document).")
         n_val = min(max(1, round(fraction * len(keys))), len(keys) - 1)
         self.threshold = sorted(key_hash(k) for k in keys)[n_val - 1]

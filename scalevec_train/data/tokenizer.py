@@ -1,5 +1,6 @@
 """Tokenizers: training scalevec's SentencePiece tokenizer; finding, identifying and loading a
-tokenizer of either kind (a SentencePiece .model, or a Hugging Face tokenizer.json: hf_tokenizer.py).
+tokenizer of either kind (a SentencePiece .model, or a Hugging Face tokenizer.json:
+hf_tokenizer.py).
 
 A folder (prepared data, a run directory) holds one tokenizer, as tokenizer.model or tokenizer.json.
 """
@@ -22,7 +23,8 @@ SENTENCEPIECE_FILE, HF_FILE = "tokenizer.model", "tokenizer.json"
 
 
 class Tokenizer(Protocol):
-    """What scalevec uses of a tokenizer: spm.SentencePieceProcessor has it, HfTokenizer mirrors it."""
+    """What scalevec uses of a tokenizer: spm.SentencePieceProcessor has it, HfTokenizer mirrors
+    it."""
 
     def encode(self, input: str | list[str]) -> list[int] | list[list[int]]:
         """Token ids of a text (or of each text of a list), without BOS or EOS."""
@@ -36,9 +38,9 @@ class Tokenizer(Protocol):
         """One more than the highest id: the embedding rows a model needs."""
 
 # Settings chosen for source code as much as prose: text passes through unchanged (identity
-# normalization, whitespace kept, no dummy prefix) so that decode(encode(text)) == text and indentation
-# survives; runs of spaces may become single pieces; newline is a piece of its own since SentencePiece
-# trains on lines; unknown characters fall back to bytes, so any text encodes.
+# normalization, whitespace kept, no dummy prefix) so that decode(encode(text)) == text and
+# indentation survives; runs of spaces may become single pieces; newline is a piece of its own since
+# SentencePiece trains on lines; unknown characters fall back to bytes, so any text encodes.
 _SETTINGS = dict(
     byte_fallback=True,
     normalization_rule_name="identity",
@@ -58,8 +60,8 @@ _SETTINGS = dict(
 
 def settings(vocab_size: int, model_type: str, train_bytes: int) -> dict:
     """Everything that shapes the trained model, for the tokenizer's cache key."""
-    return {**_SETTINGS, "vocab_size": vocab_size, "model_type": model_type, "train_bytes": train_bytes,
-            "sentencepiece": spm.__version__}
+    return {**_SETTINGS, "vocab_size": vocab_size, "model_type": model_type,
+            "train_bytes": train_bytes, "sentencepiece": spm.__version__}
 
 
 def training_lines(texts: Iterable[str], max_bytes: int) -> Iterator[str]:
@@ -89,7 +91,8 @@ def train(lines: Iterable[str], vocab_size: int, model_type: str, out: Path) -> 
             sentence_iterator=_chain(first, lines), model_writer=model, vocab_size=vocab_size,
             model_type=model_type, num_threads=1, minloglevel=2, **_SETTINGS)
     except RuntimeError as err:
-        raise ScalevecError("data.vocab_size", f"SentencePiece cannot train a {vocab_size}-piece tokenizer "
+        raise ScalevecError("data.vocab_size",
+                            f"SentencePiece cannot train a {vocab_size}-piece tokenizer "
                             f"on this corpus: {str(err).splitlines()[0]}",
                             "set model.vocab_size (which data.vocab_size follows) within the bound "
                             "SentencePiece names, or use more text.") from None
@@ -108,17 +111,19 @@ def resolve(path: Path) -> Path:
         found = find(path)
         if found is None:
             raise ScalevecError(str(path), f"holds no {HF_FILE} or {SENTENCEPIECE_FILE}.",
-                                "point data.tokenizer_path at a tokenizer file or a folder holding one.")
+                                "point data.tokenizer_path at a tokenizer file or a folder holding "
+                                "one.")
         return found
     if not path.is_file():
         raise ScalevecError("data.tokenizer_path", f"{path} does not exist.",
-                            "point it at a SentencePiece .model file or a tokenizer.json, or clear it to "
-                            "train one.")
+                            "point it at a SentencePiece .model file or a tokenizer.json, or clear "
+                            "it to train one.")
     return path
 
 
 def find(folder: Path) -> Path | None:
-    """The tokenizer file of a folder (a Hugging Face folder may hold both: its tokenizer.json rules)."""
+    """The tokenizer file of a folder (a Hugging Face folder may hold both: its tokenizer.json
+    rules)."""
     for name in (HF_FILE, SENTENCEPIECE_FILE):
         if (folder / name).is_file():
             return folder / name
@@ -131,8 +136,8 @@ def file_name(path: Path) -> str:
 
 
 def install(path: Path, folder: Path) -> Path:
-    """Copies the tokenizer file `path` into `folder` under its kind's name, removing a tokenizer of the
-    other kind that an earlier run left there (a folder holds one tokenizer)."""
+    """Copies the tokenizer file `path` into `folder` under its kind's name, removing a tokenizer of
+    the other kind that an earlier run left there (a folder holds one tokenizer)."""
     name = file_name(path)
     for other in {HF_FILE, SENTENCEPIECE_FILE} - {name}:
         (folder / other).unlink(missing_ok=True)
@@ -141,7 +146,8 @@ def install(path: Path, folder: Path) -> Path:
 
 
 def load(path: Path) -> Tokenizer:
-    """The tokenizer in a file or folder: a SentencePieceProcessor, or an HfTokenizer for a .json."""
+    """The tokenizer in a file or folder: a SentencePieceProcessor, or an HfTokenizer for a
+    .json."""
     path = resolve(path)
     if path.suffix == ".json":
         from scalevec_train.data.hf_tokenizer import HfTokenizer
@@ -156,13 +162,14 @@ def load(path: Path) -> Tokenizer:
 
 
 def token_bytes(tok: Tokenizer) -> np.ndarray:
-    """The UTF-8 bytes of text each id stands for (int64, one per id; 0 for control tokens such as EOS,
-    which end documents rather than hold text), for bits per byte. SentencePiece: "▁" is a space, and a
-    byte-fallback piece <0xNN> is one byte."""
+    """The UTF-8 bytes of text each id stands for (int64, one per id; 0 for control tokens such as
+    EOS, which end documents rather than hold text), for bits per byte. SentencePiece: "▁" is a
+    space, and a byte-fallback piece <0xNN> is one byte."""
     if not isinstance(tok, spm.SentencePieceProcessor):
         return tok.token_bytes()
     return np.array([0 if tok.is_control(i) or tok.is_unknown(i) else 1 if tok.is_byte(i)
-                     else len(tok.id_to_piece(i).replace("\u2581", " ").encode()) for i in range(tok.get_piece_size())],
+                     else len(tok.id_to_piece(i).replace("\u2581", " ").encode())
+                     for i in range(tok.get_piece_size())],
                     dtype=np.int64)
 
 

@@ -1,1 +1,2 @@
-"""What every room shares: the errors bad input raises, checksums, the folder lock, fault injection."""
+"""What every room shares: the errors bad input raises, checksums, the folder lock, fault
+injection."""

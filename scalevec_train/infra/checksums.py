@@ -1,9 +1,9 @@
-"""The checksum of the bytes a run writes and reads back (checkpoint files, token shards): XXH3 with 64
-bits (the xxhash package), some 8 GB/s on one core where CRC-32 gives 1.4 and BLAKE2b 0.3
-(dev/bench_checksums.py; docs/guides/reliability.md, "Checksums"). It finds bytes that changed after they
-were written (a flipped bit, a file cut short, copied wrong or swapped), not a file crafted to pass: XXH3
-is no cryptographic hash. Recorded as the algorithm's name and the digest in hex, so that another
-algorithm can follow without misreading the old records."""
+"""The checksum of the bytes a run writes and reads back (checkpoint files, token shards): XXH3 with
+64 bits (the xxhash package), some 8 GB/s on one core where CRC-32 gives 1.4 and BLAKE2b 0.3
+(dev/bench_checksums.py; docs/guides/reliability.md, "Checksums"). It finds bytes that changed after
+they were written (a flipped bit, a file cut short, copied wrong or swapped), not a file crafted to
+pass: XXH3 is no cryptographic hash. Recorded as the algorithm's name and the digest in hex, so that
+another algorithm can follow without misreading the old records."""
 
 from pathlib import Path
 

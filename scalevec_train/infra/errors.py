@@ -1,8 +1,8 @@
 """The exception types for bad user input (configs, data, checkpoints) and for a run that diverged.
 
-Entry points catch them, print the message on one line and exit with `exit_code`, so that a user sees
-what is wrong and how to fix it instead of a traceback. Any other exception is a bug and keeps its
-traceback (exit code 1).
+Entry points catch them, print the message on one line and exit with `exit_code`, so that a user
+sees what is wrong and how to fix it instead of a traceback. Any other exception is a bug and keeps
+its traceback (exit code 1).
 """
 
 from dataclasses import field, fields
@@ -23,23 +23,24 @@ class ScalevecError(Exception):
 
 
 class DivergedError(ScalevecError):
-    """Training stopped after train.max_bad_steps consecutive non-finite steps; the last good state is
-    saved. Its own exit code tells it apart from bad input."""
+    """Training stopped after train.max_bad_steps consecutive non-finite steps; the last good state
+    is saved. Its own exit code tells it apart from bad input."""
 
     exit_code = 3
 
 
 class CheckpointWriteError(ScalevecError):
-    """A checkpoint could not be written (a full disk, an I/O error): the run stops, its previous complete
-    checkpoint intact. Its own exit code tells it apart from bad input."""
+    """A checkpoint could not be written (a full disk, an I/O error): the run stops, its previous
+    complete checkpoint intact. Its own exit code tells it apart from bad input."""
 
     exit_code = 4
 
 
 class HungError(ScalevecError):
-    """The run made no progress within the hang watchdog's bound (parallel/watchdog.py), or got SIGTERM
-    while it made none: it names the ranks that did not arrive and where. Not raised: the watchdog's
-    thread prints it and ends the process, whose main thread is stuck. Its own exit code tells it apart."""
+    """The run made no progress within the hang watchdog's bound (parallel/watchdog.py), or got
+    SIGTERM while it made none: it names the ranks that did not arrive and where. Not raised: the
+    watchdog's thread prints it and ends the process, whose main thread is stuck. Its own exit code
+    tells it apart."""
 
     exit_code = 5
 
@@ -57,10 +58,11 @@ def choice(default: str, options: Any) -> Any:
 
 
 def check_choices(cfg: Any, prefix: str) -> None:
-    """The one check of every choice() field of the dataclass `cfg` (its options under `prefix`, e.g.
-    "model.moe."): its value must be one of the field's Literal's."""
+    """The one check of every choice() field of the dataclass `cfg` (its options under `prefix`,
+    e.g. "model.moe."): its value must be one of the field's Literal's."""
     for f in fields(cfg):
         allowed = f.metadata.get("choices")
         value = getattr(cfg, f.name)
         if allowed is not None and value not in allowed:
-            raise ScalevecError(f"{prefix}{f.name}", f"unknown value {value!r}.", f"use one of: {', '.join(allowed)}.")
+            raise ScalevecError(f"{prefix}{f.name}", f"unknown value {value!r}.",
+                                f"use one of: {', '.join(allowed)}.")

@@ -1,21 +1,22 @@
 """One holder at a time of a folder (a run directory, a data cache), across processes and hosts that
 share its file system; docs/guides/reliability.md, "One writer per run directory".
 
-The lock is `<folder>/.lock`. Its holder keeps an flock on it (released by the kernel when the holder
-dies, however it dies) and writes its record there: host, pid, start time, and a beat that a thread
-advances every BEAT seconds. Releasing empties the file. Whoever comes next:
+The lock is `<folder>/.lock`. Its holder keeps an flock on it (released by the kernel when the
+holder dies, however it dies) and writes its record there: host, pid, start time, and a beat that a
+thread advances every BEAT seconds. Releasing empties the file. Whoever comes next:
 
-- cannot take the flock: a live process holds it (on this host, or on another where flock reaches the
-  whole file system, as on NFSv4): the holder is named at once;
+- cannot take the flock: a live process holds it (on this host, or on another where flock reaches
+  the whole file system, as on NFSv4): the holder is named at once;
 - takes the flock and finds an empty file: free;
 - finds a record of this host: its writer is gone (it would hold the flock, or, where flock does not
   work, its pid is no longer alive): taken over at once;
-- finds a record of another host: flock may not reach across hosts there (NFS mounted with local_lock,
-  BeeGFS and Lustre by default), so the beat decides: it advances within STALE seconds (the holder lives,
-  named as soon as it moves) or it does not (the holder's node died: taken over).
+- finds a record of another host: flock may not reach across hosts there (NFS mounted with
+  local_lock, BeeGFS and Lustre by default), so the beat decides: it advances within STALE seconds
+  (the holder lives, named as soon as it moves) or it does not (the holder's node died: taken over).
 
-Where flock fails outright (NFSv3 without lockd, `nolock` mounts, Lustre's `noflock`), the record alone
-decides, as above: a second writer racing for a stale record is caught by re-reading it after writing.
+Where flock fails outright (NFSv3 without lockd, `nolock` mounts, Lustre's `noflock`), the record
+alone decides, as above: a second writer racing for a stale record is caught by re-reading it after
+writing.
 """
 
 import errno
@@ -48,8 +49,8 @@ def holder(record: dict) -> str:
 
 
 class DirLock:
-    """The lock of `folder` (created if missing). acquire(wait=False) raises Held while another process
-    holds it; acquire(wait=True) waits for it. release() (or leaving `with`) frees it."""
+    """The lock of `folder` (created if missing). acquire(wait=False) raises Held while another
+    process holds it; acquire(wait=True) waits for it. release() (or leaving `with`) frees it."""
 
     def __init__(self, folder: Path):
         self.path = Path(folder) / NAME
@@ -138,8 +139,8 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 def _read(path: Path) -> dict:
-    """The holder's record, {} if none (released, or never held). A fresh open: on NFS that reads what
-    the holder last flushed."""
+    """The holder's record, {} if none (released, or never held). A fresh open: on NFS that reads
+    what the holder last flushed."""
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -153,8 +154,9 @@ def _read(path: Path) -> dict:
 
 def _write(fd: int, record: dict) -> None:
     data = (json.dumps(record) + "\n").encode()
-    # over the old record, then cut to length: never empty in between, which a reader would take for a
-    # released lock (a beat's rewrite of a live holder's record, or a holder killed in the middle of one)
+    # over the old record, then cut to length: never empty in between, which a reader would take for
+    # a released lock (a beat's rewrite of a live holder's record, or a holder killed in the middle
+    # of one)
     os.pwrite(fd, data, 0)
     os.ftruncate(fd, len(data))
     os.fsync(fd)  # visible to other hosts (NFS writes back at close or fsync)
@@ -166,8 +168,8 @@ def _mine() -> dict:
 
 
 def _start_ticks(pid: int) -> int | None:
-    """When process `pid` started (clock ticks since boot; None without /proc): a pid reused by a new
-    process has another."""
+    """When process `pid` started (clock ticks since boot; None without /proc): a pid reused by a
+    new process has another."""
     try:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
     except (OSError, IndexError, ValueError):
@@ -175,7 +177,8 @@ def _start_ticks(pid: int) -> int | None:
 
 
 def _dead(path: Path, record: dict, flocked: bool) -> bool:
-    """Whether the process that wrote `record` no longer holds the lock (see the module's docstring)."""
+    """Whether the process that wrote `record` no longer holds the lock
+    (see the module's docstring)."""
     if record.get("host") == socket.gethostname():
         return flocked or not _runs(record)
     deadline = time.monotonic() + STALE
@@ -187,7 +190,8 @@ def _dead(path: Path, record: dict, flocked: bool) -> bool:
 
 
 def _runs(record: dict) -> bool:
-    """Whether the process of this host that wrote `record` still runs: its pid, started when it was."""
+    """Whether the process of this host that wrote `record` still runs: its pid, started when it
+    was."""
     pid = record.get("pid")
     if not isinstance(pid, int) or pid <= 0:
         return False
@@ -203,7 +207,7 @@ def _runs(record: dict) -> bool:
 
 
 def _still_mine(path: Path, record: dict) -> bool:
-    """Without flock, two processes may both find a dead holder's record and write their own: each reads
-    the file again a moment later, and the one whose record is gone steps back."""
+    """Without flock, two processes may both find a dead holder's record and write their own: each
+    reads the file again a moment later, and the one whose record is gone steps back."""
     time.sleep(min(BEAT / 4, 1.0))
     return _read(path) == record

@@ -1,13 +1,13 @@
 """`scalevec_train.load(path)`: a trained model and its tokenizer in one process, without torchrun.
 
     model, tokenizer = scalevec_train.load("runs/my_run")            # newest complete checkpoint
-    model, tokenizer = scalevec_train.load("runs/my_run/checkpoints/step_001000", fold=True, device="cuda")
-    logits = model(torch.tensor([tokenizer.encode("def f(x):")]))
+    model, tokenizer = scalevec_train.load("runs/my_run/checkpoints/step_001000", fold=True,
+    device="cuda") logits = model(torch.tensor([tokenizer.encode("def f(x):")]))
 
 A run directory holds config.yaml, its tokenizer (tokenizer.model, or tokenizer.json) and
-checkpoints/step_*/ (torch.distributed.checkpoint format). Only the model part of a checkpoint is read,
-resharded into one unsharded fp32 model. The checkpoint's metadata is a pickle: it is read with an
-unpickler that admits only the checkpoint metadata classes, and the tensors with
+checkpoints/step_*/ (torch.distributed.checkpoint format). Only the model part of a checkpoint is
+read, resharded into one unsharded fp32 model. The checkpoint's metadata is a pickle: it is read
+with an unpickler that admits only the checkpoint metadata classes, and the tensors with
 torch.load(weights_only=True), so a crafted checkpoint cannot run code.
 """
 
@@ -34,15 +34,15 @@ def load(path: str | Path, fold: bool = False, device: str | torch.device = "cpu
          verify: bool = True) -> tuple[Transformer, Tokenizer]:
     """The model (in eval mode, fp32, on `device`) and the tokenizer of a run directory (its newest
     complete checkpoint) or of one checkpoints/step_* directory: a SentencePieceProcessor, or for a
-    tokenizer.json an HfTokenizer with the same encode/decode/eos_id/get_piece_size. fold=True returns
-    the folded model (every foldable scale site absorbed into its linear map; same logits). Every file of
-    the checkpoint is checked against the checksums recorded when it was written, and a mismatch refuses
-    it (naming the file and the newest earlier checkpoint that verifies); verify=False skips the check,
-    for a checkpoint you trust."""
+    tokenizer.json an HfTokenizer with the same encode/decode/eos_id/get_piece_size. fold=True
+    returns the folded model (every foldable scale site absorbed into its linear map; same logits).
+    Every file of the checkpoint is checked against the checksums recorded when it was written, and
+    a mismatch refuses it (naming the file and the newest earlier checkpoint that verifies);
+    verify=False skips the check, for a checkpoint you trust."""
     run_dir, checkpoint = resolve(Path(path))
     if verify:
-        integrity.verify(checkpoint, lambda good: f"load {good} instead", "pass verify=False (on the command "
-                         "lines verify=false)")
+        integrity.verify(checkpoint, lambda good: f"load {good} instead",
+                         "pass verify=False (on the command lines verify=false)")
     cfg = read_config(run_dir)
     # The tokenizer is cheap to check: a bad one fails before any weight is read.
     tok_path = tokenizer_path(run_dir, cfg)
@@ -68,16 +68,19 @@ def resolve(path: Path) -> tuple[Path, Path]:
         return (path if (path / CONFIG_FILE).is_file() else path.parent.parent), path
     if path.name.startswith("step_") or path.name.startswith(TMP_PREFIX):
         raise ScalevecError(str(path), f"is not a complete checkpoint (no {COMPLETE} marker: "
-                            "its save was interrupted).", "use another checkpoint of the run, or the run "
-                            "directory (its newest complete checkpoint).")
+                            "its save was interrupted).",
+                            "use another checkpoint of the run, or the run directory (its newest "
+                            "complete checkpoint).")
     if not (path / CONFIG_FILE).is_file():
-        raise ScalevecError(str(path), f"is neither a run directory (no {CONFIG_FILE}) nor a checkpoint "
-                            f"(no {COMPLETE} marker).", "pass the run_dir of a training run or "
-                            "one of its checkpoints/step_* directories.")
+        raise ScalevecError(str(path), f"is neither a run directory (no {CONFIG_FILE}) nor a "
+                            f"checkpoint (no {COMPLETE} marker).",
+                            "pass the run_dir of a training run or one of its checkpoints/step_* "
+                            "directories.")
     found = complete_checkpoints(path)
     if not found:
-        raise ScalevecError(str(path), "holds no complete checkpoint.", "train the run until it saves one "
-                            "(checkpoint.every, or the end of the run).")
+        raise ScalevecError(str(path), "holds no complete checkpoint.",
+                            "train the run until it saves one (checkpoint.every, or the end "
+                            "of the run).")
     return path, found[-1]
 
 
@@ -85,7 +88,8 @@ def read_config(run_dir: Path) -> Config:
     path = run_dir / CONFIG_FILE
     if not path.is_file():
         raise ScalevecError(str(path), "is missing, so the model's shape is unknown.",
-                            "pass a checkpoint that sits in its run directory (run_dir/checkpoints/step_*).")
+                            "pass a checkpoint that sits in its run directory "
+                            "(run_dir/checkpoints/step_*).")
     try:
         raw = OmegaConf.load(path)
     except (OSError, OmegaConfBaseException, ValueError) as e:
@@ -109,7 +113,8 @@ def empty_model(cfg: Config) -> Transformer:
 
 
 def tokenizer_path(run_dir: Path, cfg: Config) -> Path:
-    """The run directory's tokenizer (written by the trainer), else the tokenizer the data config names."""
+    """The run directory's tokenizer (written by the trainer), else the tokenizer the data config
+    names."""
     candidates = [run_dir]
     if cfg.data.tokenizer_path:
         candidates.append(Path(cfg.data.tokenizer_path))
@@ -120,6 +125,8 @@ def tokenizer_path(run_dir: Path, cfg: Config) -> Path:
         if found is not None:
             return found
     raise ScalevecError(str(run_dir / data_tokenizer.SENTENCEPIECE_FILE), f"is missing (so is "
-                        f"{data_tokenizer.HF_FILE}, and the data config names no tokenizer file that exists).",
+                        f"{data_tokenizer.HF_FILE}, and the data config names no tokenizer file "
+                        "that exists).",
                         f"copy the tokenizer the run used into {run_dir} (its data cache holds it: "
-                        f"{cfg.data.cache_dir}/{cfg.data.source}-*/tokenizer.model or tokenizer.json).")
+                        f"{cfg.data.cache_dir}/{cfg.data.source}-*/tokenizer.model or "
+                        "tokenizer.json).")

@@ -1,17 +1,21 @@
 """Export to a Hugging Face transformers folder (the CLI: `python -m scalevec_train.export`).
 
 The model is folded first (fold.py), then written as
-    model.safetensors        fp32 weights in the Llama layout (model.layers.N.self_attn.q_proj.weight, ...)
-    config.json              LlamaForCausalLM when the folded model is a plain Llama (every scale site
-                             absorbed: baseline, iwd, hg, dp, or, er, none on models without QK-/post-norms);
-                             otherwise ScalevecForCausalLM with modeling_scalevec.py (trust_remote_code):
-                             normalizations with weights on map outputs (dnp, unified, qk_norm, post_norm)
-                             and mixture-of-experts layers. Its `scale_plan` is the folded model's scale
-                             plan, a row per site; the modeling file builds a normalization for every row
-                             that names a weight (a site behind a normalization), and nothing else
-    tokenizer.json, tokenizer_config.json   a transformers fast tokenizer built from the SentencePiece model
-                             (encodes text to the same ids, adds no BOS/EOS), or the run's Hugging Face
-                             tokenizer without its post-processor (which would add tokens training never saw)
+    model.safetensors        fp32 weights in the Llama layout
+                             (model.layers.N.self_attn.q_proj.weight, ...)
+    config.json              LlamaForCausalLM when the folded model is a plain Llama (every scale
+                             site absorbed: baseline, iwd, hg, dp, or, er, none on models without
+                             QK-/post-norms); otherwise ScalevecForCausalLM with
+                             modeling_scalevec.py (trust_remote_code): normalizations with weights
+                             on map outputs (dnp, unified, qk_norm, post_norm) and
+                             mixture-of-experts layers. Its `scale_plan` is the folded model's scale
+                             plan, a row per site; the modeling file builds a normalization for
+                             every row that names a weight (a site behind a normalization), and
+                             nothing else
+    tokenizer.json, tokenizer_config.json   a transformers fast tokenizer built from the
+                             SentencePiece model (encodes text to the same ids, adds no BOS/EOS), or
+                             the run's Hugging Face tokenizer without its post-processor (which
+                             would add tokens training never saw)
     tokenizer.model          the SentencePiece model itself (SentencePiece runs only)
 Pre-norms whose scales folded away are written as RMSNorm weights of ones. config.json carries the
 RoPE base both as `rope_theta` (transformers 4.x) and `rope_parameters` (5.x).
@@ -39,12 +43,13 @@ WEIGHTS_FILE = "model.safetensors"
 MODELING_FILE = "modeling_scalevec.py"
 MODELING_SOURCE = Path(__file__).resolve().parent / "hf_modeling" / MODELING_FILE
 _ATTN_MAPS = (("q", "wq"), ("k", "wk"), ("v", "wv"), ("o", "wo"))
-# Where the weight of each site behind a normalization (a block's, without "layers.<i>.") lives in the
-# transformers layout of modeling_scalevec.py.
+# Where the weight of each site behind a normalization (a block's, without "layers.<i>.") lives in
+# the transformers layout of modeling_scalevec.py.
 _NORM_WEIGHTS = {
     "attn.wq.out_site": "self_attn.q_norm", "attn.wk.out_site": "self_attn.k_norm",
     "attn.wv.out_site": "self_attn.v_norm", "attn.wo.out_site": "self_attn.o_norm",
-    "ffn.w_gate.out_site": "mlp.gate_norm", "ffn.w_up.out_site": "mlp.up_norm", "ffn.w_down.out_site": "mlp.down_norm",
+    "ffn.w_gate.out_site": "mlp.gate_norm", "ffn.w_up.out_site": "mlp.up_norm",
+    "ffn.w_down.out_site": "mlp.down_norm",
     "ffn.experts.gate_out": "mlp.experts.gate_norm", "ffn.experts.up_out": "mlp.experts.up_norm",
     "ffn.shared.gate_out": "mlp.shared.gate_norm", "ffn.shared.up_out": "mlp.shared.up_norm",
     "ffn.down_out": "mlp.down_norm",
@@ -55,15 +60,15 @@ _NEVER = -1e9
 
 
 def export(path: str | Path, out: str | Path, verify: bool = True) -> Path:
-    """Export the newest complete checkpoint of a run directory, or one checkpoint, to `out` (`verify`:
-    as for load())."""
+    """Export the newest complete checkpoint of a run directory, or one checkpoint, to `out`
+    (`verify`: as for load())."""
     model, tokenizer = load(path, verify=verify)
     return export_model(model, tokenizer, out)
 
 
 def export_model(model: Transformer, tokenizer: Tokenizer, out: str | Path) -> Path:
-    """Fold `model` and write it with its tokenizer as a transformers folder `out` (new or empty). The
-    folder appears whole or not at all."""
+    """Fold `model` and write it with its tokenizer as a transformers folder `out` (new or empty).
+    The folder appears whole or not at all."""
     out = Path(out)
     check_new_folder(out)
     folded = fold(model).cpu().float()
@@ -89,12 +94,15 @@ def _readable_like_other_files(path: Path) -> None:
 
 
 def is_llama(folded: Transformer) -> bool:
-    """Whether a folded model is a stock Llama: dense, no normalization on any map's output, no scale left."""
-    return folded.cfg.moe is None and all(row.param == "fixed" and not row.behind_norm for row in folded.plan.rows)
+    """Whether a folded model is a stock Llama: dense, no normalization on any map's output, no
+    scale left."""
+    return folded.cfg.moe is None and all(row.param == "fixed" and not row.behind_norm
+                                          for row in folded.plan.rows)
 
 
 def norm_weight_name(row: SiteRow) -> str | None:
-    """The transformers name of the normalization weight a site is (None: a site that folds away)."""
+    """The transformers name of the normalization weight a site is (None: a site that folds
+    away)."""
     if not row.behind_norm:
         return None
     layer, name = site_display_name(row.path)
@@ -102,20 +110,22 @@ def norm_weight_name(row: SiteRow) -> str | None:
 
 
 def _ones_if_fixed(site: ScaleSite) -> torch.Tensor:
-    """A normalization's weight: the site's vector (folding left it plain), or ones for a fixed site."""
+    """A normalization's weight: the site's vector (folding left it plain), or ones for a fixed
+    site."""
     s = site()
     return torch.ones(site.shape) if s is None else s.detach().clone()
 
 
 def hf_state_dict(folded: Transformer, llama: bool) -> dict[str, torch.Tensor]:
     """The weights of a folded model under transformers' names (Llama layout, plus the output norms
-    and MoE tensors of modeling_scalevec.py). Folding absorbed every pre-norm's sites (input sites), so
-    the pre-norms are weightless: ones."""
+    and MoE tensors of modeling_scalevec.py). Folding absorbed every pre-norm's sites (input sites),
+    so the pre-norms are weightless: ones."""
     cfg = folded.cfg
     out = {"model.embed_tokens.weight": folded.tok_emb.weight}
     for i, block in enumerate(folded.layers):
         p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = out[p + "post_attention_layernorm.weight"] = torch.ones(cfg.dim)
+        out[p + "input_layernorm.weight"] = out[p + "post_attention_layernorm.weight"] = torch.ones(
+            cfg.dim)
         for name, attr in _ATTN_MAPS:
             out[p + f"self_attn.{name}_proj.weight"] = getattr(block.attn, attr).weight
         ffn = block.ffn
@@ -181,11 +191,13 @@ def llama_config(folded: Transformer) -> dict:
 
 def plan_rows(folded: Transformer) -> list[dict]:
     """The folded model's scale plan as JSON: a row per site (a fixed one too), with `weight`, the
-    transformers name of the normalization weight it is, and `per_head`, whether that normalization acts
-    per attention head."""
-    return [{"site": row.path, "shape": list(row.shape), "role": row.role, "param": row.param, "side": row.side,
-             "maps": [m.name for m in row.maps], "norm": row.norm and row.norm.label, "folds": row.fold,
-             "weight": norm_weight_name(row), "per_head": row.behind_norm and row.norm.kind is NormKind.HEAD}
+    transformers name of the normalization weight it is, and `per_head`, whether that normalization
+    acts per attention head."""
+    return [{"site": row.path, "shape": list(row.shape), "role": row.role, "param": row.param,
+             "side": row.side, "maps": [m.name for m in row.maps],
+             "norm": row.norm and row.norm.label, "folds": row.fold,
+             "weight": norm_weight_name(row),
+             "per_head": row.behind_norm and row.norm.kind is NormKind.HEAD}
             for row in folded.plan.rows]
 
 
@@ -194,9 +206,9 @@ def scalevec_config(folded: Transformer) -> dict:
     moe = None
     if cfg.moe is not None:
         shared = cfg.moe.num_shared_experts * (cfg.moe.shared_expert_dim or cfg.ffn_dim)
-        moe = {"num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k, "expert_dim": cfg.moe.expert_dim,
-               "shared_expert_dim": shared, "score_func": cfg.moe.score_func,
-               "renormalize": cfg.moe.renormalize}
+        moe = {"num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k,
+               "expert_dim": cfg.moe.expert_dim, "shared_expert_dim": shared,
+               "score_func": cfg.moe.score_func, "renormalize": cfg.moe.renormalize}
     return {
         "architectures": ["ScalevecForCausalLM"],
         "model_type": "scalevec",
@@ -215,7 +227,8 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path, max_len: int) -> None:
     SentencePiece tokenizer also the model itself as tokenizer.model."""
     if isinstance(tokenizer, HfTokenizer):
         spec = json.loads(tokenizer.backend.to_str())
-        spec["post_processor"] = None  # training added no BOS/EOS to a document's tokens: neither may this
+        # training added no BOS/EOS to a document's tokens: neither may this
+        spec["post_processor"] = None
         (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False, indent=2) + "\n")
         special = {"eos_token": tokenizer.backend.id_to_token(tokenizer.eos_id())}
     else:
@@ -242,11 +255,12 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path, max_len: int) -> None:
 
 
 def fast_tokenizer(proto_bytes: bytes):
-    """A `tokenizers` Tokenizer that encodes like the SentencePiece model: same pieces, same merge order
-    (BPE: a pair merges in the order of the merged piece's score, as SentencePiece does), byte fallback
-    for characters outside the vocabulary, user-defined pieces (the newline) matched first, and the
-    text otherwise unchanged except spaces becoming U+2581."""
-    from sentencepiece import sentencepiece_model_pb2  # needs protobuf, like transformers' own conversion
+    """A `tokenizers` Tokenizer that encodes like the SentencePiece model: same pieces, same merge
+    order (BPE: a pair merges in the order of the merged piece's score, as SentencePiece does), byte
+    fallback for characters outside the vocabulary, user-defined pieces (the newline) matched first,
+    and the text otherwise unchanged except spaces becoming U+2581."""
+    # needs protobuf, like transformers' own conversion
+    from sentencepiece import sentencepiece_model_pb2
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
     proto = sentencepiece_model_pb2.ModelProto()
@@ -266,16 +280,18 @@ def fast_tokenizer(proto_bytes: bytes):
                 if left in vocab and right in vocab:
                     merges.append((i, left, right))
         merges.sort(key=lambda m: (-pieces[m[0]][1], m[0], len(m[1])))
-        model = models.BPE(vocab, [(left, right) for _, left, right in merges], unk_token=pieces[unk][0],
-                           byte_fallback=byte_fallback, fuse_unk=True)
+        model = models.BPE(vocab, [(left, right) for _, left, right in merges],
+                           unk_token=pieces[unk][0], byte_fallback=byte_fallback, fuse_unk=True)
     else:
         # SentencePiece never matches control, unknown or byte pieces against text; a score no path
         # would choose does the same here.
-        scored = [(piece, score if kind in (_NORMAL, _USER_DEFINED) else _NEVER) for piece, score, kind in pieces]
+        scored = [(piece, score if kind in (_NORMAL, _USER_DEFINED) else _NEVER)
+                  for piece, score, kind in pieces]
         model = models.Unigram(scored, unk, byte_fallback=byte_fallback)
     fast = Tokenizer(model)
     fast.normalizer = normalizers.Replace(" ", "\u2581")
-    fast.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    fast.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                      decoders.Fuse()])
     fast.add_tokens([AddedToken(piece, normalized=False, special=False)
                      for piece, _, kind in pieces if kind == _USER_DEFINED])
     fast.add_special_tokens([AddedToken(piece, normalized=False, special=True)
@@ -284,8 +300,9 @@ def fast_tokenizer(proto_bytes: bytes):
 
 
 def _check_tokenizer_settings(proto, kinds) -> None:
-    """The conversion reproduces SentencePiece models trained the way scalevec trains them (text kept as
-    is); other normalizations would need rules it does not implement. `kinds`: the TrainerSpec class."""
+    """The conversion reproduces SentencePiece models trained the way scalevec trains them (text
+    kept as is); other normalizations would need rules it does not implement. `kinds`: the
+    TrainerSpec class."""
     spec = proto.normalizer_spec
     unsupported = []
     if proto.trainer_spec.model_type not in (kinds.BPE, kinds.UNIGRAM):
@@ -297,6 +314,7 @@ def _check_tokenizer_settings(proto, kinds) -> None:
     if spec.remove_extra_whitespaces:
         unsupported.append("remove_extra_whitespaces")
     if unsupported:
-        raise ScalevecError("tokenizer.model", f"uses {', '.join(unsupported)}, which the conversion to a "
-                            "transformers tokenizer does not reproduce.",
-                            "export models whose tokenizer scalevec trained (data.tokenizer_path left empty).")
+        raise ScalevecError("tokenizer.model", f"uses {', '.join(unsupported)}, which the "
+                            "conversion to a transformers tokenizer does not reproduce.",
+                            "export models whose tokenizer scalevec trained (data.tokenizer_path "
+                            "left empty).")

@@ -1,6 +1,6 @@
-"""The building blocks of a block: the residual stream, the pre-norm with its branch sites, the linear map
-with the sites and output normalization its plan gives it (map_output applies that output side, for
-Linear and for the experts' SwiGLU alike), and rotary position embeddings."""
+"""The building blocks of a block: the residual stream, the pre-norm with its branch sites, the
+linear map with the sites and output normalization its plan gives it (map_output applies that output
+side, for Linear and for the experts' SwiGLU alike), and rotary position embeddings."""
 
 from typing import NamedTuple
 
@@ -15,8 +15,8 @@ from scalevec_train.model.strategies import ScaleSite
 
 
 def scaled(x: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
-    """x * s in x's dtype: s stays fp32 (docs/concepts/scale-vectors.md, precision), only the product takes the
-    activations' dtype."""
+    """x * s in x's dtype: s stays fp32 (docs/concepts/scale-vectors.md, precision), only the
+    product takes the activations' dtype."""
     return x if s is None else (x * s).to(x.dtype)
 
 
@@ -32,8 +32,9 @@ def normalized(y: torch.Tensor, s: torch.Tensor | None, eps: float, kernels: str
 
 def map_output(y: torch.Tensor, site: ScaleSite | None, eps: float, kernels: str,
                expert_of: torch.Tensor | None = None, folded: bool = False) -> torch.Tensor:
-    """A map's output y [..., width] after its site: u * N(y) when the site sits behind a normalization
-    over the width, else y * u (or y itself when `folded`: u is already in the map's weight)."""
+    """A map's output y [..., width] after its site: u * N(y) when the site sits behind a
+    normalization over the width, else y * u (or y itself when `folded`: u is already in the map's
+    weight)."""
     if site is None:
         return y
     if not site.behind_norm:
@@ -42,8 +43,9 @@ def map_output(y: torch.Tensor, site: ScaleSite | None, eps: float, kernels: str
 
 
 class Residual(NamedTuple):
-    """The residual stream as x + plus, the update not added yet: the next pre-norm adds it in the same
-    fused pass that normalizes the sum (and hands the sum on), so that no block writes x + plus alone."""
+    """The residual stream as x + plus, the update not added yet: the next pre-norm adds it in the
+    same fused pass that normalizes the sum (and hands the sum on), so that no block writes x + plus
+    alone."""
 
     x: torch.Tensor
     plus: torch.Tensor | None = None
@@ -59,9 +61,11 @@ class PreNorm(nn.Module):
         self.sites = nn.ModuleDict({str(b): ScaleSite.of(row) for b, row in plan.sites.items()})
 
     def forward(self, stream: Residual) -> tuple[dict[Branch, torch.Tensor], torch.Tensor]:
-        """({branch: s_branch * N(h)}, h) with h = stream.x + stream.plus, summed in the norm's pass."""
+        """({branch: s_branch * N(h)}, h) with h = stream.x + stream.plus, summed in the norm's
+        pass."""
         scales = [s() for s in self.sites.values()]
-        outs = rms_norm_scales(stream.x, scales, self.eps, residual=stream.plus, backend=self.kernels)
+        outs = rms_norm_scales(stream.x, scales, self.eps, residual=stream.plus,
+                               backend=self.kernels)
         h = stream.x
         if stream.plus is not None:
             *outs, h = outs
@@ -71,8 +75,8 @@ class PreNorm(nn.Module):
 class Linear(nn.Module):
     """y = s_out * Norm(W (s_in * x)): a bias-free linear map with the sites its plan gives it."""
 
-    # W x: F.linear, or on a map that model.fp8 converts the FP8 matmul that parallel/fp8.py sets on the
-    # instance (from outside: the model never imports torchao)
+    # W x: F.linear, or on a map that model.fp8 converts the FP8 matmul that parallel/fp8.py sets on
+    # the instance (from outside: the model never imports torchao)
     matmul = staticmethod(F.linear)
 
     def __init__(self, plan: MapPlan, cfg: ModelConfig):
@@ -113,18 +117,21 @@ class Rotary(nn.Module):
         self.register_buffer("sin", torch.empty(max_seq_len, head_dim), persistent=False)
 
     def init_buffers(self) -> None:
-        inv_freq = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim)
+        inv_freq = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64)
+                                        / self.head_dim)
         angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float64), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
         self.cos.copy_(angles.cos())
         self.sin.copy_(angles.sin())
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [batch, heads, seq, head_dim]; positions [batch, seq] (default: 0..seq-1 in every row)."""
+        """x: [batch, heads, seq, head_dim]; positions [batch, seq] (default: 0..seq-1 in every
+        row)."""
         if positions is None:
             seq = x.shape[-2]
             cos, sin = self.cos[:seq].to(x.dtype), self.sin[:seq].to(x.dtype)
         else:
-            cos, sin = self.cos[positions].to(x.dtype).unsqueeze(1), self.sin[positions].to(x.dtype).unsqueeze(1)
+            cos, sin = (self.cos[positions].to(x.dtype).unsqueeze(1),
+                        self.sin[positions].to(x.dtype).unsqueeze(1))
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin

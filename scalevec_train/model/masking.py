@@ -1,14 +1,14 @@
 """Attention within documents (model.attention_mask=document): the masks and RoPE positions that
 follow from the document ids the loader gives with each window.
 
-doc_ids [batch, seq] numbers the documents of a row in order (the loader's rule, docs/guides/data.md: an EOS
-belongs to the document it ends). Query i attends key j when j <= i and doc_ids[i] == doc_ids[j]:
-block-causal. Two kernels compute it:
-  flex  FlexAttention with a BlockMask: blocks that the mask empties are skipped, so the cost follows
-        the documents' lengths. Compiled (eager FlexAttention materializes the scores); torch has no
-        FlexAttention backward on CPU, so it trains on CUDA only.
-  sdpa  SDPA with a dense boolean mask [batch, 1, seq, seq]: the reference, and the fallback. It costs
-        a full seq x seq product (no causal skip) and the mask's memory.
+doc_ids [batch, seq] numbers the documents of a row in order (the loader's rule,
+docs/guides/data.md: an EOS belongs to the document it ends). Query i attends key j when j <= i and
+doc_ids[i] == doc_ids[j]: block-causal. Two kernels compute it:
+  flex  FlexAttention with a BlockMask: blocks that the mask empties are skipped, so the cost
+        follows the documents' lengths. Compiled (eager FlexAttention materializes the scores);
+        torch has no FlexAttention backward on CPU, so it trains on CUDA only.
+  sdpa  SDPA with a dense boolean mask [batch, 1, seq, seq]: the reference, and the fallback. It
+        costs a full seq x seq product (no causal skip) and the mask's memory.
 """
 
 import functools
@@ -23,8 +23,8 @@ except ImportError:  # torch without FlexAttention: the sdpa kernel only
 
 
 def backend_for(choice: str, device: torch.device) -> str:
-    """model.attention_backend resolved for `device`: auto is flex on CUDA (where torch has it), sdpa
-    elsewhere."""
+    """model.attention_backend resolved for `device`: auto is flex on CUDA (where torch has it),
+    sdpa elsewhere."""
     if choice == "auto":
         return "flex" if device.type == "cuda" and flex_attention is not None else "sdpa"
     return choice
@@ -66,8 +66,9 @@ def _compiled_flex():
     return torch.compile(flex_attention)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: "torch.Tensor | BlockMask | None",
-           gqa: bool, scale: float | None = None) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           mask: "torch.Tensor | BlockMask | None", gqa: bool,
+           scale: float | None = None) -> torch.Tensor:
     """Attention of q [batch, heads, seq, head_dim] over k, v: causal without a mask, else `mask`'s;
     `scale` multiplies the logits (None: 1 / sqrt(head_dim))."""
     if mask is None:

@@ -1,7 +1,8 @@
 """Mixture-of-experts feed-forward layer: a drop-in for the dense SwiGLU block (`model.moe`).
 
-    logits = W_r x_r                         fp32, even under autocast; x_r: the router's input (under
-                                             model.parameterization=mup times 1 / m_N: parameterization.py)
+    logits = W_r x_r                         fp32, even under autocast; x_r: the router's input
+                                             (under model.parameterization=mup times 1 / m_N:
+                                             parameterization.py)
     p      = softmax(logits) | sigmoid(logits)
     chosen = top_k(p + bias)                 the expert bias only chooses, it never weights
     g      = p[chosen], renormalized to sum 1 over the k chosen if `renormalize`
@@ -10,35 +11,36 @@
 
 Every expert is a SwiGLU, E_e(x) = W_down,e (silu(W_gate,e x_g) * W_up,e x_u), stored as 3-D weights
 [experts, out, in]. Dropless: tokens are sorted by expert and every expert takes all of its tokens,
-through torch._grouped_mm or a loop of matmuls. The sort also gives the rows per expert (sort_by_expert),
-so routing reads nothing back to the host on the grouped path (bincount would: it sizes its output by
-the data); the loop reads the counts once per layer. Under expert parallelism the parallel layer installs a
-dispatch (RoutedExperts.dispatch) that runs each sorted row on the rank holding its expert and brings the
-output back; routing, counts and losses stay here, on every rank's own tokens. The routing weight g
-multiplies an expert's hidden activation (W_down is linear, so this equals weighting its output); a
-token's k expert outputs are then summed in fp32. Several shared experts act as one SwiGLU of their
-summed width.
+through torch._grouped_mm or a loop of matmuls. The sort also gives the rows per expert
+(sort_by_expert), so routing reads nothing back to the host on the grouped path (bincount would: it
+sizes its output by the data); the loop reads the counts once per layer. Under expert parallelism
+the parallel layer installs a dispatch (RoutedExperts.dispatch) that runs each sorted row on the
+rank holding its expert and brings the output back; routing, counts and losses stay here, on every
+rank's own tokens. The routing weight g multiplies an expert's hidden activation (W_down is linear,
+so this equals weighting its output); a token's k expert outputs are then summed in fp32. Several
+shared experts act as one SwiGLU of their summed width.
 
-Scale sites (the plan's MoEPlan, plan.py; the experts' SwiGLU builds and applies its own: swiglu.py):
-the pre-norm hands this layer the branch FFN (one site read by the router and all experts), GATE, UP and
-ROUTER under HG, or ROUTER and NORM with `per_expert`, where the experts scale N(x) themselves with
-(experts, dim) sites and the shared expert with (dim,) ones; the plan says which branch each map reads.
-Sites on an expert's hidden units (gate/up output sites under dual placement, the input site of a
-targeted down map) have one row per routed expert, (experts, width): hidden unit j of one expert has
-nothing to do with unit j of another. Under dual_norm, gate and
-up are each normalized over the hidden width of their expert, u * N(W x) with the expert's row of u.
+Scale sites (the plan's MoEPlan, plan.py; the experts' SwiGLU builds and applies its own:
+swiglu.py): the pre-norm hands this layer the branch FFN (one site read by the router and all
+experts), GATE, UP and ROUTER under HG, or ROUTER and NORM with `per_expert`, where the experts
+scale N(x) themselves with (experts, dim) sites and the shared expert with (dim,) ones; the plan
+says which branch each map reads. Sites on an expert's hidden units (gate/up output sites under dual
+placement, the input site of a targeted down map) have one row per routed expert, (experts, width):
+hidden unit j of one expert has nothing to do with unit j of another. Under dual_norm, gate and up
+are each normalized over the hidden width of their expert, u * N(W x) with the expert's row of u.
 Sites that do not sit behind a normalization are applied to the weights, W * s, which is the same
 function and cheaper than scaling tokens. The output site of `down` (with its normalization under
 dual_norm or post_norm) acts on the combined y, as on the dense block's output.
 
 Load balancing: the auxiliary-loss-free expert bias moves every optimizer step by
-bias += bias_update_rate * sign(mean load - load), with the loads (token counts of the step's training
-forwards, summed over data-parallel ranks) gathered by update_bias(), which runs after every optimizer step
-(Transformer.update_after_step, called by the trainer). Evaluation (eval mode or no_grad) never counts, so it
-never moves the bias. Optionally a load-balancing loss E * sum_e f_e P_e (f_e: share of the
-micro-batch's assignments going to e, P_e: mean routing probability of e; 1 when balanced) and the
-router z-loss mean(logsumexp(logits)^2) are added to the training loss (Transformer.auxiliary_loss).
-Each layer reports its load balance through compute_metrics().
+bias += bias_update_rate * sign(mean load - load), with the loads (token counts of the step's
+training forwards, summed over data-parallel ranks) gathered by update_bias(), which runs after
+every optimizer step (Transformer.update_after_step, called by the trainer). Evaluation (eval mode
+or no_grad) never counts, so it never moves the bias. Optionally a load-balancing loss
+E * sum_e f_e P_e (f_e: share of the micro-batch's assignments going to e, P_e: mean routing
+probability of e; 1 when balanced) and the router z-loss mean(logsumexp(logits)^2) are added to the
+training loss (Transformer.auxiliary_loss). Each layer reports its load balance through
+compute_metrics().
 """
 
 import math
@@ -72,25 +74,30 @@ def _grouped_mm_supported(x: torch.Tensor, widths: tuple[int, ...]) -> bool:
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
     if x.device.type == "cpu":
         # Eager CPU takes fp32 too, but the op's compile-time checks accept bf16 only.
-        return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and not torch.compiler.is_compiling())
+        return x.dtype == torch.bfloat16 or (x.dtype == torch.float32
+                                             and not torch.compiler.is_compiling())
     return False
 
 
-def sort_by_expert(chosen: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(order, expert_of, counts) of the assignments chosen [tokens, k], flattened: the stable order that
-    sorts them by expert, each sorted row's expert, and the rows per expert [E]. The counts come from the
-    sorted experts (where each expert's rows start), so their size is E whatever the data: no host read."""
+def sort_by_expert(chosen: torch.Tensor,
+                   num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, expert_of, counts) of the assignments chosen [tokens, k], flattened: the stable order
+    that sorts them by expert, each sorted row's expert, and the rows per expert [E]. The counts
+    come from the sorted experts (where each expert's rows start), so their size is E whatever the
+    data: no host read."""
     flat = chosen.flatten()
     order = flat.argsort(stable=True)
     expert_of = flat.index_select(0, order)
-    starts = torch.searchsorted(expert_of, torch.arange(num_experts + 1, device=flat.device, dtype=flat.dtype))
+    starts = torch.searchsorted(expert_of, torch.arange(num_experts + 1, device=flat.device,
+                                                        dtype=flat.dtype))
     return order, expert_of, starts[1:] - starts[:-1]
 
 
-def _expert_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, sizes: list[int] | None) -> torch.Tensor:
+def _expert_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
+               sizes: list[int] | None) -> torch.Tensor:
     """Rows of x sorted by expert times each expert's matrix: x [rows, in], w [E, out, in]; through
-    torch._grouped_mm (offsets: int32 end row of each expert) when `sizes` (rows per expert, for the loop)
-    is None."""
+    torch._grouped_mm (offsets: int32 end row of each expert) when `sizes` (rows per expert, for the
+    loop) is None."""
     if sizes is None:
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
     chunks = x.split(sizes)
@@ -99,20 +106,20 @@ def _expert_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, sizes: l
 
 @torch.compiler.disable
 def _outside_graph(module: nn.Module, *args: torch.Tensor) -> torch.Tensor:
-    """`module(*args)`, run eagerly where a compiled block calls it: dispatched experts' all-to-alls have
-    data-dependent splits, and their own FSDP hooks cannot be traced; the block compiles around the call
-    (wrap.py)."""
+    """`module(*args)`, run eagerly where a compiled block calls it: dispatched experts' all-to-alls
+    have data-dependent splits, and their own FSDP hooks cannot be traced; the block compiles around
+    the call (wrap.py)."""
     return module(*args)
 
 
 class ExpertDispatch(Protocol):
-    """Runs a token's routed experts where they live (installed as RoutedExperts.dispatch by the parallel
-    layer: expert parallelism); the model itself never communicates."""
+    """Runs a token's routed experts where they live (installed as RoutedExperts.dispatch by the
+    parallel layer: expert parallelism); the model itself never communicates."""
 
     def __call__(self, experts: "RoutedExperts", xs_gate: torch.Tensor, xs_up: torch.Tensor,
                  gates: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The outputs of RoutedExperts.compute for the rows given (sorted by expert, `counts` per expert,
-        gates: their routing weights), in the same order."""
+        """The outputs of RoutedExperts.compute for the rows given (sorted by expert, `counts` per
+        expert, gates: their routing weights), in the same order."""
         ...
 
 
@@ -139,10 +146,11 @@ class RoutedExperts(ExpertSwiGLU):
         stacks and every site, each one row per expert."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, x_gate: torch.Tensor, x_up: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
-                expert_of: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x_*: [tokens, dim]; weights: [tokens, k]; order, expert_of, counts: sort_by_expert's of the
-        chosen experts [tokens, k]. Returns sum_j weights_j E_{chosen_j}(x) per token, in fp32."""
+    def forward(self, x_gate: torch.Tensor, x_up: torch.Tensor, weights: torch.Tensor,
+                order: torch.Tensor, expert_of: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x_*: [tokens, dim]; weights: [tokens, k]; order, expert_of, counts: sort_by_expert's of
+        the chosen experts [tokens, k]. Returns sum_j weights_j E_{chosen_j}(x) per token, in
+        fp32."""
         tokens, k = weights.shape
         token_of = order // k
         dtype = _compute_dtype(self.w_gate, x_gate.device)
@@ -153,35 +161,41 @@ class RoutedExperts(ExpertSwiGLU):
             out = self.compute(xs_gate, xs_up, gates, counts, expert_of, self.weights())
         else:
             out = self.dispatch(self, xs_gate, xs_up, gates, counts)
-        # Back to token order (a permutation: no atomics, so deterministic), then the fp32 sum over k.
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        # Back to token order (a permutation: no atomics, so deterministic), then the fp32 sum over
+        # k.
+        inverse = torch.empty_like(order).scatter_(0, order,
+                                                   torch.arange(order.numel(), device=order.device))
         return out.index_select(0, inverse).view(tokens, k, -1).sum(1, dtype=torch.float32)
 
-    def compute(self, xs_gate: torch.Tensor, xs_up: torch.Tensor, gates: torch.Tensor, counts: torch.Tensor,
-                expert_of: torch.Tensor, stacks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    def compute(self, xs_gate: torch.Tensor, xs_up: torch.Tensor, gates: torch.Tensor,
+                counts: torch.Tensor, expert_of: torch.Tensor,
+                stacks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                 rows: slice | None = None) -> torch.Tensor:
-        """gates_i E_{expert_of_i}(x_i) for rows sorted by expert (`counts` rows per expert, in the compute
-        dtype), with the weight stacks `stacks` of those experts: all of them, or (an expert-parallel
-        rank's) the experts `rows` of the sites."""
+        """gates_i E_{expert_of_i}(x_i) for rows sorted by expert (`counts` rows per expert, in the
+        compute dtype), with the weight stacks `stacks` of those experts: all of them, or (an
+        expert-parallel rank's) the experts `rows` of the sites."""
         dtype = xs_gate.dtype
         w_gate, w_up, w_down = (w.to(dtype) for w in self.folded_weights(stacks, rows))
         if self.backend == "auto":
             grouped = _grouped_mm_supported(xs_gate, (w_gate.shape[-1], w_gate.shape[-2]))
         else:
             grouped = self.backend == "grouped_mm"
-        # One host read for the three matmuls on the loop, and one set of sizes, so that the compiler knows
-        # gate and up alike; the grouped path reads nothing.
+        # One host read for the three matmuls on the loop, and one set of sizes, so that the
+        # compiler knows gate and up alike; the grouped path reads nothing.
         sizes = None if grouped else counts.tolist()
-        fused = self.swiglu.gate_normed and self.swiglu.up_normed  # swiglu_norm: needs each expert's end row
+        # swiglu_norm: needs each expert's end row
+        fused = self.swiglu.gate_normed and self.swiglu.up_normed
         ends = counts.cumsum(0) if grouped or fused else None
         offsets = ends.to(torch.int32) if grouped else None
-        gate, up = _expert_mm(xs_gate, w_gate, offsets, sizes), _expert_mm(xs_up, w_up, offsets, sizes)
+        gate, up = (_expert_mm(xs_gate, w_gate, offsets, sizes),
+                    _expert_mm(xs_up, w_up, offsets, sizes))
         hidden = self.hidden(gate, up, ends, expert_of, rows)
         return _expert_mm(hidden * gates.unsqueeze(-1), w_down, offsets, sizes)
 
 
 class SharedExpert(ExpertSwiGLU):
-    """A dense SwiGLU every token passes through (several shared experts are one of their summed width)."""
+    """A dense SwiGLU every token passes through (several shared experts are one of their summed
+    width)."""
 
     def __init__(self, cfg: ModelConfig, plan: SwiGLUPlan):
         super().__init__()
@@ -200,7 +214,8 @@ class SharedExpert(ExpertSwiGLU):
 
 
 class MoEFeedForward(nn.Module):
-    """The MoE block: router, routed experts, optional shared expert, and the `down` output sites."""
+    """The MoE block: router, routed experts, optional shared expert, and the `down` output
+    sites."""
 
     def __init__(self, cfg: ModelConfig, plan: MoEPlan):
         super().__init__()
@@ -220,9 +235,11 @@ class MoEFeedForward(nn.Module):
         # Chooses experts only; a checkpointed training state, changed only by update_bias().
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts))
         # Expert assignments of the current optimizer step's training forwards (this rank).
-        self.register_buffer("token_counts", torch.zeros(moe.num_experts, dtype=torch.long), persistent=False)
+        self.register_buffer("token_counts", torch.zeros(moe.num_experts, dtype=torch.long),
+                             persistent=False)
         # The last finished step's counts over all ranks, for metrics.
-        self.register_buffer("last_load", torch.zeros(moe.num_experts, dtype=torch.long), persistent=False)
+        self.register_buffer("last_load", torch.zeros(moe.num_experts, dtype=torch.long),
+                             persistent=False)
         # Of the last forward: the weighted auxiliary loss to add to the training loss (None when
         # both coefficients are 0), and the unweighted losses for metrics.
         self.aux_loss: torch.Tensor | None = None
@@ -238,7 +255,8 @@ class MoEFeedForward(nn.Module):
         self.token_counts.zero_()
         self.last_load.zero_()
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                              torch.Tensor]:
         """x [tokens, dim] -> (fp32 logits [tokens, E], fp32 scores, chosen experts [tokens, k],
         fp32 routing weights [tokens, k])."""
         with torch.autocast(x.device.type, enabled=False):
@@ -254,7 +272,8 @@ class MoEFeedForward(nn.Module):
 
     def _record_aux(self, logits: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor) -> None:
         assignments = counts.float() / counts.sum()
-        probs = scores if self.cfg.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+        probs = (scores if self.cfg.score_func == "softmax"
+                 else scores / scores.sum(-1, keepdim=True))
         lb = self.cfg.num_experts * (assignments * probs.mean(0)).sum()
         z = torch.logsumexp(logits, -1).square().mean()
         self.lb_loss, self.z_loss = lb.detach(), z.detach()
@@ -276,7 +295,8 @@ class MoEFeedForward(nn.Module):
             self.token_counts += counts
         self._record_aux(logits, scores, counts)
         args = (flat_gate, flat_up, weights, order, expert_of, counts)
-        y = self.experts(*args) if self.experts.dispatch is None else _outside_graph(self.experts, *args)
+        y = (self.experts(*args) if self.experts.dispatch is None
+             else _outside_graph(self.experts, *args))
         if self.shared is not None:
             y = y + self.shared(flat_gate, flat_up).float()
         s = self.down_out() if self.down_out is not None else None
@@ -289,8 +309,9 @@ class MoEFeedForward(nn.Module):
     @torch.no_grad()
     def update_bias(self, taken: torch.Tensor | None = None) -> None:
         """Once per optimizer step, after the step's forwards: sum the counts over data-parallel
-        ranks (a collective: every rank must call it) and move the bias toward balanced loads. Where the
-        0-dim bool `taken` is false (a skipped step), the bias and the last load stay as they were."""
+        ranks (a collective: every rank must call it) and move the bias toward balanced loads. Where
+        the 0-dim bool `taken` is false (a skipped step), the bias and the last load stay as they
+        were."""
         counts = self.token_counts
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(counts)
@@ -308,8 +329,8 @@ class MoEFeedForward(nn.Module):
     @torch.no_grad()
     def compute_metrics(self) -> dict[str, float]:
         """Expert load of the last finished step (max and min share of the assignments, entropy
-        normalized to 1 for a perfect balance), the unweighted losses of the last forward, and the range
-        of the expert bias."""
+        normalized to 1 for a perfect balance), the unweighted losses of the last forward, and the
+        range of the expert bias."""
         out = {}
         load = self.last_load.float()
         if load.sum() > 0:

@@ -1,24 +1,30 @@
-"""The parameterization (`model.parameterization`): how each parameter's initialization, the forward's
-multipliers and, through the optimizer (optim/groups.py), each parameter's LR follow the model's width
-and depth. docs/concepts/parameterization.md gives every rule with its source.
+"""The parameterization (`model.parameterization`): how each parameter's initialization, the
+forward's multipliers and, through the optimizer (optim/groups.py), each parameter's LR follow the
+model's width and depth. docs/concepts/parameterization.md gives every rule with its source.
 
-    sp    one init std (model.init_std; the maps into the residual stream / sqrt(2 n_layers)) and one
-          LR at every size: every multiplier 1
-    mup   muP for width (Tensor Programs V, Yang et al. 2022, Table 3 in the multiplier form of its `mup`
-          package) and CompleteP for depth (Dey et al. 2025, alpha = 1), relative to a base shape
-          (model.base_dim, base_layers, base_head_dim), with m_N = dim / base_dim, m_L = n_layers / base_layers:
+    sp    one init std (model.init_std; the maps into the residual stream / sqrt(2 n_layers)) and
+          one LR at every size: every multiplier 1
+    mup   muP for width (Tensor Programs V, Yang et al. 2022, Table 3 in the multiplier form of its
+          `mup` package) and CompleteP for depth (Dey et al. 2025, alpha = 1), relative to a base
+          shape (model.base_dim, base_layers, base_head_dim), with m_N = dim / base_dim,
+          m_L = n_layers / base_layers:
 
     kind       parameters                             init std                forward multiplier
-    embedding  tok_emb (tied or not)                  init_std                1 (a tied one as the readout: 1 / m_N)
-    readout    head, MoE routers (width in, a fixed   init_std                1 / m_N on their outputs
+    embedding  tok_emb (tied or not)                  init_std                1 (a tied one as the
+                                                                                readout: 1 / m_N)
+    readout    head, MoE routers (width in, a fixed   init_std                1 / m_N on their
+                                                                                outputs
                number of outputs)
-    hidden     q k v o gate up down, experts          init_std / sqrt(m_N)    attention logits sqrt(base_head_dim)
-               (width in and out)                     (o, down: also                / head_dim; every block's
-                                                      / sqrt(2 base_layers))  residual branch 1 / m_L
+    hidden     q k v o gate up down, experts          init_std / sqrt(m_N)    attention logits
+                                                                                sqrt(base_head_dim)
+               (width in and out)                     (o, down: also          / head_dim; every
+                                                                                block's
+                                                      / sqrt(2 base_layers))  residual branch
+                                                                                1 / m_L
     vector     scale sites                            their own (s = 1)       -
 
-At the base shape every multiplier is 1 and mup is sp exactly. The LR, weight decay and Adam eps of each
-kind depend on the optimizer as well: optim/groups.py's `rates`.
+At the base shape every multiplier is 1 and mup is sp exactly. The LR, weight decay and Adam eps of
+each kind depend on the optimizer as well: optim/groups.py's `rates`.
 """
 
 import math
@@ -57,12 +63,13 @@ class Parameterization:
             return cls("sp", 1.0, 1.0, cfg.init_std, cfg.n_layers, cfg.head_dim, cfg.head_dim)
         base_dim = cfg.base_dim or cfg.dim
         base_layers = cfg.base_layers or cfg.n_layers
-        return cls("mup", cfg.dim / base_dim, cfg.n_layers / base_layers, cfg.init_std, base_layers, cfg.head_dim,
-                   cfg.base_head_dim or cfg.head_dim)
+        return cls("mup", cfg.dim / base_dim, cfg.n_layers / base_layers, cfg.init_std, base_layers,
+                   cfg.head_dim, cfg.base_head_dim or cfg.head_dim)
 
     @staticmethod
     def kind(name: str, site_parameters) -> Kind:
-        """The kind of parameter `name`; `site_parameters`: the names of the scale sites' (the plan's)."""
+        """The kind of parameter `name`; `site_parameters`: the names of the scale sites' (the
+        plan's)."""
         if name in site_parameters:
             return Kind.VECTOR
         if name == "tok_emb.weight":
@@ -87,7 +94,8 @@ class Parameterization:
 
     @property
     def residual(self) -> float:
-        """The multiplier of every block's attention and feed-forward output (the residual branches)."""
+        """The multiplier of every block's attention and feed-forward output (the residual
+        branches)."""
         return 1.0 / self.depth
 
     @property
@@ -98,10 +106,11 @@ class Parameterization:
         return math.sqrt(self.base_head_dim) / self.head_dim
 
     def forward_multiplier(self, name: str, kind: Kind) -> float:
-        """What the forward multiplies a parameter's output by, as describe shows it (the tied embedding's
-        readout use aside: `readout`)."""
+        """What the forward multiplies a parameter's output by, as describe shows it (the tied
+        embedding's readout use aside: `readout`)."""
         if kind is Kind.READOUT:
             return self.readout
-        if kind is Kind.HIDDEN and (name.endswith(RESIDUAL_WRITERS[:2]) or RESIDUAL_WRITERS[2] in name):
+        if kind is Kind.HIDDEN and (name.endswith(RESIDUAL_WRITERS[:2])
+                                    or RESIDUAL_WRITERS[2] in name):
             return self.residual
         return 1.0

@@ -1,9 +1,10 @@
-"""The scale site (docs/concepts/scale-vectors.md): a learnable vector s multiplying a tensor elementwise, built
-from a row of the scale plan (plan.py, which decides where sites go under a strategy), and the model's
-sites seen with the maps they scale.
+"""The scale site (docs/concepts/scale-vectors.md): a learnable vector s multiplying a tensor
+elementwise, built from a row of the scale plan (plan.py, which decides where sites go under a
+strategy), and the model's sites seen with the maps they scale.
 
-A site's role (`input`: right before a linear map, absorbable into it; `output`: anything else) decides
-weight decay under `iwd` and how it folds. Its parameterization decides how s is computed from parameters.
+A site's role (`input`: right before a linear map, absorbable into it; `output`: anything else)
+decides weight decay under `iwd` and how it folds. Its parameterization decides how s is computed
+from parameters.
 """
 
 from dataclasses import dataclass
@@ -16,8 +17,8 @@ from scalevec_train.model.plan import Role, Side, SiteRow, site_parameters
 
 
 class ScaleSite(nn.Module):
-    """A learnable scale vector s of `shape` (the last dim is the feature dim; leading dims, e.g. one
-    row per expert, each get their own magnitude under `or`/`er`)."""
+    """A learnable scale vector s of `shape` (the last dim is the feature dim; leading dims, e.g.
+    one row per expert, each get their own magnitude under `or`/`er`)."""
 
     def __init__(self, shape: tuple[int, ...], role: str, param: str, behind_norm: bool = False):
         super().__init__()
@@ -26,7 +27,8 @@ class ScaleSite(nn.Module):
         # A site behind a normalization is that normalization's weight: it cannot fold away.
         self.behind_norm = behind_norm
         for name, p_shape in site_parameters(self.shape, param):
-            self.register_parameter(name, nn.Parameter(torch.full(p_shape, self.initial_entry(name))))
+            self.register_parameter(name,
+                                    nn.Parameter(torch.full(p_shape, self.initial_entry(name))))
 
     @classmethod
     def of(cls, row: SiteRow) -> "ScaleSite":
@@ -71,8 +73,9 @@ class ScaleSite(nn.Module):
 
 @dataclass(frozen=True)
 class ScaledMap:
-    """A linear map seen from a scale site: its weight ([out, in], or [experts, out, in]) and the label
-    of the normalization right after it (None when its output is not normalized on its own)."""
+    """A linear map seen from a scale site: its weight ([out, in], or [experts, out, in]) and the
+    label of the normalization right after it (None when its output is not normalized on its
+    own)."""
 
     weight: torch.Tensor
     norm: str | None
@@ -95,7 +98,8 @@ def scale_sites(model: nn.Module) -> list[tuple[str, ScaleSite]]:
 
 
 def site_display_name(path: str) -> tuple[int | None, str]:
-    """(layer index or None, the site's name without the layer prefix) for tables and diagnostics."""
+    """(layer index or None, the site's name without the layer prefix) for tables and
+    diagnostics."""
     parts = path.split(".")
     if parts[0] == "layers":
         return int(parts[1]), ".".join(parts[2:])

@@ -1,21 +1,22 @@
 """The decoder: Llama-style pre-norm blocks (RMSNorm, RoPE, grouped-query attention, SwiGLU or MoE),
-with the scale sites of the strategy's plan (plan.py, built once here and handed to the layers by part).
-A plain nn.Module: parallelism, precision and compilation are applied from outside; the normalization
-kernels (model.kernels) are chosen when the layers are built.
+with the scale sites of the strategy's plan (plan.py, built once here and handed to the layers by
+part). A plain nn.Module: parallelism, precision and compilation are applied from outside; the
+normalization kernels (model.kernels) are chosen when the layers are built.
 
     a = N(x) scaled per branch             (attn_norm: one site, or q/k/v sites under HG)
     q, k, v = Wq a_q, Wk a_k, Wv a_v       (each map may have an output norm and site: QK-norm, DNP)
-    h = x + Wo SDPA(rope(q), rope(k), v)   (Wo may have input/output sites and a post-norm; causal, or
-                                            within documents: masking.py)
+    h = x + Wo SDPA(rope(q), rope(k), v)   (Wo may have input/output sites and a post-norm; causal,
+                                            or within documents: masking.py)
     b = N(h) scaled per branch             (ffn_norm)
     y = h + Wdown (silu(Wgate b_g) * Wup b_u)
     logits = Whead (s_final * N(x_L))
 
-Initialization (model.parameterization, parameterization.py): under sp, embeddings and every matrix ~
-N(0, init_std), the maps that write into the residual stream (o, down) ~ N(0, init_std / sqrt(2 * n_layers));
-every scale site starts at s = 1. Values depend only on (seed, parameter name), never on sharding. Under
-mup the init follows the width, and the logits, the attention logits and each residual branch (h = x +
-m * ...) get the multipliers parameterization.py gives (all 1 under sp, which skips them).
+Initialization (model.parameterization, parameterization.py): under sp, embeddings and every matrix
+~ N(0, init_std), the maps that write into the residual stream (o, down) ~ N(0, init_std / sqrt(2 *
+n_layers)); every scale site starts at s = 1. Values depend only on (seed, parameter name), never on
+sharding. Under mup the init follows the width, and the logits, the attention logits and each
+residual branch (h = x + m * ...) get the multipliers parameterization.py gives (all 1 under sp,
+which skips them).
 """
 
 import zlib
@@ -55,7 +56,8 @@ class Attention(nn.Module):
         q = q.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        out = attend(rope(q, positions), rope(k, positions), v, mask, self.n_kv_heads != self.n_heads, self.scale)
+        out = attend(rope(q, positions), rope(k, positions), v, mask,
+                     self.n_kv_heads != self.n_heads, self.scale)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -86,10 +88,11 @@ class Block(nn.Module):
         self.ffn = FeedForward(cfg, plan.ffn) if plan.moe is None else MoEFeedForward(cfg, plan.moe)
         self.branch = Parameterization.of(cfg).residual
 
-    def forward(self, stream: Residual, rope: Rotary, mask=None, positions: torch.Tensor | None = None) -> Residual:
-        """x + m attn(norm(x)), then h + m ffn(norm(h)) (m: the residual branches' multiplier, 1 but under
-        mup's depth rule); mask, positions: see Attention.forward. Each sum is handed on as a Residual and
-        formed by the next norm, in the fused pass that normalizes it."""
+    def forward(self, stream: Residual, rope: Rotary, mask=None,
+                positions: torch.Tensor | None = None) -> Residual:
+        """x + m attn(norm(x)), then h + m ffn(norm(h)) (m: the residual branches' multiplier, 1 but
+        under mup's depth rule); mask, positions: see Attention.forward. Each sum is handed on as a
+        Residual and formed by the next norm, in the fused pass that normalizes it."""
         a, x = self.attn_norm(stream)
         h = Residual(x, plus=self._branch(self.attn(a, rope, mask, positions)))
         b, h = self.ffn_norm(h)
@@ -110,12 +113,13 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, block) for block in self.plan.blocks)
         self.final_norm = PreNorm(self.plan.final_norm, cfg)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self._moe = {i: b.ffn for i, b in enumerate(self.layers) if isinstance(b.ffn, MoEFeedForward)}
+        self._moe = {i: b.ffn for i, b in enumerate(self.layers)
+                     if isinstance(b.ffn, MoEFeedForward)}
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of `tokens` [batch, seq]. doc_ids [batch, seq] (the loader's, docs/guides/data.md) confine
-        attention to documents under model.attention_mask=document; without them (or under causal)
-        attention is causal over the row, which is the same for a row of one document."""
+        """Logits of `tokens` [batch, seq]. doc_ids [batch, seq] (the loader's, docs/guides/data.md)
+        confine attention to documents under model.attention_mask=document; without them (or under
+        causal) attention is causal over the row, which is the same for a row of one document."""
         if tokens.shape[-1] > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {tokens.shape[-1]} tokens exceeds model.max_seq_len="
                              f"{self.cfg.max_seq_len}")
@@ -125,15 +129,17 @@ class Transformer(nn.Module):
             pos = positions(doc_ids) if self.cfg.rope_reset else None
         x = self.tok_emb(tokens)
         if torch.is_autocast_enabled(x.device.type):
-            # The residual stream in the autocast dtype, as FSDP's bf16 parameters give it: one precision
-            # regime on one process and on many (docs/concepts/architecture.md, "Precision").
+            # The residual stream in the autocast dtype, as FSDP's bf16 parameters give it: one
+            # precision regime on one process and on many (docs/concepts/architecture.md,
+            # "Precision").
             x = x.to(torch.get_autocast_dtype(x.device.type))
         stream = Residual(x)
         for layer in self.layers:
             stream = layer(stream, self.rope, mask, pos)
         final = self.final_norm(stream)[0][Branch.FINAL]
         if self.parameterization.readout != 1:
-            final = final * self.parameterization.readout  # on the width, cheaper than on the vocabulary
+            # on the width, cheaper than on the vocabulary
+            final = final * self.parameterization.readout
         weight = self.tok_emb.weight if self.head is None else self.head.weight
         return F.linear(final, weight)
 
@@ -141,31 +147,35 @@ class Transformer(nn.Module):
         """Every scale site with the maps it scales, as the plan's rows say (diagnostics' input-side
         scales)."""
         return [SiteMaps(self.get_submodule(row.path), row.side,
-                         tuple(ScaledMap(self.get_parameter(m.weight), m.norm and m.norm.label) for m in row.maps),
+                         tuple(ScaledMap(self.get_parameter(m.weight), m.norm and m.norm.label)
+                               for m in row.maps),
                          row.cancelled_by) for row in self.plan.rows]
 
     # The training loop's view of the MoE layers (it imports nothing from model/moe.py).
     def auxiliary_loss(self) -> torch.Tensor | None:
-        """The weighted router losses of the last forward, to add to the training loss; None when the
-        model has none (dense, or both MoE loss coefficients 0)."""
+        """The weighted router losses of the last forward, to add to the training loss; None when
+        the model has none (dense, or both MoE loss coefficients 0)."""
         losses = [m.aux_loss for m in self._moe.values() if m.aux_loss is not None]
         return torch.stack(losses).sum() if losses else None
 
     def compute_metrics(self) -> dict[str, float]:
-        """Metrics of the layers that keep them (MoE load balance), keys like moe/layer3/load_max."""
+        """Metrics of the layers that keep them (MoE load balance), keys like
+        moe/layer3/load_max."""
         out = {}
         for i, m in self._moe.items():
             out.update({f"moe/layer{i}/{k}": v for k, v in m.compute_metrics().items()})
         return out
 
     def update_after_step(self, taken: torch.Tensor | None = None) -> None:
-        """What follows each optimizer step: the MoE layers' expert-bias update (a collective: every rank
-        calls it); where the 0-dim bool `taken` is false (a step skipped on the device), nothing changes."""
+        """What follows each optimizer step: the MoE layers' expert-bias update (a collective: every
+        rank calls it); where the 0-dim bool `taken` is false (a step skipped on the device),
+        nothing changes."""
         for m in self._moe.values():
             m.update_bias(taken)
 
     def discard_step_state(self) -> None:
-        """Forget what the forwards of a step that is not taken recorded (the routers' token counts)."""
+        """Forget what the forwards of a step that is not taken recorded (the routers' token
+        counts)."""
         for m in self._moe.values():
             m.token_counts.zero_()
 
@@ -180,8 +190,8 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Initialize every parameter and buffer in place (single device; parallel/data_parallel.py initializes
-        sharded models with initial_value too)."""
+        """Initialize every parameter and buffer in place (single device; parallel/data_parallel.py
+        initializes sharded models with initial_value too)."""
         for name, p in self.named_parameters():
             p.copy_(self.initial_value(name, p.shape, seed))
         self.init_buffers()

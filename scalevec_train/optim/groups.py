@@ -1,10 +1,10 @@
 """Optimizer parameter groups and the optimizer itself.
 
-Every parameter gets exactly one kind, decided by its name (never by its shape): a scale-site parameter
-the group the model's plan gives it (model/plan.py: its decay rule under the strategy's policy); the
-token embedding and the output head decay by the optimizer config; every other parameter is a hidden
-matrix. Under model.parameterization=mup each kind's LR, decoupled weight decay and Adam eps are
-multiplied as `rates` says (docs/concepts/parameterization.md).
+Every parameter gets exactly one kind, decided by its name (never by its shape): a scale-site
+parameter the group the model's plan gives it (model/plan.py: its decay rule under the strategy's
+policy); the token embedding and the output head decay by the optimizer config; every other
+parameter is a hidden matrix. Under model.parameterization=mup each kind's LR, decoupled weight
+decay and Adam eps are multiplied as `rates` says (docs/concepts/parameterization.md).
 """
 
 from dataclasses import dataclass
@@ -20,8 +20,8 @@ from scalevec_train.optim.config import OptimConfig
 from scalevec_train.optim.muon import Muon
 
 # The scale sites' groups (the plan's): scale_decay: p <- p (1 - lr wd), the optimizer's own decay;
-# scale_log_decay: an `er` site's b <- b + log(1 - lr wd) (adamw.log_decay, which the optimizers apply);
-# scale_no_decay: no decay.
+# scale_log_decay: an `er` site's b <- b + log(1 - lr wd) (adamw.log_decay, which the optimizers
+# apply); scale_no_decay: no decay.
 KINDS = ("matrix", "embedding", "head", GROUPS[Decay.SCALE], GROUPS[Decay.LOG], GROUPS[Decay.NONE])
 
 
@@ -42,7 +42,8 @@ def classify(model: Transformer) -> dict[str, list[tuple[str, nn.Parameter]]]:
     grouped = [id(p) for members in kinds.values() for _, p in members]
     if (len(grouped) != len(set(grouped)) or set(grouped) != {id(p) for p in model.parameters()}
             or sum(len(kinds[g]) for g in GROUPS.values()) != len(site_kind)):
-        raise RuntimeError("optimizer groups do not cover every parameter exactly once, as the scale plan lists them")
+        raise RuntimeError("optimizer groups do not cover every parameter exactly once, as the "
+                           "scale plan lists them")
     return kinds
 
 
@@ -57,13 +58,14 @@ class Rates:
 
 def rates(p: Parameterization, kind: Kind, cfg: OptimConfig, muon: bool) -> Rates:
     """The multipliers of a parameter of `kind` under the model's parameterization (all 1 under sp);
-    `muon`: updated by Muon. m_N, m_L: the width and depth multipliers. AdamW: muP's Adam rule (hidden
-    matrices' LR 1 / m_N, every other kind's 1) and CompleteP's at alpha = 1 (no LR change with depth; eps
-    1 / m_N for the embedding and readouts, 1 / (m_N m_L) for what lies inside the blocks); the weight decay
-    keeps lr * wd where it was. Muon: the spectral condition (Yang, Simon & Bernstein 2023, ||dW|| ~
-    sqrt(fan_out / fan_in)) for an update whose singular values are all 1 times lr_adjust's factor:
-    `original`'s, sqrt(max(1, rows / cols)), meets it at one LR for every width; match_rms_adamw's, 0.2
-    sqrt(max(rows, cols)), grows as sqrt(m_N), so the LR follows 1 / sqrt(m_N)."""
+    `muon`: updated by Muon. m_N, m_L: the width and depth multipliers. AdamW: muP's Adam rule
+    (hidden matrices' LR 1 / m_N, every other kind's 1) and CompleteP's at alpha = 1 (no LR change
+    with depth; eps 1 / m_N for the embedding and readouts, 1 / (m_N m_L) for what lies inside the
+    blocks); the weight decay keeps lr * wd where it was. Muon: the spectral condition (Yang,
+    Simon & Bernstein 2023, ||dW|| ~ sqrt(fan_out / fan_in)) for an update whose singular values are
+    all 1 times lr_adjust's factor: `original`'s, sqrt(max(1, rows / cols)), meets it at one LR for
+    every width; match_rms_adamw's, 0.2 sqrt(max(rows, cols)), grows as sqrt(m_N), so the LR follows
+    1 / sqrt(m_N)."""
     if p.name == "sp":
         return Rates()
     n, depth = p.width, p.depth
@@ -78,16 +80,16 @@ def rates(p: Parameterization, kind: Kind, cfg: OptimConfig, muon: bool) -> Rate
 
 
 # the muP kind of each optimizer group's parameters
-_KIND = {"matrix": Kind.HIDDEN, "embedding": Kind.EMBEDDING, "head": Kind.READOUT, "router": Kind.READOUT,
-         **{g: Kind.VECTOR for g in GROUPS.values()}}
+_KIND = {"matrix": Kind.HIDDEN, "embedding": Kind.EMBEDDING, "head": Kind.READOUT,
+         "router": Kind.READOUT, **{g: Kind.VECTOR for g in GROUPS.values()}}
 
 
 def param_groups(model: Transformer, cfg: OptimConfig) -> list[dict]:
     """One group per kind. Each group keeps its peak LR in `base_lr`: the schedule multiplies it.
     Under Muon, hidden matrices (and the MoE router only with muon_router) are Muon groups; every
     other kind is an AdamW group. Scale-site kinds take optim.scale_lr and optim.scale_weight_decay
-    (null: what the other groups take). Under mup the router is a group of its own (a readout), and every
-    group's LR, decay and eps are multiplied by its `rates`."""
+    (null: what the other groups take). Under mup the router is a group of its own (a readout), and
+    every group's LR, decay and eps are multiplied by its `rates`."""
     decay = {
         "matrix": cfg.weight_decay,
         "embedding": cfg.weight_decay if cfg.decay_embeddings else 0.0,
@@ -114,8 +116,8 @@ def param_groups(model: Transformer, cfg: OptimConfig) -> list[dict]:
             peak = cfg.lr if kind == "matrix" else cfg.adamw_peak_lr()
         use_muon = cfg.name == "muon" and kind == "matrix"
         r = rates(mup, _KIND[kind], cfg, use_muon)
-        group = {"name": kind, "params": [p for _, p in members], "weight_decay": decay[kind] * r.weight_decay,
-                 "base_lr": peak * r.lr}
+        group = {"name": kind, "params": [p for _, p in members],
+                 "weight_decay": decay[kind] * r.weight_decay, "base_lr": peak * r.lr}
         if r.eps != 1:
             group["eps"] = cfg.eps * r.eps
         if kind == "scale_log_decay":
@@ -130,9 +132,10 @@ def build_optimizer(model: Transformer, cfg: OptimConfig) -> torch.optim.Optimiz
     groups = param_groups(model, cfg)
     if cfg.name == "muon":
         optimizer = Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
-                         nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, ns_coefficients=cfg.ns_coefficients,
-                         ns_dtype=cfg.ns_dtype, lr_adjust=cfg.lr_adjust, ns_eps=cfg.ns_eps,
-                         betas=tuple(cfg.betas), eps=cfg.eps)
+                         nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
+                         ns_coefficients=cfg.ns_coefficients, ns_dtype=cfg.ns_dtype,
+                         lr_adjust=cfg.lr_adjust, ns_eps=cfg.ns_eps, betas=tuple(cfg.betas),
+                         eps=cfg.eps)
     else:
         adamw = FusedAdamW if next(model.parameters()).is_cuda else AdamW
         optimizer = adamw(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
@@ -146,6 +149,7 @@ def describe_groups(optimizer: torch.optim.Optimizer) -> str:
         count = sum(p.numel() for p in g["params"])
         how = ("muon" if g["use_muon"] else "adamw") if "use_muon" in g else ""
         wd = g.get("log_weight_decay", g["weight_decay"])
-        rows.append(f"{g['name']}: {len(g['params'])} tensors, {count:,} params, lr={g['base_lr']:g}, wd={wd}"
+        rows.append(f"{g['name']}: {len(g['params'])} tensors, {count:,} params, "
+                    f"lr={g['base_lr']:g}, wd={wd}"
                     + (f", {how}" if how else ""))
     return "; ".join(rows)

@@ -1,15 +1,17 @@
-"""Muon (momentum orthogonalized by Newton-Schulz) for hidden matrices, AdamW for every other tensor.
+"""Muon (momentum orthogonalized by Newton-Schulz) for hidden matrices, AdamW for every other
+tensor.
 
 One optimizer object holds both kinds of parameter group (`use_muon`), so that the trainer steps,
-schedules and checkpoints a single optimizer. On one process the Muon update follows torch.optim.Muon
-operation for operation. Under FSDP2 the momentum stays sharded like its parameter and only the
-orthogonalization sees whole matrices, on an owner rank (see muon_dist).
+schedules and checkpoints a single optimizer. On one process the Muon update follows
+torch.optim.Muon operation for operation. Under FSDP2 the momentum stays sharded like its parameter
+and only the orthogonalization sees whole matrices, on an owner rank (see muon_dist).
 
 A step can be skipped on the device (optim/adamw.py, StepsWhere): step_where(taken). The host never
-reads the verdict: every tensor the step changes (parameters, momentum, Adam moments, the step counters,
-which live on the device) is computed anew and then selected, element for element, between the new and
-the old value; a taken step does the same operations as step(), so its numbers are the same bit for bit.
-Groups with a `log_weight_decay` (the `er` sites' magnitudes) are log-decayed first (log_decay below).
+reads the verdict: every tensor the step changes (parameters, momentum, Adam moments, the step
+counters, which live on the device) is computed anew and then selected, element for element, between
+the new and the old value; a taken step does the same operations as step(), so its numbers are the
+same bit for bit. Groups with a `log_weight_decay` (the `er` sites' magnitudes) are log-decayed
+first (log_decay below).
 """
 
 import math
@@ -23,8 +25,9 @@ from scalevec_train.parallel.process_group import local
 
 # Keller Jordan's quintic: a fixed polynomial whose slope at 0 is as large as possible.
 QUINTIC = (3.4445, -4.7750, 2.0315)
-# Polar Express, degree 5 (Amsel et al. 2025, arXiv 2505.16932): a polynomial per iteration, the last one
-# repeating; all but the last are shrunk by a 1.01 safety factor (a/1.01, b/1.01^3, c/1.01^5) for bf16.
+# Polar Express, degree 5 (Amsel et al. 2025, arXiv 2505.16932): a polynomial per iteration, the
+# last one repeating; all but the last are shrunk by a 1.01 safety factor
+# (a/1.01, b/1.01^3, c/1.01^5) for bf16.
 _POLAR_EXPRESS_RAW = [
     (8.28721201814563, -23.595886519098837, 17.300387312530933),
     (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
@@ -39,7 +42,8 @@ POLAR_EXPRESS = [(a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in _POLAR_EXPR
 POLAR_EXPRESS.append(_POLAR_EXPRESS_RAW[-1])
 
 # The names checkpoints store group keys under: those they were first written with (a distributed
-# checkpoint loads only the keys it holds), mapped to and from the names of OptimConfig and the groups.
+# checkpoint loads only the keys it holds), mapped to and from the names of OptimConfig and the
+# groups.
 STORED_KEYS = {"betas": "adamw_betas", "eps": "adamw_eps", "ns_eps": "eps"}
 
 NS_COEFFICIENTS = ("quintic", "polar_express")
@@ -49,10 +53,11 @@ NS_DTYPES = ("bfloat16", "float16", "float32")
 
 def newton_schulz(g: torch.Tensor, steps: int, coefficients: str = "quintic",
                   dtype: torch.dtype = torch.bfloat16, eps: float = 1e-7) -> torch.Tensor:
-    """Approximate the polar factor U V^T of a matrix g = U S V^T, or of each matrix of a batch [B, m, n].
+    """Approximate the polar factor U V^T of a matrix g = U S V^T, or of each matrix of a batch
+    [B, m, n].
 
-    Computed in `dtype` and returned in it. For 2-D input with the quintic coefficients this performs
-    torch.optim.Muon's operations in its order, so that bf16 results agree bit for bit.
+    Computed in `dtype` and returned in it. For 2-D input with the quintic coefficients this
+    performs torch.optim.Muon's operations in its order, so that bf16 results agree bit for bit.
     """
     x = g.to(dtype)
     tall = g.size(-2) > g.size(-1)
@@ -60,7 +65,8 @@ def newton_schulz(g: torch.Tensor, steps: int, coefficients: str = "quintic",
         x = x.mT  # the Gram matrix is then the smaller of the two squares
     norm = x.norm() if x.ndim == 2 else x.norm(dim=(-2, -1), keepdim=True)
     if coefficients == "polar_express":
-        # Frobenius norm >= spectral norm; the 1.01 margin keeps bf16 rounding from pushing it over 1
+        # Frobenius norm >= spectral norm; the 1.01 margin keeps bf16 rounding from pushing it
+        # over 1
         x = x / (norm * 1.01 + eps)
         schedule = [POLAR_EXPRESS[min(i, len(POLAR_EXPRESS) - 1)] for i in range(steps)]
     else:
@@ -77,10 +83,11 @@ def newton_schulz(g: torch.Tensor, steps: int, coefficients: str = "quintic",
 def adjusted_lr(lr: float, rows: int, cols: int, mode: str) -> float:
     """The LR that multiplies a rows x cols orthogonalized update (weight decay uses `lr` itself).
 
-    `match_rms_adamw` gives the update AdamW's typical RMS (Moonshot's rule), so Muon reuses AdamW's LR
-    and decay; `original` is Keller Jordan's sqrt(max(1, rows / cols)).
+    `match_rms_adamw` gives the update AdamW's typical RMS (Moonshot's rule), so Muon reuses AdamW's
+    LR and decay; `original` is Keller Jordan's sqrt(max(1, rows / cols)).
     """
-    ratio = 0.2 * math.sqrt(max(rows, cols)) if mode == "match_rms_adamw" else math.sqrt(max(1, rows / cols))
+    ratio = (0.2 * math.sqrt(max(rows, cols)) if mode == "match_rms_adamw"
+             else math.sqrt(max(1, rows / cols)))
     return lr * ratio
 
 
@@ -104,8 +111,8 @@ class Muon(torch.optim.Optimizer):
       lr, weight_decay: both kinds; weight decay is decoupled and uses the unadjusted LR.
       momentum, nesterov, ns_steps, ns_coefficients, ns_dtype, lr_adjust, ns_eps: Muon only. 3-D
         parameters are a batch of matrices, one per leading index.
-    State: Muon params hold `momentum_buffer`; AdamW params `step` (a float32 tensor on the parameter's
-    device), `exp_avg`, `exp_avg_sq` (as torch's).
+    State: Muon params hold `momentum_buffer`; AdamW params `step` (a float32 tensor on the
+    parameter's device), `exp_avg`, `exp_avg_sq` (as torch's).
     """
 
     def __init__(
@@ -123,9 +130,10 @@ class Muon(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
     ):
-        defaults = dict(use_muon=True, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                        ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, lr_adjust=lr_adjust,
-                        ns_eps=ns_eps, betas=tuple(betas), eps=eps)
+        defaults = dict(use_muon=True, lr=lr, weight_decay=weight_decay, momentum=momentum,
+                        nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
+                        ns_dtype=ns_dtype, lr_adjust=lr_adjust, ns_eps=ns_eps, betas=tuple(betas),
+                        eps=eps)
         super().__init__(params, defaults)
 
     def state_dict(self) -> dict:
@@ -134,9 +142,9 @@ class Muon(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's, under the group keys the state was stored with, then each AdamW step counter onto its
-        parameter's device: states saved while the counters lived on the host (numbers or CPU tensors)
-        still load."""
+        """torch's, under the group keys the state was stored with, then each AdamW step counter
+        onto its parameter's device: states saved while the counters lived on the host
+        (numbers or CPU tensors) still load."""
         stored = {v: k for k, v in STORED_KEYS.items()}
         groups = [_renamed(g, stored) for g in state_dict["param_groups"]]
         for group in groups:
@@ -172,7 +180,8 @@ class Muon(torch.optim.Optimizer):
 
     def _update(self, taken: torch.Tensor | None) -> None:
         """The step's update; with `taken`, each new value selected into place where it is true."""
-        # row-sharded matrices wait here, per (shard group, dtypes), for one exchange with their owners
+        # row-sharded matrices wait here, per (shard group, dtypes), for one exchange with their
+        # owners
         pending: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, dict]]] = {}
         for group in self.param_groups:
             if not group["use_muon"]:
@@ -198,9 +207,10 @@ class Muon(torch.optim.Optimizer):
             for (p, _, group), result in zip(items, results, strict=True):
                 self._apply(p, result, group, taken)
 
-    def _momentum_update(self, p: torch.Tensor, group: dict, taken: torch.Tensor | None) -> torch.Tensor:
-        """Update the momentum (an EMA of gradients, like torch's); return this rank's part of the matrix
-        to orthogonalize: the Nesterov look-ahead, or the momentum itself."""
+    def _momentum_update(self, p: torch.Tensor, group: dict,
+                         taken: torch.Tensor | None) -> torch.Tensor:
+        """Update the momentum (an EMA of gradients, like torch's); return this rank's part of the
+        matrix to orthogonalize: the Nesterov look-ahead, or the momentum itself."""
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p)
@@ -208,24 +218,27 @@ class Muon(torch.optim.Optimizer):
         _commit(buf, _candidate(buf, taken).lerp_(grad, 1 - group["momentum"]), taken)
         return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
 
-    def _apply(self, p: torch.Tensor, ortho: torch.Tensor, group: dict, taken: torch.Tensor | None) -> None:
-        """Decay, then add this rank's rows of the orthogonalized update, with the LR adjusted to the
-        whole matrix's shape."""
+    def _apply(self, p: torch.Tensor, ortho: torch.Tensor, group: dict,
+               taken: torch.Tensor | None) -> None:
+        """Decay, then add this rank's rows of the orthogonalized update, with the LR adjusted to
+        the whole matrix's shape."""
         old = local(p)
         param = _candidate(old, taken)
         lr = group["lr"]
         param.mul_(1 - lr * group["weight_decay"])
         rows = param.shape[-2]
         if rows:  # a rank may hold no rows of a small matrix
-            param[..., :rows, :].add_(ortho[..., :rows, :], alpha=-adjusted_lr(lr, p.shape[-2], p.shape[-1],
-                                                                               group["lr_adjust"]))
+            param[..., :rows, :].add_(ortho[..., :rows, :],
+                                      alpha=-adjusted_lr(lr, p.shape[-2], p.shape[-1],
+                                                         group["lr_adjust"]))
         _commit(old, param, taken)
 
     def _adamw_step(self, group: dict, taken: torch.Tensor | None) -> None:
-        """torch.optim.AdamW's single-tensor update, on local shards, with the step counter and the bias
-        corrections on the device. They are float64 there and take the operations Python does on host
-        numbers (pow, including the ** 0.5 that torch would turn into sqrt, which rounds differently),
-        and are used as 0-dim tensors where torch's update uses numbers; on the CPU that rounds the same."""
+        """torch.optim.AdamW's single-tensor update, on local shards, with the step counter and the
+        bias corrections on the device. They are float64 there and take the operations Python does
+        on host numbers (pow, including the ** 0.5 that torch would turn into sqrt, which rounds
+        differently), and are used as 0-dim tensors where torch's update uses numbers; on the CPU
+        that rounds the same."""
         beta1, beta2 = group["betas"]
         lr, eps = group["lr"], group["eps"]
         for p in group["params"]:
@@ -243,35 +256,37 @@ class Muon(torch.optim.Optimizer):
             step = state["step"].double()
             param = _candidate(old, taken).mul_(1 - lr * group["weight_decay"])
             _commit(exp_avg, _candidate(exp_avg, taken).lerp_(grad, 1 - beta1), taken)
-            _commit(exp_avg_sq, _candidate(exp_avg_sq, taken).mul_(beta2).addcmul_(grad, grad, value=1 - beta2),
+            _commit(exp_avg_sq,
+                    _candidate(exp_avg_sq, taken).mul_(beta2).addcmul_(grad, grad, value=1 - beta2),
                     taken)
             bias_correction1 = 1 - torch.pow(beta1, step)
             bias_correction2 = 1 - torch.pow(beta2, step)
             half = torch.full((), 0.5, dtype=torch.float64, device=step.device)
             denom = (exp_avg_sq.sqrt() / bias_correction2.pow(half)).add_(eps)
-            step_size = torch.full((), -lr, dtype=torch.float64, device=step.device).div_(bias_correction1)
+            step_size = torch.full((), -lr, dtype=torch.float64, device=step.device).div_(
+                bias_correction1)
             # addcdiv's order: param + (step_size * exp_avg) / denom
             param.add_(exp_avg.mul(step_size).div_(denom))
             _commit(old, param, taken)
 
 
 def _candidate(t: torch.Tensor, taken: torch.Tensor | None) -> torch.Tensor:
-    """Where a step's new value of `t` is computed in place: `t` itself, or a copy when the step may be
-    skipped (then _commit chooses)."""
+    """Where a step's new value of `t` is computed in place: `t` itself, or a copy when the step may
+    be skipped (then _commit chooses)."""
     return t if taken is None else t.clone()
 
 
 def _commit(t: torch.Tensor, new: torch.Tensor, taken: torch.Tensor | None) -> None:
-    """t <- new where the step is taken; t keeps its value where it is not (nothing to do without a flag:
-    `new` is `t`)."""
+    """t <- new where the step is taken; t keeps its value where it is not (nothing to do without a
+    flag: `new` is `t`)."""
     if taken is not None:
         torch.where(taken, new, t, out=t)
 
 
 def _orthogonalize(update: torch.Tensor, group: dict) -> torch.Tensor:
     """Newton-Schulz of a whole matrix or expert stack."""
-    return newton_schulz(update, group["ns_steps"], group["ns_coefficients"], getattr(torch, group["ns_dtype"]),
-                         group["ns_eps"])
+    return newton_schulz(update, group["ns_steps"], group["ns_coefficients"],
+                         getattr(torch, group["ns_dtype"]), group["ns_eps"])
 
 
 _CHECKS = {  # key: (holds, problem, fix)
@@ -282,11 +297,14 @@ _CHECKS = {  # key: (holds, problem, fix)
     "momentum": (lambda v: 0 <= v < 1, "is outside [0, 1).", "use 0.95."),
     "ns_steps": (lambda v: isinstance(v, int) and v >= 1, "is not a positive integer.", "use 5."),
     "ns_eps": (lambda v: v > 0, "is not positive.", "use 1e-7."),
-    **{key: (lambda v, allowed=allowed: v in allowed, "is not a known value.", f"use one of: {', '.join(allowed)}.")
-       for key, allowed in (("ns_coefficients", NS_COEFFICIENTS), ("ns_dtype", NS_DTYPES), ("lr_adjust", LR_ADJUSTS))},
+    **{key: (lambda v, allowed=allowed: v in allowed, "is not a known value.",
+             f"use one of: {', '.join(allowed)}.")
+       for key, allowed in (("ns_coefficients", NS_COEFFICIENTS), ("ns_dtype", NS_DTYPES),
+                            ("lr_adjust", LR_ADJUSTS))},
 }
 ADAMW_KEYS = ("weight_decay", "betas", "eps")
-MUON_KEYS = ("weight_decay", "momentum", "ns_steps", "ns_eps", "ns_coefficients", "ns_dtype", "lr_adjust")
+MUON_KEYS = ("weight_decay", "momentum", "ns_steps", "ns_eps", "ns_coefficients", "ns_dtype",
+             "lr_adjust")
 
 
 def check_options(options: dict, keys: tuple[str, ...], name) -> None:
@@ -299,14 +317,17 @@ def check_options(options: dict, keys: tuple[str, ...], name) -> None:
 
 
 def _validate_group(group: dict, where: str) -> None:
-    """Reject bad hyperparameters and parameters that Muon cannot handle, naming the key and the fix."""
+    """Reject bad hyperparameters and parameters that Muon cannot handle, naming the key and the
+    fix."""
     if not group["lr"] >= 0:
-        raise ScalevecError(f"{where}: lr", f"{group['lr']} is negative.", "use a learning rate >= 0.")
-    check_options(group, MUON_KEYS if group["use_muon"] else ADAMW_KEYS, lambda key: f"{where}: {key}")
+        raise ScalevecError(f"{where}: lr", f"{group['lr']} is negative.",
+                            "use a learning rate >= 0.")
+    check_options(group, MUON_KEYS if group["use_muon"] else ADAMW_KEYS,
+                  lambda key: f"{where}: {key}")
     if not group["use_muon"]:
         return
     for p in group["params"]:
         if p.ndim not in (2, 3):
-            raise ScalevecError(where, f"a parameter of shape {tuple(p.shape)} is in a Muon group; Muon "
-                                "takes matrices and [experts, rows, cols] stacks.",
+            raise ScalevecError(where, f"a parameter of shape {tuple(p.shape)} is in a Muon group; "
+                                "Muon takes matrices and [experts, rows, cols] stacks.",
                                 "route it to an AdamW group (use_muon=False).")

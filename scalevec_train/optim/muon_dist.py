@@ -1,10 +1,11 @@
 """Whole-matrix orthogonalization of row-sharded matrices (FSDP2 `Shard(0)`).
 
-Newton-Schulz needs the whole matrix, while FSDP2 leaves each rank a block of rows. Each matrix gets an
-owner rank in the shard group; one all-to-all brings every rank's rows of a matrix to its owner, the
-owner orthogonalizes, and a second all-to-all returns each rank its rows of the result. Row blocks follow
-torch.chunk (ceil(rows / world) rows each, the last ones shorter or empty) and travel zero-padded to the
-full block size, so that every message between two ranks has a size both can compute.
+Newton-Schulz needs the whole matrix, while FSDP2 leaves each rank a block of rows. Each matrix gets
+an owner rank in the shard group; one all-to-all brings every rank's rows of a matrix to its owner,
+the owner orthogonalizes, and a second all-to-all returns each rank its rows of the result. Row
+blocks follow torch.chunk (ceil(rows / world) rows each, the last ones shorter or empty) and travel
+zero-padded to the full block size, so that every message between two ranks has a size both can
+compute.
 """
 
 from collections.abc import Callable
@@ -27,7 +28,8 @@ class ShardLayout:
 
 
 def row_block(rows: int, world: int) -> int:
-    """Rows per rank under torch.chunk (which DTensor's Shard and FSDP2 follow); the last may be shorter."""
+    """Rows per rank under torch.chunk (which DTensor's Shard and FSDP2 follow); the last may be
+    shorter."""
     return -(-rows // world)
 
 
@@ -40,31 +42,31 @@ def local_row_range(rows: int, world: int, rank: int) -> tuple[int, int]:
 def shard_layout(param: torch.Tensor) -> ShardLayout | None:
     """None when this rank holds whole matrices of `param`; otherwise its row-shard layout.
 
-    Whole matrices are local for plain tensors, replicated DTensors, shard groups of one rank, and 3-D
-    expert stacks sharded on the expert dimension (by FSDP, expert parallelism or both). With HSDP's
-    (replicate, shard) mesh only the shard
+    Whole matrices are local for plain tensors, replicated DTensors, shard groups of one rank, and
+    3-D expert stacks sharded on the expert dimension (by FSDP, expert parallelism or both). With
+    HSDP's (replicate, shard) mesh only the shard
     dimension takes part: the replicas hold the same rows and repeat the same work.
     """
     if not isinstance(param, DTensor):
         return None
     placements = param.placements
     if any(pl.is_partial() for pl in placements):
-        raise ScalevecError("optim (muon)", f"parameter of shape {tuple(param.shape)} has a Partial "
-                            "placement.", "reduce it before the optimizer step.")
+        raise ScalevecError("optim (muon)", f"parameter of shape {tuple(param.shape)} has a "
+                            "Partial placement.", "reduce it before the optimizer step.")
     shard_dims = [i for i, pl in enumerate(placements) if pl.is_shard()]
     if not shard_dims:
         return None
     if any(placements[i].dim != 0 for i in shard_dims) or (len(shard_dims) > 1 and param.ndim != 3):
-        raise ScalevecError("optim (muon)", f"parameter of shape {tuple(param.shape)} has placements "
-                            f"{placements}; Muon supports sharding on dim 0 over one mesh dimension (an "
-                            "expert stack: over several).",
+        raise ScalevecError("optim (muon)", f"parameter of shape {tuple(param.shape)} has "
+                            f"placements {placements}; Muon supports sharding on dim 0 over one "
+                            "mesh dimension (an expert stack: over several).",
                             "use fully_shard's default Shard(0) placement (FSDP or HSDP).")
     mesh_dim = shard_dims[0]
     world = param.device_mesh.size(mesh_dim)
     if world == 1 or param.ndim == 3:
         return None
-    layout = ShardLayout(param.device_mesh.get_group(mesh_dim), param.device_mesh.get_local_rank(mesh_dim),
-                         world)
+    layout = ShardLayout(param.device_mesh.get_group(mesh_dim),
+                         param.device_mesh.get_local_rank(mesh_dim), world)
     start, stop = local_row_range(param.shape[0], world, layout.rank)
     if param.to_local().shape[0] != stop - start:
         raise ScalevecError("optim (muon)", f"local shard of a {tuple(param.shape)} parameter has "
@@ -97,9 +99,9 @@ def orthogonalize_sharded(
 ) -> list[torch.Tensor]:
     """This rank's rows of orthogonalize(i, whole matrix i) for every matrix i of one shard group.
 
-    local_rows[i]: this rank's rows of matrix i (2-D, torch.chunk layout); row_counts[i]: its global row
-    count; costs[i]: its Newton-Schulz cost, for balancing owners. All ranks of the group must call this
-    with the same matrices in the same order. Results come back as `out_dtype`.
+    local_rows[i]: this rank's rows of matrix i (2-D, torch.chunk layout); row_counts[i]: its global
+    row count; costs[i]: its Newton-Schulz cost, for balancing owners. All ranks of the group must
+    call this with the same matrices in the same order. Results come back as `out_dtype`.
     """
     world, me = layout.world, layout.rank
     owners = assign_owners(costs, world)
@@ -133,7 +135,8 @@ def orthogonalize_sharded(
         reply[:, offset:offset + blocks[i]] = padded.view(world, blocks[i])
         offset += blocks[i]
     returned = torch.empty(sum(to_owner), dtype=out_dtype, device=device)
-    dist.all_to_all_single(returned, reply.view(-1), to_owner, [to_owner[me]] * world, group=layout.group)
+    dist.all_to_all_single(returned, reply.view(-1), to_owner, [to_owner[me]] * world,
+                           group=layout.group)
 
     results: list[torch.Tensor] = [torch.empty(0)] * len(local_rows)
     offset = 0

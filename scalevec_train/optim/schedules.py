@@ -1,4 +1,5 @@
-"""Learning-rate schedules: each a pure function of the step, returning a multiplier of the peak LR."""
+"""Learning-rate schedules: each a pure function of the step, returning a multiplier of the peak
+LR."""
 
 import math
 

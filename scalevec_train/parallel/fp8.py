@@ -1,19 +1,21 @@
-"""FP8 training of the block maps (model.fp8) through torchao's float8: the one module that uses torchao,
-and imports it only when model.fp8 is not none.
+"""FP8 training of the block maps (model.fp8) through torchao's float8: the one module that uses
+torchao, and imports it only when model.fp8 is not none.
 
-- Which maps convert (map_precisions, also what describe lists): the block maps q, k, v, o, gate, up, down
-  whose dims divide by 16 (the FP8 matmul's requirement) and, under model.fp8_filter=auto, that torchao's
-  size filter for the recipe keeps (rowwise's for rowwise_with_gw_hp, which torchao's filter does not
-  take). Never the embedding, the head (tied or not), the routers (fp32), the MoE experts (torchao's FP8
-  grouped matmul is a prototype of CUDA Triton kernels that wants each expert's rows in multiples of 16,
-  which dropless routing does not give) or a scale site (fp32: the sites are not matrices).
-- The matmul (convert): the maps are not nn.Linear, so torchao's module swap finds none of them; each
-  converted map's Linear.matmul becomes torchao's float8 matmul (the autograd function its Float8Linear
-  calls) with the recipe's config, emulated off CUDA. Parameters, their names and dtypes stay as they are:
-  a checkpoint resumes with or without FP8, and exports the same weights.
-- Under FSDP2 on NCCL with tensorwise, each converted weight is torchao's WeightWithDynamicFloat8CastTensor,
-  which FSDP all-gathers in FP8 (gloo has no FP8 collectives), and precompute_scales, after every
-  optimizer step, computes the scales of all of them in one all-reduce.
+- Which maps convert (map_precisions, also what describe lists): the block maps q, k, v, o, gate,
+  up, down whose dims divide by 16 (the FP8 matmul's requirement) and, under model.fp8_filter=auto,
+  that torchao's size filter for the recipe keeps (rowwise's for rowwise_with_gw_hp, which torchao's
+  filter does not take). Never the embedding, the head (tied or not), the routers (fp32), the MoE
+  experts (torchao's FP8 grouped matmul is a prototype of CUDA Triton kernels that wants each
+  expert's rows in multiples of 16, which dropless routing does not give) or a scale site (fp32: the
+  sites are not matrices).
+- The matmul (convert): the maps are not nn.Linear, so torchao's module swap finds none of them;
+  each converted map's Linear.matmul becomes torchao's float8 matmul (the autograd function its
+  Float8Linear calls) with the recipe's config, emulated off CUDA. Parameters, their names and
+  dtypes stay as they are: a checkpoint resumes with or without FP8, and exports the same weights.
+- Under FSDP2 on NCCL with tensorwise, each converted weight is torchao's
+  WeightWithDynamicFloat8CastTensor, which FSDP all-gathers in FP8 (gloo has no FP8 collectives),
+  and precompute_scales, after every optimizer step, computes the scales of all of them in one
+  all-reduce.
 """
 
 import logging
@@ -36,7 +38,8 @@ _NOT_A_BLOCK_MAP = (
     ("tok_emb.weight", "the embedding: a lookup (and the tied head's weight)"),
     ("head.weight", "the output head: its logits feed the loss"),
     (".router.weight", "the router: scores in fp32"),
-    (".experts.w_", "an expert stack: torchao's FP8 grouped matmul runs on CUDA only, in row groups of 16"),
+    (".experts.w_",
+     "an expert stack: torchao's FP8 grouped matmul runs on CUDA only, in row groups of 16"),
     (".shared.w_", "the shared expert: kept as the routed experts are"),
 )
 
@@ -52,8 +55,8 @@ class MapPrecision:
 
 
 def map_precisions(model: Transformer) -> list[MapPrecision]:
-    """Every matrix of `model` (on any device, the meta one too) in parameter order, whether model.fp8
-    converts its matmul, and why."""
+    """Every matrix of `model` (on any device, the meta one too) in parameter order, whether
+    model.fp8 converts its matmul, and why."""
     cfg = model.cfg
     keep = _size_filter(cfg.fp8) if cfg.fp8 != "none" and cfg.fp8_filter == "auto" else None
     maps = {f"{path}.weight": m for path, m in model.named_modules() if isinstance(m, Linear)}
@@ -70,36 +73,39 @@ def map_precisions(model: Transformer) -> list[MapPrecision]:
         if cfg.fp8 == "none":
             fp8, why = False, "model.fp8=none"
         elif out % 16 or inner % 16:
-            fp8, why = False, f"{out}x{inner}: a dim not divisible by 16, which the FP8 matmul needs"
+            fp8, why = False, (f"{out}x{inner}: a dim not divisible by 16, "
+                               "which the FP8 matmul needs")
         elif keep is None:
             fp8, why = True, "model.fp8_filter=all"
         elif keep(nn.Linear(inner, out, bias=False, device="meta"), name):
             fp8, why = True, f"above torchao's size thresholds for {_filter_recipe(cfg.fp8)}"
         else:
-            fp8, why = False, (f"below torchao's size thresholds for {_filter_recipe(cfg.fp8)}, where FP8 was slower "
-                               "than bf16 (model.fp8_filter=all converts it)")
+            fp8, why = False, (f"below torchao's size thresholds for {_filter_recipe(cfg.fp8)}, "
+                               "where FP8 was slower than bf16 (model.fp8_filter=all converts it)")
         rows.append(MapPrecision(name, shape, fp8, why))
     return rows
 
 
 def convert(model: Transformer, device: torch.device, all_gather: bool) -> None:
-    """Put the FP8 matmul of model.fp8's recipe behind every map map_precisions converts (before the model
-    is sharded; nothing for model.fp8=none). `all_gather`: FSDP will all-gather the converted weights in
-    FP8 (tensorwise only)."""
+    """Put the FP8 matmul of model.fp8's recipe behind every map map_precisions converts (before the
+    model is sharded; nothing for model.fp8=none). `all_gather`: FSDP will all-gather the converted
+    weights in FP8 (tensorwise only)."""
     recipe = model.cfg.fp8
     if recipe == "none":
         return
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        raise ScalevecError("model.fp8", f"{torch.cuda.get_device_name(device)} has no FP8 matmul (it needs compute "
-                            "capability 8.9 or newer: Ada, Hopper, Blackwell).", "use model.fp8=none.")
+        raise ScalevecError("model.fp8", f"{torch.cuda.get_device_name(device)} has no FP8 matmul "
+                            "(it needs compute capability 8.9 or newer: Ada, Hopper, Blackwell).",
+                            "use model.fp8=none.")
     matmul = fp8_matmul(recipe, device, all_gather)
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     rows = map_precisions(model)
     if not any(r.fp8 for r in rows) and is_main():
-        print(f"note: model.fp8={recipe} converts none of {model.cfg.name}'s maps under model.fp8_filter="
-              f"{model.cfg.fp8_filter}, so it trains as without FP8; `python -m scalevec_train.describe` lists each "
-              "map and why (model.fp8_filter=all converts every map whose dims divide by 16).", file=sys.stderr)
+        print(f"note: model.fp8={recipe} converts none of {model.cfg.name}'s maps under "
+              f"model.fp8_filter={model.cfg.fp8_filter}, so it trains as without FP8; "
+              "`python -m scalevec_train.describe` lists each map and why (model.fp8_filter=all "
+              "converts every map whose dims divide by 16).", file=sys.stderr)
     for row in rows:
         if not row.fp8:
             continue
@@ -108,7 +114,8 @@ def convert(model: Transformer, device: torch.device, all_gather: bool) -> None:
         if all_gather:
             w = linear.weight
             linear.weight = nn.Parameter(WeightWithDynamicFloat8CastTensor(
-                w, matmul.mm_config, matmul.config.cast_config_weight.target_dtype), requires_grad=w.requires_grad)
+                w, matmul.mm_config, matmul.config.cast_config_weight.target_dtype),
+                requires_grad=w.requires_grad)
 
 
 def fp8_matmul(recipe: str, device: torch.device, all_gather: bool = False) -> "Fp8Matmul":
@@ -116,31 +123,38 @@ def fp8_matmul(recipe: str, device: torch.device, all_gather: bool = False) -> "
     float8 = _float8()
     from torchao.float8.float8_linear import Float8Linear
 
-    config = replace(float8.Float8LinearConfig.from_recipe_name(recipe), emulate=device.type != "cuda",
-                     enable_fsdp_float8_all_gather=all_gather)
-    # the matmul configs as torchao's Float8Linear derives them from the recipe (its shape does not enter)
+    config = replace(float8.Float8LinearConfig.from_recipe_name(recipe),
+                     emulate=device.type != "cuda", enable_fsdp_float8_all_gather=all_gather)
+    # the matmul configs as torchao's Float8Linear derives them from the recipe
+    # (its shape does not enter)
     mm_config = Float8Linear(16, 16, bias=False, config=config, device="meta").linear_mm_config
     return Fp8Matmul(config, mm_config)
 
 
 class Fp8Matmul:
     """x W^T as F.linear computes it, through torchao's float8 matmul: under autocast x and W in the
-    autocast dtype first (the bf16 weights FSDP hands the forward too: one regime on one process and on
-    many), then each operand cast to float8 with the recipe's scales. The product runs outside autocast,
-    so that an emulated one stays fp32 before its output is rounded, as the GPU's scaled matmul does."""
+    autocast dtype first (the bf16 weights FSDP hands the forward too: one regime on one process and
+    on many), then each operand cast to float8 with the recipe's scales. The product runs outside
+    autocast, so that an emulated one stays fp32 before its output is rounded, as the GPU's scaled
+    matmul does."""
 
     def __init__(self, config, mm_config):
         from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
         from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
 
         self.config, self.mm_config = config, mm_config
-        self._apply, self._is_fp8 = matmul_with_hp_or_float8_args.apply, tensor_already_casted_to_fp8
+        self._apply, self._is_fp8 = (matmul_with_hp_or_float8_args.apply,
+                                     tensor_already_casted_to_fp8)
 
     @torch.no_grad()
     def cast_shares(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(underflow, saturated) of x cast as this matmul casts its input (with the recipe's scales): the
-        share of x's nonzero values the cast flushes to 0, and the share at the format's largest magnitude."""
-        from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
+        """(underflow, saturated) of x cast as this matmul casts its input
+        (with the recipe's scales): the share of x's nonzero values the cast flushes to 0, and the
+        share at the format's largest magnitude."""
+        from torchao.float8.float8_scaling_utils import (
+            get_maybe_axiswise_dim,
+            hp_tensor_to_float8_dynamic,
+        )
         from torchao.float8.float8_training_tensor import GemmInputRole
 
         cast = self.config.cast_config_input
@@ -168,7 +182,8 @@ class Fp8Matmul:
 def bf16_matmuls(model: nn.Module) -> Iterator[None]:
     """Within the context every map computes with F.linear (the class's matmul shows through): the
     reference the diagnostics measure FP8's gradients against."""
-    converted = [(m, vars(m)["matmul"]) for m in model.modules() if isinstance(m, Linear) and "matmul" in vars(m)]
+    converted = [(m, vars(m)["matmul"]) for m in model.modules()
+                 if isinstance(m, Linear) and "matmul" in vars(m)]
     for m, _ in converted:
         del m.matmul
     try:
@@ -179,26 +194,29 @@ def bf16_matmuls(model: nn.Module) -> Iterator[None]:
 
 
 def gathered_in_fp8(model: nn.Module) -> list[nn.Parameter]:
-    """The weights FSDP all-gathers in FP8 (convert's all_gather; none unless model.fp8=tensorwise)."""
+    """The weights FSDP all-gathers in FP8 (convert's all_gather; none unless
+    model.fp8=tensorwise)."""
     if model.cfg.fp8 != "tensorwise":
         return []
     from torch.distributed.tensor import DTensor
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     return [p for p in model.parameters()
-            if isinstance(p, DTensor) and isinstance(p._local_tensor, WeightWithDynamicFloat8CastTensor)]
+            if isinstance(p, DTensor)
+            and isinstance(p._local_tensor, WeightWithDynamicFloat8CastTensor)]
 
 
 @torch.no_grad()
 def precompute_scales(weights: list[nn.Parameter]) -> None:
-    """The FP8 scales of `weights` (gathered_in_fp8's) for the next all-gather, from their amaxes in one
-    all-reduce: torchao's precompute_float8_dynamic_scale_for_fsdp, which finds weights only in its own
-    Float8Linear modules. Every rank calls it, after each optimizer step."""
+    """The FP8 scales of `weights` (gathered_in_fp8's) for the next all-gather, from their amaxes in
+    one all-reduce: torchao's precompute_float8_dynamic_scale_for_fsdp, which finds weights only in
+    its own Float8Linear modules. Every rank calls it, after each optimizer step."""
     from torchao.float8.float8_utils import EPS
 
     if not weights:
         return
-    amax = torch.clamp(torch.stack(torch._foreach_norm(weights, ord=math.inf)), EPS)  # the clamp all-reduces
+    # the clamp all-reduces
+    amax = torch.clamp(torch.stack(torch._foreach_norm(weights, ord=math.inf)), EPS)
     target = weights[0]._local_tensor._dtype
     # in float64, as torchao does, so that eager and compiled code agree
     scales = (torch.finfo(target).max / amax.to(torch.float64)).to_local().to(torch.float32)
@@ -207,8 +225,8 @@ def precompute_scales(weights: list[nn.Parameter]) -> None:
 
 
 def _filter_recipe(recipe: str) -> str:
-    """The recipe whose size filter decides model.fp8_filter=auto (torchao has none for rowwise_with_gw_hp,
-    whose matmuls run on rowwise's kernels)."""
+    """The recipe whose size filter decides model.fp8_filter=auto (torchao has none for
+    rowwise_with_gw_hp, whose matmuls run on rowwise's kernels)."""
     return "rowwise" if recipe == "rowwise_with_gw_hp" else recipe
 
 
@@ -217,8 +235,8 @@ def _size_filter(recipe: str):
 
 
 def _float8():
-    """torchao.float8, imported on first use. Quiet on a CPU build of torch, where torchao's import warns
-    that its CUDA kernels do not load (float8 training does not use them)."""
+    """torchao.float8, imported on first use. Quiet on a CPU build of torch, where torchao's import
+    warns that its CUDA kernels do not load (float8 training does not use them)."""
     quiet = () if torch.cuda.is_available() else ("torchao", "torch.utils._pytree")
     loggers = [logging.getLogger(name) for name in quiet]
     levels = [log.level for log in loggers]
@@ -228,7 +246,8 @@ def _float8():
         import torchao.float8
     except ModuleNotFoundError:
         raise ScalevecError("model.fp8", "needs torchao, which is not installed.",
-                            "pip install torchao==0.18.0 (make setup installs it), or use model.fp8=none.") from None
+                            "pip install torchao==0.18.0 (make setup installs it), "
+                            "or use model.fp8=none.") from None
     finally:
         for log, level in zip(loggers, levels, strict=True):
             log.setLevel(level)

@@ -1,7 +1,7 @@
-"""Every checkpoint and every token shard under a folder checked against the checksums recorded when it
-was written (the command: `python -m scalevec_train.verify`): a line each, `ok`, `MISMATCH` (with the
-file and what is wrong) or `no checksums` (written before they were recorded). Folders whose names start
-with a dot (saves and preparations in progress or interrupted) are skipped."""
+"""Every checkpoint and every token shard under a folder checked against the checksums recorded when
+it was written (the command: `python -m scalevec_train.verify`): a line each, `ok`, `MISMATCH` (with
+the file and what is wrong) or `no checksums` (written before they were recorded). Folders whose
+names start with a dot (saves and preparations in progress or interrupted) are skipped."""
 
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -17,12 +17,14 @@ OK, MISMATCH, UNRECORDED = "ok", "MISMATCH", "no checksums"
 
 
 def audit(path: Path) -> list[tuple[str, str]]:
-    """(status, text) of every checkpoint and shard under `path`, in path order; raises when it holds
-    neither."""
+    """(status, text) of every checkpoint and shard under `path`, in path order; raises when it
+    holds neither."""
     checkpoints, splits = find(path) if path.is_dir() else ([], [])
     if not checkpoints and not splits:
-        raise ScalevecError(str(path), f"holds no checkpoint ({COMPLETE} marker) and no token shards ({MANIFEST}).",
-                            "pass a run directory, data.cache_dir, or one checkpoint or prepared folder.")
+        raise ScalevecError(str(path), f"holds no checkpoint ({COMPLETE} marker) and no token "
+                            f"shards ({MANIFEST}).",
+                            "pass a run directory, data.cache_dir, or one checkpoint or prepared "
+                            "folder.")
     lines: list[tuple[str, str]] = []
     # The reads and the hash let go of the GIL: files are checked side by side, reported in order.
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
@@ -31,10 +33,12 @@ def audit(path: Path) -> list[tuple[str, str]]:
         for split_dir in splits:
             try:
                 manifest = open_manifest(split_dir)
-            except ScalevecError as e:  # unreadable, or it names shards missing or of the wrong size
+            # unreadable, or it names shards missing or of the wrong size
+            except ScalevecError as e:
                 lines.append((MISMATCH, f"{e.where}: {e.problem}"))
                 continue
-            lines += pool.map(lambda shard, where=split_dir: shard_line(where, shard), manifest["shards"])
+            lines += pool.map(lambda shard, where=split_dir: shard_line(where, shard),
+                              manifest["shards"])
     return lines
 
 

@@ -1,11 +1,12 @@
-"""From a validated config to a run ready to train, in data-flow order: where it starts (run/start.py),
-data (data/), model (model/), parallelized (parallel/), optimizer (optim/), callbacks (training/callbacks/),
-checkpoint manager (checkpoint/), trainer. Each component builds itself from its own options.
+"""From a validated config to a run ready to train, in data-flow order: where it starts
+(run/start.py), data (data/), model (model/), parallelized (parallel/), optimizer (optim/),
+callbacks (training/callbacks/), checkpoint manager (checkpoint/), trainer. Each component builds
+itself from its own options.
 
 Inputs are checked before expensive work and nothing is written: the checkpoint to resume from (its
-files against their checksums, its model) before data preparation, the data (its shards against their
-checksums) and the saved data position before the model is initialized. The run directory is checked
-and locked before build (run/run_dir.py).
+files against their checksums, its model) before data preparation, the data (its shards against
+their checksums) and the saved data position before the model is initialized. The run directory is
+checked and locked before build (run/run_dir.py).
 """
 
 import sys
@@ -68,7 +69,8 @@ from scalevec_train.training.trainer import (
 
 @dataclass
 class Run:
-    """What build() makes: the trainer (with its callbacks) and what the entry point reports from."""
+    """What build() makes: the trainer (with its callbacks) and what the entry point reports
+    from."""
 
     trainer: Trainer
     data: PreparedData | MixtureData
@@ -93,17 +95,21 @@ def build(cfg: Config) -> Run:
         model = Transformer(cfg.model, cfg.scale)
     continued = start.check(cfg, model)
     # A resumed run continues from its own weights; init_from only seeds a fresh one.
-    init_weights = check_init_from(model, cfg.init_from) if cfg.init_from and start.train_state is None else None
+    init_weights = (check_init_from(model, cfg.init_from)
+                    if cfg.init_from and start.train_state is None else None)
 
     data = prepare_data(cfg.data)
     check_vocab(data, cfg.model.vocab_size)
     if cfg.data.verify:
         check_shards(data)
     rank_, world = rank(), world_size()
-    train_loader = training_loader(data, cfg.train.seq_len, cfg.train.micro_batch, cfg.seed, rank_, world, documents)
+    train_loader = training_loader(data, cfg.train.seq_len, cfg.train.micro_batch, cfg.seed, rank_,
+                                   world, documents)
     val_data = validation_batches(data, cfg.train.seq_len, cfg.train.micro_batch,
-                                  cfg.train.eval_batches * cfg.train.global_batch, rank_, world, documents)
-    # every rank reads (or generates) all items: which rank scores which follows from the item's index
+                                  cfg.train.eval_batches * cfg.train.global_batch, rank_, world,
+                                  documents)
+    # every rank reads (or generates) all items: which rank scores which follows from the item's
+    # index
     tasks = load_tasks(cfg.tasks, cfg.data, data.load_tokenizer(), cfg.model.max_seq_len)
     if start.train_state is not None:
         train_loader.load_state_dict(start.train_state["loader"])
@@ -115,34 +121,40 @@ def build(cfg: Config) -> Run:
 
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
     attended = train_loader.attended_keys() if documents else None
-    callbacks, ema = training_callbacks(cfg, start.run_dir, model, device, data, val_data, tasks, attended)
+    callbacks, ema = training_callbacks(cfg, start.run_dir, model, device, data, val_data, tasks,
+                                        attended)
     manager = CheckpointManager.from_config(
         cfg.checkpoint, start.run_dir,
         tensors={"model": ModelState(model), "optim": OptimizerState(model, optimizer),
                  **({"ema": ema} if ema else {})},
         records={"loader": train_loader, **checkpointed(callbacks)},
-        info={"model_config": cfg.model.architecture(), "optimizer": cfg.optim.name, "config": as_record(cfg)},
+        info={"model_config": cfg.model.architecture(), "optimizer": cfg.optim.name,
+              "config": as_record(cfg)},
         optional=frozenset({"ema"}))
     if start.checkpoint is not None:
         manager.load(start.checkpoint, start.train_state)
     checkpointer = Checkpointer(manager, cfg.checkpoint.every)
     callbacks += [checkpointer, HangWatchdog(cfg.distributed, start.run_dir)]
 
-    schedule = Schedule(cfg.train.steps, partial(lr_multiplier, cfg.schedule, total_steps=cfg.train.steps),
-                        cfg.train.log_every, start_step=start.train_state["step"] if start.train_state else 0)
+    schedule = Schedule(cfg.train.steps,
+                        partial(lr_multiplier, cfg.schedule, total_steps=cfg.train.steps),
+                        cfg.train.log_every,
+                        start_step=start.train_state["step"] if start.train_state else 0)
     recipe = StepRecipe(accum=cfg.train.global_batch // (cfg.train.micro_batch * world),
-                        tokens_per_step=tokens_per_step, grad_clip=cfg.train.grad_clip, loss_fn=loss_fn,
-                        z_loss_coef=cfg.train.z_loss, documents=documents)
+                        tokens_per_step=tokens_per_step, grad_clip=cfg.train.grad_clip,
+                        loss_fn=loss_fn, z_loss_coef=cfg.train.z_loss, documents=documents)
     trainer = Trainer(model, optimizer, train_loader, schedule, recipe,
                       Compute(device, autocast_for(cfg.train.dtype, device)), callbacks)
     return Run(trainer, data, start.run_dir, checkpointer, start.branched_from, attended,
-               (start.train_state["step"], start.checkpoint, continued) if start.train_state else None)
+               (start.train_state["step"], start.checkpoint, continued)
+               if start.train_state else None)
 
 
 def resolve_device(name: str) -> torch.device:
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise ScalevecError("device", "cuda was asked for but no GPU is visible.", "use device=cpu.")
+            raise ScalevecError("device", "cuda was asked for but no GPU is visible.",
+                                "use device=cpu.")
         return torch.device("cuda", local_rank())
     return torch.device("cpu")
 
@@ -160,32 +172,37 @@ def check_backends(cfg: Config, device: torch.device) -> None:
         check_backend(cfg.model.kernels, device.type)
     except KernelError as e:
         raise ScalevecError("model.kernels", e.problem, e.fix) from None
-    if cfg.model.attention_mask == "document" and cfg.model.attention_backend == "flex" and device.type != "cuda":
-        raise ScalevecError("model.attention_backend", "flex trains on CUDA only: torch has no FlexAttention "
-                            "backward on CPU.", "use model.attention_backend=auto or sdpa.")
+    if (cfg.model.attention_mask == "document" and cfg.model.attention_backend == "flex"
+            and device.type != "cuda"):
+        raise ScalevecError("model.attention_backend",
+                            "flex trains on CUDA only: torch has no FlexAttention backward on CPU.",
+                            "use model.attention_backend=auto or sdpa.")
 
 
 def training_callbacks(cfg: Config, run_dir: Path, model: torch.nn.Module,
-                       device: torch.device, data: PreparedData | MixtureData, val_data: list | dict[str, list],
-                       tasks: list, attended: float | None) -> tuple[list[Callback], WeightEMA | None]:
-    """The callbacks that observe the run (all but the checkpointer, which needs the checkpoint manager
-    that saves theirs), and the weight EMA among them when train.ema is on."""
+                       device: torch.device, data: PreparedData | MixtureData,
+                       val_data: list | dict[str, list], tasks: list,
+                       attended: float | None) -> tuple[list[Callback], WeightEMA | None]:
+    """The callbacks that observe the run (all but the checkpointer, which needs the checkpoint
+    manager that saves theirs), and the weight EMA among them when train.ema is on."""
     rank_, world = rank(), world_size()
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
     profiles = cfg.train.profile_steps and (rank_ == 0 or cfg.train.profile_all_ranks)
-    weights = {entry.name: entry.weight for entry, _ in data.sources} if isinstance(data, MixtureData) else None
+    weights = ({entry.name: entry.weight for entry, _ in data.sources}
+               if isinstance(data, MixtureData) else None)
     validation = Validation(val_data, token_bytes(data.load_tokenizer()), weights)
     ema = (WeightEMA(model, ema_decay(cfg.train.ema.half_life_tokens, tokens_per_step), validation,
                      cfg.train.eval_every) if cfg.train.ema.half_life_tokens else None)
     documents = cfg.model.attention_mask == "document"
     callbacks = [
-        *([StepProfiler(cfg.train.profile_steps, run_dir / "profile", rank_, cfg.train.profile_record_shapes)]
+        *([StepProfiler(cfg.train.profile_steps, run_dir / "profile", rank_,
+                        cfg.train.profile_record_shapes)]
           if profiles else []),
         StabilityGuard(cfg.train.max_bad_steps, cfg.train.spike_factor),
         SigtermStop(),
         *Fp8Scales.of(model),
-        SpeedMonitor(tokens_per_step, train_flops_per_token(model, cfg.train.seq_len, attended), peak_flops(device),
-                     world),
+        SpeedMonitor(tokens_per_step, train_flops_per_token(model, cfg.train.seq_len, attended),
+                     peak_flops(device), world),
         ScaleMonitor(),
         ModelMetrics(),
         *([Diagnostics(cfg.train.diagnostics_every,
@@ -193,22 +210,25 @@ def training_callbacks(cfg: Config, run_dir: Path, model: torch.nn.Module,
           if cfg.train.diagnostics_every else []),
         EpochMonitor(cfg.data.max_repeats),
         Evaluator(validation, cfg.train.eval_every),
-        *([TaskEvaluator(tasks, cfg.tasks.every, cfg.tasks.batch_size, rank_, world)] if tasks else []),
+        *([TaskEvaluator(tasks, cfg.tasks.every, cfg.tasks.batch_size, rank_, world)]
+          if tasks else []),
         *([ema] if ema else []),
     ]
     return callbacks, ema
 
 
 def check_shards(data: PreparedData | MixtureData) -> None:
-    """Raises on every rank alike, naming the shard, unless every shard of `data` matches the checksum its
-    manifest recorded; each rank reads a share of them. Every rank calls it."""
-    problems = [p for found in gather_all(shard_checks.mismatches(shard_checks.shards_of(data)[rank()::world_size()]))
+    """Raises on every rank alike, naming the shard, unless every shard of `data` matches the
+    checksum its manifest recorded; each rank reads a share of them. Every rank calls it."""
+    problems = [p for found in gather_all(
+                    shard_checks.mismatches(shard_checks.shards_of(data)[rank()::world_size()]))
                 for p in found]
     if problems:
         where, problem = problems[0]
-        raise ScalevecError(where, problem, f"{shard_checks.reprepare(where)}; or, if you trust the shards as "
-                            "they are, data.verify=false.")
+        raise ScalevecError(where, problem, f"{shard_checks.reprepare(where)}; or, if you trust "
+                            "the shards as they are, data.verify=false.")
     if rank() == 0:
         for split_dir in shard_checks.unrecorded(data):
-            print(f"note: {split_dir / MANIFEST} records no checksums (prepared before scalevec recorded them): "
-                  "its shards are read unverified; prepare the data again to record them.", file=sys.stderr)
+            print(f"note: {split_dir / MANIFEST} records no checksums (prepared before scalevec "
+                  "recorded them): its shards are read unverified; prepare the data again to "
+                  "record them.", file=sys.stderr)

@@ -1,12 +1,13 @@
 """The command line of every command but train (which is Hydra's own, with its sweeps): positional
-arguments first (a run directory, a checkpoint), then `key=value` pairs. A key the command declares is
-its own option; any other is a config override, composed by Hydra as train's are, where the command
-takes the config (describe, coord_check, prepare_data) and refused where it does not.
+arguments first (a run directory, a checkpoint), then `key=value` pairs. A key the command declares
+is its own option; any other is a config override, composed by Hydra as train's are, where the
+command takes the config (describe, coord_check, prepare_data) and refused where it does not.
 
 A command declares its options once, as a dataclass whose fields are option() or positional(), each
 with its default and one line of documentation; `main(argv, Options, body)` parses, runs
-`body(options)` (or `body(options, config)`) and returns its exit code. A bad argument, or a value the
-options' __post_init__ refuses, prints one error line (what, and the fix) and the usage, and exits 2.
+`body(options)` (or `body(options, config)`) and returns its exit code. A bad argument, or a value
+the options' __post_init__ refuses, prints one error line (what, and the fix) and the usage, and
+exits 2.
 """
 
 import dataclasses
@@ -55,7 +56,8 @@ def usage(options: type, overrides: bool) -> str:
         lines.append(f"  {f.name:<12} {f.metadata[_DOC]}")
     if overrides:
         words.append("[config overrides]")
-        lines.append(f"  {'overrides':<12} any other key=value: the config as train takes it (model=..., optim.lr=...)")
+        lines.append(f"  {'overrides':<12} any other key=value: the config as train takes it "
+                     "(model=..., optim.lr=...)")
     return "\n".join([f"usage: python -m {_command(options)} {' '.join(words)}", *lines])
 
 
@@ -70,8 +72,8 @@ def _shown(value: Any) -> str:
 
 
 def _value(key: str, text: str, kind: Any) -> Any:
-    """`text` as the option's annotated type: bool (true/false), int, float, str, Path, a tuple or list of
-    them (`1,2,4` or `[1,2,4]`), or such a type or None (no value)."""
+    """`text` as the option's annotated type: bool (true/false), int, float, str, Path, a tuple or
+    list of them (`1,2,4` or `[1,2,4]`), or such a type or None (no value)."""
     args = typing.get_args(kind)
     if typing.get_origin(kind) in (typing.Union, types.UnionType):
         kind = next(a for a in args if a is not type(None))
@@ -79,7 +81,8 @@ def _value(key: str, text: str, kind: Any) -> Any:
     origin = typing.get_origin(kind)
     try:
         if origin in (tuple, list):
-            return origin(_value(key, item.strip(), args[0]) for item in text.strip("[]").split(",") if item.strip())
+            return origin(_value(key, item.strip(), args[0])
+                          for item in text.strip("[]").split(",") if item.strip())
         if kind is bool:
             if text not in ("true", "false"):
                 raise ValueError(text)
@@ -114,11 +117,13 @@ def parse(argv: list[str], options: type, overrides: bool = False) -> tuple[Any,
             if flag in named:  # a flag of the old form, e.g. evaluate's --tasks X
                 value = text if eq else (argv[i + 1] if i + 1 < len(argv) else "<value>")
                 raise UsageError(arg, "options are key=value, not flags.", f"use {flag}={value}.")
-            raise UsageError(arg, "is no option of this command (options are key=value, not flags).",
+            raise UsageError(arg,
+                             "is no option of this command (options are key=value, not flags).",
                              "see the usage below.")
         elif not eq:
             if len(given) == len(wanted):
-                fix = f"give only {' '.join(f'<{f.name}>' for f in wanted)}" if wanted else "give key=value pairs"
+                fix = (f"give only {' '.join(f'<{f.name}>' for f in wanted)}" if wanted
+                       else "give key=value pairs")
                 raise UsageError(arg, "is one positional argument too many.", f"{fix}.")
             given.append(arg)
         elif not key:
@@ -129,14 +134,18 @@ def parse(argv: list[str], options: type, overrides: bool = False) -> tuple[Any,
             rest.append(arg)
         else:
             known = ", ".join(named) or "none"
-            raise UsageError(key, "is no option of this command.", f"use one of its options: {known}.")
+            raise UsageError(key, "is no option of this command.",
+                             f"use one of its options: {known}.")
     if len(given) < len(wanted):
         missing = wanted[len(given)]
         raise UsageError(f"<{missing.name}>", "is missing.", f"give {missing.metadata[_DOC]}.")
-    absent = [f.name for f in named.values() if f.default is dataclasses.MISSING and f.name not in values]
+    absent = [f.name for f in named.values()
+              if f.default is dataclasses.MISSING and f.name not in values]
     if absent:
-        raise UsageError(absent[0], "is missing.", f"give {absent[0]}=<{named[absent[0]].metadata[_DOC]}>.")
-    values.update((f.name, _value(f.name, text, kinds[f.name])) for f, text in zip(wanted, given, strict=True))
+        raise UsageError(absent[0], "is missing.",
+                         f"give {absent[0]}=<{named[absent[0]].metadata[_DOC]}>.")
+    values.update((f.name, _value(f.name, text, kinds[f.name]))
+                  for f, text in zip(wanted, given, strict=True))
     try:
         return options(**values), rest
     except ScalevecError as e:  # the options' own checks (__post_init__)
@@ -145,8 +154,8 @@ def parse(argv: list[str], options: type, overrides: bool = False) -> tuple[Any,
 
 def compose(overrides: list[str]):
     """The config that Hydra composes with the overrides (untyped: what config.to_config types)."""
-    # Imported here: a command that takes no config (and prepare_data's encoding workers, which import
-    # their command again) starts without Hydra and torch.
+    # Imported here: a command that takes no config (and prepare_data's encoding workers, which
+    # import their command again) starts without Hydra and torch.
     from hydra.errors import HydraException
 
     from scalevec_train.config import compose_raw
@@ -155,14 +164,14 @@ def compose(overrides: list[str]):
         return compose_raw(overrides)
     except HydraException as e:
         problem = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".") + "."
-        raise UsageError("config overrides", problem, "override keys and presets of configs/ as train takes "
-                         "them (e.g. model=dense-tiny optim.lr=0.01).") from None
+        raise UsageError("config overrides", problem, "override keys and presets of configs/ as "
+                         "train takes them (e.g. model=dense-tiny optim.lr=0.01).") from None
 
 
 def main(argv: list[str], options: type, body: Callable[..., int], overrides: bool = False) -> int:
     """Parse `argv`, run `body(options)`, or `body(options, config)` for a command that takes config
-    overrides, and return its exit code; bad input prints its one error line (and for a bad argument the
-    usage) and returns the error's exit code."""
+    overrides, and return its exit code; bad input prints its one error line (and for a bad argument
+    the usage) and returns the error's exit code."""
     if argv in (["-h"], ["--help"]):
         print(usage(options, overrides))
         return 0

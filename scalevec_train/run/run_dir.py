@@ -1,7 +1,8 @@
 """The run directory of a training run: checked and locked before anything is built (lock.py; rank 0
 holds the lock for the life of the run, and a second launch into it refuses on every rank before
 anything is written), then made self-contained once the run is built: the resolved config, the model
-description, the tokenizer, what a continuation changed (resumes.jsonl) and a branch's trunk metrics."""
+description, the tokenizer, what a continuation changed (resumes.jsonl) and a branch's trunk
+metrics."""
 
 import json
 import os
@@ -27,7 +28,8 @@ def check_run_dir(run_dir: Path) -> None:
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        where = "is a file" if existing == run_dir else f"would be a folder under the file {existing}"
+        where = ("is a file" if existing == run_dir
+                 else f"would be a folder under the file {existing}")
         raise ScalevecError("run_dir", f"{run_dir} {where}, so it cannot hold a run.",
                             "set run_dir to a folder path (an existing run or a new name).")
     root = checkpoint_root(run_dir)
@@ -39,8 +41,8 @@ def check_run_dir(run_dir: Path) -> None:
 
 @contextmanager
 def holding(run_dir: Path) -> Iterator[None]:
-    """The run directory checked, then locked by rank 0 until the block ends. A run directory that this
-    launch made and left holding nothing (bad input found later) is removed again."""
+    """The run directory checked, then locked by rank 0 until the block ends. A run directory that
+    this launch made and left holding nothing (bad input found later) is removed again."""
     check_run_dir(run_dir)
     made = [d for d in (run_dir, *run_dir.parents) if not d.exists()]
     lock, held = None, None
@@ -52,10 +54,11 @@ def holding(run_dir: Path) -> Iterator[None]:
             lock, held = None, f"{holder(e.record)}; its lock {e.path}"
     held = process_group.broadcast_object(held)
     if held is not None:
-        raise ScalevecError("run_dir", f"{run_dir} is in use by a live run ({held}): two runs in one directory "
-                            "overwrite each other's checkpoints and records.", "wait for that run to end or stop "
-                            "it (a run that was killed or lost its node holds nothing: the next launch takes "
-                            "over), or set another run_dir.")
+        raise ScalevecError("run_dir", f"{run_dir} is in use by a live run ({held}): two runs in "
+                            "one directory overwrite each other's checkpoints and records.",
+                            "wait for that run to end or stop it (a run that was killed or lost "
+                            "its node holds nothing: the next launch takes over), or set another "
+                            "run_dir.")
     try:
         yield
     finally:
@@ -71,7 +74,8 @@ def holding(run_dir: Path) -> Iterator[None]:
 
 
 def write_run_files(cfg: Config, built: Run) -> None:
-    """What makes the run directory self-contained and says where the run came from (rank 0 writes it)."""
+    """What makes the run directory self-contained and says where the run came from
+    (rank 0 writes it)."""
     run_dir = built.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))

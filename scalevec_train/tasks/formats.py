@@ -1,11 +1,11 @@
-"""Multiple-choice items from the JSON-lines layouts tasks are distributed in, as scalevec scores them:
-a context, choices that each continue it, and the index of the right one.
+"""Multiple-choice items from the JSON-lines layouts tasks are distributed in, as scalevec scores
+them: a context, choices that each continue it, and the index of the right one.
 
-Contexts, choices and delimiters are lm-evaluation-harness's (0.4, its arc_easy/arc_challenge, piqa and
-hellaswag tasks, zero-shot): its doc_to_text is the context, its doc_to_choice the choices and its
-target_delimiter " " what joins them. ARC and PIQA ask "Question: ...\\nAnswer:"; HellaSwag's context is its
-activity label and both context parts, and its context and endings are cleaned of WikiHow's bracketed
-markup as the harness's preprocess does.
+Contexts, choices and delimiters are lm-evaluation-harness's (0.4, its arc_easy/arc_challenge, piqa
+and hellaswag tasks, zero-shot): its doc_to_text is the context, its doc_to_choice the choices and
+its target_delimiter " " what joins them. ARC and PIQA ask "Question: ...\\nAnswer:"; HellaSwag's
+context is its activity label and both context parts, and its context and endings are cleaned of
+WikiHow's bracketed markup as the harness's preprocess does.
 """
 
 import json
@@ -22,19 +22,21 @@ class Item:
     context: str
     choices: tuple[str, ...]
     label: int
-    # what joins the context and each choice (the harness's target_delimiter): scored with the choice, but
-    # not counted in the choice's length that acc_norm divides by
+    # what joins the context and each choice (the harness's target_delimiter): scored with the
+    # choice, but not counted in the choice's length that acc_norm divides by
     delimiter: str = ""
 
 
 def read_items(task: TaskConfig, folder: Path) -> list[Item]:
-    """The items of a file task (the first task.limit of them when set); relative paths under `folder`."""
+    """The items of a file task (the first task.limit of them when set); relative paths under
+    `folder`."""
     path = _resolve(task.path, folder, task.name)
     rows = _json_lines(path)
     if task.format == "piqa" and task.labels:
         labels = _resolve(task.labels, folder, task.name).read_text().split()
         if len(labels) != len(rows):
-            raise ScalevecError(str(path), f"has {len(rows)} items but {task.labels} has {len(labels)} labels.",
+            raise ScalevecError(str(path), f"has {len(rows)} items but {task.labels} has "
+                                f"{len(labels)} labels.",
                                 "pair each task file with its own labels file.")
         rows = [{**row, "label": label} for row, label in zip(rows, labels, strict=True)]
     if task.limit:
@@ -45,12 +47,15 @@ def read_items(task: TaskConfig, folder: Path) -> list[Item]:
         try:
             item = parse(row)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ScalevecError(f"{path}:{n}", f"is not a {task.format} item ({type(e).__name__}: {e}).",
-                                f"check the format of task {task.name!r} (jsonl, hellaswag, arc, piqa).") from None
+            raise ScalevecError(f"{path}:{n}", f"is not a {task.format} item "
+                                f"({type(e).__name__}: {e}).",
+                                f"check the format of task {task.name!r} (jsonl, hellaswag, "
+                                "arc, piqa).") from None
         check_item(item, f"{path}:{n}")
         items.append(item)
     if not items:
-        raise ScalevecError(str(path), "holds no items.", "point the task at a non-empty JSON lines file.")
+        raise ScalevecError(str(path), "holds no items.",
+                            "point the task at a non-empty JSON lines file.")
     return items
 
 
@@ -58,7 +63,8 @@ def check_item(item: Item, where: str) -> None:
     if len(item.choices) < 2 or not all(item.choices):
         raise ScalevecError(where, "needs at least two non-empty choices.", "fix or drop the item.")
     if not 0 <= item.label < len(item.choices):
-        raise ScalevecError(where, f"label {item.label} is not the index of one of its {len(item.choices)} choices.",
+        raise ScalevecError(where, f"label {item.label} is not the index of one of its "
+                            f"{len(item.choices)} choices.",
                             "use a 0-based index (HellaSwag, PIQA) or a choice label (ARC).")
 
 
@@ -110,7 +116,8 @@ def _arc(row: dict) -> Item:
 
 
 def _piqa(row: dict) -> Item:
-    return Item(f"Question: {row['goal']}\nAnswer:", (row["sol1"], row["sol2"]), int(row["label"]), " ")
+    return Item(f"Question: {row['goal']}\nAnswer:", (row["sol1"], row["sol2"]), int(row["label"]),
+                " ")
 
 
 _PARSERS = {"jsonl": _generic, "hellaswag": _hellaswag, "arc": _arc, "piqa": _piqa}

@@ -20,11 +20,13 @@ def task_items(task: TaskConfig, folder: Path, data: DataConfig) -> list[Item]:
     return read_items(task, folder)
 
 
-def load_tasks(cfg: TasksConfig, data: DataConfig, tok: Tokenizer, max_len: int) -> list[EncodedTask]:
+def load_tasks(cfg: TasksConfig, data: DataConfig, tok: Tokenizer,
+               max_len: int) -> list[EncodedTask]:
     """Every task of `cfg`, tokenized for sequences the model reads of at most `max_len` tokens."""
     tasks = []
     for task in cfg.items:
         items = task_items(task, Path(cfg.dir), data)
         tasks.append(encode_task(task.name, items, tok, max_len))
-        log.info("task %s (%s): %d items, chance %.3f", task.name, task.format, len(items), tasks[-1].chance)
+        log.info("task %s (%s): %d items, chance %.3f", task.name, task.format, len(items),
+                 tasks[-1].chance)
     return tasks

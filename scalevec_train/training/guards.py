@@ -1,6 +1,7 @@
-"""What keeps a run alive through bad numbers and pre-emption (docs/guides/reliability.md): the bookkeeping of
-the non-finite-step guard and the loss-spike log, and the SIGTERM stop request. The tests exercise them
-with the faults of infra/faults.py (step.loss: a NaN loss, an infinite gradient)."""
+"""What keeps a run alive through bad numbers and pre-emption (docs/guides/reliability.md): the
+bookkeeping of the non-finite-step guard and the loss-spike log, and the SIGTERM stop request. The
+tests exercise them with the faults of infra/faults.py (step.loss: a NaN loss, an infinite
+gradient)."""
 
 import math
 import signal
@@ -8,7 +9,8 @@ import threading
 
 
 class StepGuard:
-    """Bookkeeping of the numerical guards: non-finite steps (the trainer skips them) and loss spikes."""
+    """Bookkeeping of the numerical guards: non-finite steps (the trainer skips them) and loss
+    spikes."""
 
     EMA_DECAY = 0.9  # the running average loss spans about the last 10 finite steps
 
@@ -23,7 +25,8 @@ class StepGuard:
         return math.isfinite(loss) and math.isfinite(grad_norm)
 
     def observe(self, loss: float, grad_norm: float) -> dict:
-        """Counts one step; returns what its metrics record must add (empty for an ordinary step)."""
+        """Counts one step; returns what its metrics record must add (empty for an ordinary
+        step)."""
         if not self.finite(loss, grad_norm):
             self.skipped += 1
             self.streak += 1
@@ -44,13 +47,14 @@ class StepGuard:
         return {"skipped_steps": self.skipped, "bad_streak": self.streak, "loss_ema": self.loss_ema}
 
     def load_state_dict(self, state: dict) -> None:
-        self.skipped, self.streak, self.loss_ema = state["skipped_steps"], state["bad_streak"], state["loss_ema"]
+        self.skipped, self.streak, self.loss_ema = (state["skipped_steps"], state["bad_streak"],
+                                                    state["loss_ema"])
 
 
 class StopSignal:
-    """While active, SIGTERM (what schedulers send before pre-emption or at a time limit) sets `received`
-    instead of ending the process, so that training can stop after the current step with a checkpoint.
-    Signal handlers belong to the main thread: elsewhere this does nothing."""
+    """While active, SIGTERM (what schedulers send before pre-emption or at a time limit) sets
+    `received` instead of ending the process, so that training can stop after the current step with
+    a checkpoint. Signal handlers belong to the main thread: elsewhere this does nothing."""
 
     def __init__(self):
         self.received = False
@@ -68,4 +72,5 @@ class StopSignal:
 
     def __exit__(self, *exc) -> None:
         if self._installed:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if self._previous is None else self._previous)
+            signal.signal(signal.SIGTERM,
+                          signal.SIG_DFL if self._previous is None else self._previous)

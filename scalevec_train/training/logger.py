@@ -1,5 +1,5 @@
-"""Where metrics go: run_dir/metrics.jsonl always, a progress bar on the console, wandb optionally; and
-the one reader of metrics.jsonl (read_records) and of a nested config as flat keys (flatten).
+"""Where metrics go: run_dir/metrics.jsonl always, a progress bar on the console, wandb optionally;
+and the one reader of metrics.jsonl (read_records) and of a nested config as flat keys (flatten).
 
 Only rank 0 logs. wandb is imported only when logger=wandb; without an API key it runs offline.
 """
@@ -22,26 +22,29 @@ def wandb_mode(cfg: LoggerConfig) -> str:
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
-# Keys that differ between the seeds of one experiment arm, or are bookkeeping: not part of the group.
-# A branch (branch_from) is its trunk's computation up to the branch point: it groups by its own settings.
-# Downstream tasks (tasks.*) only observe the run.
-_NOT_GROUPING = ("seed", "run_dir", "resume", "logger", "checkpoint", "data.cache_dir", "branch_from", "tasks")
+# Keys that differ between the seeds of one experiment arm, or are bookkeeping: not part of the
+# group. A branch (branch_from) is its trunk's computation up to the branch point: it groups by its
+# own settings. Downstream tasks (tasks.*) only observe the run.
+_NOT_GROUPING = ("seed", "run_dir", "resume", "logger", "checkpoint", "data.cache_dir",
+                 "branch_from", "tasks")
 
 
 def wandb_init_args(cfg: LoggerConfig, config: dict, run_dir: Path) -> dict:
-    """wandb.init arguments derived from the resolved config: a group shared by every seed of the same
-    setting (readable prefix + hash of everything but the seed and bookkeeping), tags naming model,
-    strategy, optimizer, schedule and seed, and the whole config."""
+    """wandb.init arguments derived from the resolved config: a group shared by every seed of the
+    same setting (readable prefix + hash of everything but the seed and bookkeeping), tags naming
+    model, strategy, optimizer, schedule and seed, and the whole config."""
     flat = flatten(config)
-    kept = {k: v for k, v in flat.items() if not any(k == n or k.startswith(n + ".") for n in _NOT_GROUPING)}
+    kept = {k: v for k, v in flat.items()
+            if not any(k == n or k.startswith(n + ".") for n in _NOT_GROUPING)}
     digest = hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:8]
     names = [str(flat.get(f"{k}.name", "")) for k in ("model", "scale", "optim", "schedule")]
     tags = [f"model={names[0]}", f"scale={names[1]}", f"optim={names[2]}", f"schedule={names[3]}",
             f"seed={flat.get('seed')}", *cfg.tags]
     # A run resumed in the same run_dir continues the same wandb run.
     run_id = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
-    return {"project": cfg.project, "entity": cfg.entity or None, "group": cfg.group or f"{'-'.join(names)}-{digest}",
-            "tags": tags, "name": run_dir.name, "id": run_id, "resume": "allow", "config": config}
+    return {"project": cfg.project, "entity": cfg.entity or None,
+            "group": cfg.group or f"{'-'.join(names)}-{digest}", "tags": tags, "name": run_dir.name,
+            "id": run_id, "resume": "allow", "config": config}
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -60,9 +63,9 @@ def _shown_task_metric(key: str) -> bool:
 
 
 def read_records(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl in file order ([] when there is no file). A partial last line (a run
-    killed while appending) is skipped; any other line that is not a JSON object with a numeric `step`
-    is an error."""
+    """The records of a metrics.jsonl in file order ([] when there is no file). A partial last line
+    (a run killed while appending) is skipped; any other line that is not a JSON object with a
+    numeric `step` is an error."""
     if not path.is_file():
         return []
     lines = [(i + 1, line) for i, line in enumerate(path.read_text().splitlines()) if line.strip()]
@@ -83,8 +86,8 @@ def read_records(path: Path) -> list[dict]:
 
 
 def drop_partial_line(path: Path) -> None:
-    """Cut off an unfinished last line of a file of JSON lines. A process killed while appending a record
-    leaves one (a long record takes several writes); the resumed run logs that step again."""
+    """Cut off an unfinished last line of a file of JSON lines. A process killed while appending a
+    record leaves one (a long record takes several writes); the resumed run logs that step again."""
     if not path.is_file():
         return
     with path.open("rb+") as f:
@@ -103,8 +106,8 @@ def drop_partial_line(path: Path) -> None:
 
 
 class MetricsLogger:
-    """Appends one JSON object per logged step to metrics.jsonl (after cutting off a partial last line a
-    killed run left) and mirrors it to the console/wandb."""
+    """Appends one JSON object per logged step to metrics.jsonl (after cutting off a partial last
+    line a killed run left) and mirrors it to the console/wandb."""
 
     def __init__(self, cfg: LoggerConfig, run_dir: Path, total_steps: int, start_step: int,
                  wandb_init: dict | None = None, enabled: bool = True):
@@ -138,9 +141,11 @@ class MetricsLogger:
                 shown["tok/s"] = f"{record['tokens_per_s']:.0f}"
             self.bar.set_postfix(shown, refresh=False)
         else:
-            # per-layer and per-site keys stay in the file; of the tasks' metrics, the accuracy shows
+            # per-layer and per-site keys stay in the file; of the tasks' metrics, the accuracy
+            # shows
             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                           for k, v in record.items() if "/" not in k or _shown_task_metric(k)), flush=True)
+                           for k, v in record.items() if "/" not in k or _shown_task_metric(k)),
+                  flush=True)
 
     def advance(self, steps: int = 1) -> None:
         if self.bar is not None:

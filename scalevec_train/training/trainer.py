@@ -1,12 +1,12 @@
-"""The training loop: it takes optimizer steps and calls its callbacks' hooks; everything that observes
-the run (throughput, scale statistics, evaluation, checkpoints, the numerical guard, SIGTERM) is a
-callback (callbacks/).
+"""The training loop: it takes optimizer steps and calls its callbacks' hooks; everything that
+observes the run (throughput, scale statistics, evaluation, checkpoints, the numerical guard,
+SIGTERM) is a callback (callbacks/).
 
-One step: for each micro-batch, forward (plus the model's auxiliary loss), backward; gradients synced
-and clipped; the optimizer steps unless the loss or gradient norm is not finite. A step that is not
-taken changes nothing (its gradients are dropped, the model forgets its step state), but its batches
-count as used and the step counter (and with it the learning-rate schedule) advances. Every rank
-reaches the same verdict: the loss is averaged over the ranks and the gradient norm is global.
+One step: for each micro-batch, forward (plus the model's auxiliary loss), backward; gradients
+synced and clipped; the optimizer steps unless the loss or gradient norm is not finite. A step that
+is not taken changes nothing (its gradients are dropped, the model forgets its step state), but its
+batches count as used and the step counter (and with it the learning-rate schedule) advances. Every
+rank reaches the same verdict: the loss is averaged over the ranks and the gradient norm is global.
 
 Under document masking some targets are not counted (data/loader.py) and the micro-batches and ranks
 count different numbers of them: each micro-batch's mean loss is then weighted by its count over the
@@ -14,9 +14,9 @@ step's global count, so that the step's loss and gradient are the mean over ever
 the global batch, whatever the accumulation and world size (as torchtitan and OLMo-core normalize).
 Causal runs count every target and keep the plain mean over micro-batches.
 
-The host never waits for the device within a step: the loss, the gradient norm and the verdict stay on
-the device (skip.py applies the step where the verdict says so), and the host reads them only on the
-steps that read back: log steps, and steps a callback asked to read back (a checkpoint).
+The host never waits for the device within a step: the loss, the gradient norm and the verdict stay
+on the device (skip.py applies the step where the verdict says so), and the host reads them only on
+the steps that read back: log steps, and steps a callback asked to read back (a checkpoint).
 """
 
 import math
@@ -51,23 +51,26 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def z_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """mean(log Z^2) over the counted targets' positions, Z = sum(exp(logits)) (OLMo 2, PaLM): pulls
-    the log-partition towards 0, and with it the logits' magnitude that the final norm's scale sets."""
+    the log-partition towards 0, and with it the logits' magnitude that the final norm's scale
+    sets."""
     counted = targets != IGNORE
     log_z = logits.float().logsumexp(-1)
     return (log_z.square() * counted).sum() / counted.sum()
 
 
 def micro_weights(batches: list, device: torch.device) -> torch.Tensor:
-    """Each micro-batch's share of the step's counted targets, times the world size (the ranks' gradients
-    are averaged), on the device: sum over ranks and micro-batches of weight * mean loss = the mean over
-    all counted targets. Counted on the host from the loader's tensors: no read of the device."""
+    """Each micro-batch's share of the step's counted targets, times the world size (the ranks'
+    gradients are averaged), on the device: sum over ranks and micro-batches of weight * mean loss =
+    the mean over all counted targets. Counted on the host from the loader's tensors: no read of the
+    device."""
     counts = torch.stack([(b.targets != IGNORE).sum() for b in batches]).to(device, torch.float64)
     return (counts * world_size() / all_reduce_sum(counts.sum())).float()
 
 
 def training_loss(compiled: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """cross_entropy, or compiled as one graph (distributed.compile): fused, the fp32 logits, softmax and
-    its gradient take fewer passes (about 2x faster on a CPU at dense-study's shape, docs/benchmarks/cpu.md)."""
+    """cross_entropy, or compiled as one graph (distributed.compile): fused, the fp32 logits,
+    softmax and its gradient take fewer passes (about 2x faster on a CPU at dense-study's shape,
+    docs/benchmarks/cpu.md)."""
     return torch.compile(cross_entropy, fullgraph=True) if compiled else cross_entropy
 
 
@@ -78,17 +81,20 @@ class StepResult:
     loss: torch.Tensor  # mean over the step's micro-batches and the ranks
     grad_norm: torch.Tensor  # global, before clipping
     taken: torch.Tensor  # bool; False: not finite, so nothing changed
-    seconds: float  # wall time of the step; the steps since the last read-back add up to the device's
-    z_loss: torch.Tensor | None = None  # z_loss_coef * mean log Z^2, the part of the training loss not in `loss`
+    # wall time of the step; the steps since the last read-back add up to the device's
+    seconds: float
+    # z_loss_coef * mean log Z^2, the part of the training loss not in `loss`
+    z_loss: torch.Tensor | None = None
 
 
 class Callback:
-    """Observes the loop. Every hook does nothing unless a subclass overrides it. A callback puts metrics in
-    the logs with trainer.record(); one that holds state to resume is Stateful (state_dict,
-    load_state_dict) and names its entry of the checkpoint's train_state.json in `checkpoint_key`.
+    """Observes the loop. Every hook does nothing unless a subclass overrides it. A callback puts
+    metrics in the logs with trainer.record(); one that holds state to resume is Stateful
+    (state_dict, load_state_dict) and names its entry of the checkpoint's train_state.json in
+    `checkpoint_key`.
 
-    Every hook runs on the callbacks in one order (ordered()): by `priority`, lower first; callbacks of
-    equal priority in the order they were given (build.py's list)."""
+    Every hook runs on the callbacks in one order (ordered()): by `priority`, lower first; callbacks
+    of equal priority in the order they were given (build.py's list)."""
 
     checkpoint_key: str | None = None
     priority: int = 0
@@ -97,14 +103,15 @@ class Callback:
         """Before the first step (also of a resumed run)."""
 
     def on_step_start(self, trainer: "Trainer") -> None:
-        """Before a step's first forward; may call trainer.request_read_back() for the coming step."""
+        """Before a step's first forward; may call trainer.request_read_back() for the coming
+        step."""
 
     def on_backward_end(self, trainer: "Trainer") -> None:
         """The step's gradients are complete (synced over ranks, not yet clipped)."""
 
     def on_step_end(self, trainer: "Trainer", result: StepResult) -> None:
-        """After the step. May call trainer.request_log() or trainer.request_stop(); reads `result` on
-        the host only when trainer.reads_back."""
+        """After the step. May call trainer.request_log() or trainer.request_stop(); reads `result`
+        on the host only when trainer.reads_back."""
 
     def on_log(self, trainer: "Trainer") -> None:
         """A logged step: record() what its record should show."""
@@ -120,7 +127,8 @@ class Callback:
 
 
 def ordered(callbacks: list[Callback]) -> list[Callback]:
-    """`callbacks` in the order their hooks run: by priority, lower first, ties as given (a stable sort)."""
+    """`callbacks` in the order their hooks run: by priority, lower first, ties as given (a stable
+    sort)."""
     return sorted(callbacks, key=lambda cb: cb.priority)
 
 
@@ -149,7 +157,8 @@ class StepRecipe:
     # the training loss, a mean over the counted targets
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
     z_loss_coef: float = 0.0  # the weight of z_loss() in the training loss
-    documents: bool = False  # the loader's batches have document ids (model.attention_mask=document)
+    # the loader's batches have document ids (model.attention_mask=document)
+    documents: bool = False
 
 
 @dataclass(frozen=True)
@@ -161,11 +170,13 @@ class Compute:
 
 
 class Trainer:
-    """Trains `model` with `optimizer` on `loader`'s batches over `schedule`'s steps (or to an earlier
-    requested stop), each step as `recipe` says, observed by `callbacks` (run in their priority order)."""
+    """Trains `model` with `optimizer` on `loader`'s batches over `schedule`'s steps (or to an
+    earlier requested stop), each step as `recipe` says, observed by `callbacks` (run in their
+    priority order)."""
 
-    def __init__(self, model: Transformer, optimizer: torch.optim.Optimizer, loader: Loader, schedule: Schedule,
-                 recipe: StepRecipe, compute: Compute, callbacks: list[Callback]):
+    def __init__(self, model: Transformer, optimizer: torch.optim.Optimizer, loader: Loader,
+                 schedule: Schedule, recipe: StepRecipe, compute: Compute,
+                 callbacks: list[Callback]):
         self.model, self.optimizer, self.loader = model, optimizer, loader
         self.schedule, self.recipe, self.compute = schedule, recipe, compute
         self.callbacks = ordered(callbacks)
@@ -179,17 +190,19 @@ class Trainer:
         self._records: dict[int, dict] = {}  # step -> metrics recorded for it, not yet written
 
     def add_callbacks(self, *callbacks: Callback) -> None:
-        """Add callbacks to a built trainer (a test's counters, a benchmark's clocks), each in its place."""
+        """Add callbacks to a built trainer (a test's counters, a benchmark's clocks), each in its
+        place."""
         self.callbacks = ordered([*self.callbacks, *callbacks])
 
     def is_log_step(self, step: int) -> bool:
-        """Whether step number `step` (1-based: the step in progress is self.step + 1) logs regularly."""
+        """Whether step number `step` (1-based: the step in progress is self.step + 1) logs
+        regularly."""
         return step % self.schedule.log_every == 0 or step == self.schedule.steps
 
     @property
     def reads_back(self) -> bool:
-        """Whether the step just taken (self.step) may read device values on the host: a log step, or
-        a step a callback asked for (request_read_back)."""
+        """Whether the step just taken (self.step) may read device values on the host: a log step,
+        or a step a callback asked for (request_read_back)."""
         return self.is_log_step(self.step) or self._read_back_requested
 
     @property
@@ -197,11 +210,12 @@ class Trainer:
         return self.optimizer.param_groups[0]["lr"]
 
     def record(self, name: str, value: float | torch.Tensor, step: int | None = None) -> None:
-        """Put metric `name` in the record of `step` (default: the current one), written at the end of
-        this step. `value` may be a 0-dim device tensor: all of a write's tensors are read in one
-        transfer. A step with recorded metrics writes a record even if it does not log; a callback that
-        records on such a step asks for its read-back first (request_read_back in on_step_start), so
-        that the records of earlier steps the guard judges then are written before it, in step order."""
+        """Put metric `name` in the record of `step` (default: the current one), written at the end
+        of this step. `value` may be a 0-dim device tensor: all of a write's tensors are read in one
+        transfer. A step with recorded metrics writes a record even if it does not log; a callback
+        that records on such a step asks for its read-back first (request_read_back in
+        on_step_start), so that the records of earlier steps the guard judges then are written
+        before it, in step order."""
         self._records.setdefault(self.step if step is None else step, {})[name] = value
 
     def request_log(self) -> None:
@@ -254,21 +268,25 @@ class Trainer:
             cb.on_backward_end(self)
         progress.current.mark("optimizer", self.step + 1)
         fault_point("step.optimizer", self.step + 1)
-        grad_norm = clip_grad_norm(self.model, recipe.grad_clip if recipe.grad_clip > 0 else float("inf"))
+        grad_norm = clip_grad_norm(self.model,
+                                   recipe.grad_clip if recipe.grad_clip > 0 else float("inf"))
         mean_loss = all_reduce_mean(total / recipe.accum if weights is None else total)
-        z_mean = None if z_total is None else all_reduce_mean(z_total / recipe.accum if weights is None else z_total)
+        z_mean = (None if z_total is None
+                  else all_reduce_mean(z_total / recipe.accum if weights is None else z_total))
         taken = torch.isfinite(mean_loss) & torch.isfinite(grad_norm)
         self.optimizer_step(taken)
         self.model.discard_step_state()
         self.optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda" and (self.is_log_step(self.step + 1) or self._read_back_requested):
-            # the host reads back after this step anyway: the wait for the device belongs to its time
+            # the host reads back after this step anyway: the wait for the device belongs to its
+            # time
             torch.cuda.synchronize(device)
         return StepResult(mean_loss, grad_norm, taken, time.perf_counter() - start, z_mean)
 
     def fit(self, logger: MetricsLogger) -> str | None:
-        """Train to the schedule's last step, writing records to `logger`; returns the reason of an early
-        stop (None when the run is complete), or raises the error a callback stopped the run with."""
+        """Train to the schedule's last step, writing records to `logger`; returns the reason of an
+        early stop (None when the run is complete), or raises the error a callback stopped the run
+        with."""
         self.logger = logger
         progress.current.reset(self.step)
         try:
@@ -317,14 +335,16 @@ class Trainer:
             cb.on_step_done(self)
 
     def _write(self) -> None:
-        """Write the recorded metrics, one record per step in step order, reading their device values
-        in one transfer."""
+        """Write the recorded metrics, one record per step in step order, reading their device
+        values in one transfer."""
         if not self._records:
             return
         records = [(step, self._records[step]) for step in sorted(self._records)]
         self._records = {}
         tensors = [v for _, r in records for v in r.values() if isinstance(v, torch.Tensor)]
-        values = iter(torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist() if tensors else [])
+        values = iter(torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist()
+                      if tensors else [])
         for step, recorded in records:
-            metrics = {k: next(values) if isinstance(v, torch.Tensor) else v for k, v in recorded.items()}
+            metrics = {k: next(values) if isinstance(v, torch.Tensor) else v
+                       for k, v in recorded.items()}
             self.logger.log({"step": step, "tokens": step * self.recipe.tokens_per_step, **metrics})

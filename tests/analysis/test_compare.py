@@ -41,7 +41,8 @@ VAL_EVERY = 5
 
 
 def f_ref(t):
-    """Reference validation loss: convex, piecewise linear, kinks at 500 and 1000 tokens (val points)."""
+    """Reference validation loss: convex, piecewise linear, kinks at 500 and 1000 tokens
+    (val points)."""
     return max(5 - 0.004 * t, 3.5 - 0.001 * t, 2.75 - 0.00025 * t)
 
 
@@ -56,21 +57,24 @@ def config(seed, scale="baseline", steps=40, lr=3e-3, dim=64):
                   "weight_decay": "iwd" if scale == "unified" else "none"},
         "optim": {"name": "adamw", "lr": lr},
         "schedule": {"name": "cosine", "warmup_steps": 2},
-        "train": {"steps": steps, "global_batch": 5, "seq_len": 10, "profile_steps": [2] if seed % 2 else [],
+        "train": {"steps": steps, "global_batch": 5, "seq_len": 10,
+                  "profile_steps": [2] if seed % 2 else [],
                   "diagnostics_every": 10 if seed % 2 else 0},
-        "data": {"name": "synthetic", "cache_dir": f"/tmp/c{seed}", "tokenizer": f"/mnt/d{seed}/tok.model"},
+        "data": {"name": "synthetic", "cache_dir": f"/tmp/c{seed}",
+                 "tokenizer": f"/mnt/d{seed}/tok.model"},
         "logger": {"wandb": seed % 2 == 0, "log_every": 1},
         "checkpoint": {"every": 10, "dir": f"/ckpt/{seed}"},
     }
 
 
 def metric_rows(curve, steps, offset, separate_val=True):
-    """Train loss every step (curve + 0.1 + offset), val_loss every VAL_EVERY steps (curve + offset)."""
+    """Train loss every step (curve + 0.1 + offset), val_loss every VAL_EVERY
+    steps (curve + offset)."""
     rows = []
     for step in range(1, steps + 1):
         t = step * TOKENS_PER_STEP
-        row = {"step": step, "loss": curve(t) + 0.1 + offset, "lr": 1e-3, "grad_norm": 1.0, "tokens": t,
-               "tokens_per_s": 1e4, "scale/attn_mean": 1.0}
+        row = {"step": step, "loss": curve(t) + 0.1 + offset, "lr": 1e-3, "grad_norm": 1.0,
+               "tokens": t, "tokens_per_s": 1e4, "scale/attn_mean": 1.0}
         val = {"step": step, "tokens": t, "val_loss": curve(t) + offset}
         if step % VAL_EVERY:
             rows.append(row)
@@ -98,11 +102,13 @@ def run_dirs(tmp_path):
         for seed, off in enumerate(offsets):
             rows = metric_rows(curve, steps, off, separate_val=seed % 2 == 0)
             if name == "unified" and seed == 1:
-                # A crash after step 30 and a resume from the checkpoint at step 20: the first attempt's
-                # steps 21..30 are garbage and must be replaced by the resumed run's records.
+                # A crash after step 30 and a resume from the checkpoint at step 20: the first
+                # attempt's steps 21..30 are garbage and must be replaced by the resumed
+                # run's records.
                 garbage = [{k: 9.0 if k in ("loss", "val_loss") else v for k, v in r.items()}
                            for r in rows if 20 < r["step"] <= 30]
-                rows = [r for r in rows if r["step"] <= 20] + garbage + [r for r in rows if r["step"] > 20]
+                rows = ([r for r in rows if r["step"] <= 20] + garbage
+                        + [r for r in rows if r["step"] > 20])
             dirs.append(write_run(tmp_path, f"{name}-{seed}", config(seed, scale, steps), rows))
     return dirs
 
@@ -130,8 +136,8 @@ def test_summary_reproduces_known_differences_and_efficiencies(run_dirs):
     assert better.std == pytest.approx(0.02, abs=1e-12)
     assert better.reference_tokens is None and better.efficiency is None  # 2.2 < min of reference
 
-    # unified after 1000 tokens: 2.45; the reference gets there at 2.75 - 0.00025 t = 2.45, t = 1200,
-    # between its val points at 1000 and 1250 tokens.
+    # unified after 1000 tokens: 2.45; the reference gets there at 2.75 - 0.00025 t = 2.45,
+    # t = 1200, between its val points at 1000 and 1250 tokens.
     short = rows["scale=unified train.steps=20"]
     assert short.tokens == 1000 and short.delta == pytest.approx(0.2, abs=1e-12)
     assert short.reference_tokens == pytest.approx(1200, abs=1e-9)
@@ -147,7 +153,8 @@ def test_summary_reproduces_known_differences_and_efficiencies(run_dirs):
 def test_train_loss_terminal_is_trailing_mean(run_dirs):
     groups = group_runs([load_run_dir(d) for d in run_dirs])
     k = 4
-    rows = by_label(summarize(groups, find_group(groups, "scale=baseline train.steps=40"), "loss", last_k=k))
+    rows = by_label(summarize(groups, find_group(groups, "scale=baseline train.steps=40"), "loss",
+                              last_k=k))
 
     def trailing(curve, steps):
         values = [curve(s * TOKENS_PER_STEP) + 0.1 for s in range(1, steps + 1)]
@@ -206,10 +213,12 @@ def test_a_partial_last_line_is_skipped_and_bad_lines_are_errors(tmp_path):
 
 
 def test_grouping_splits_on_real_differences(tmp_path):
-    runs = [load_run_dir(write_run(tmp_path, f"r{seed}-{lr}", config(seed, lr=lr), metric_rows(f_ref, 5, 0)))
+    runs = [load_run_dir(write_run(tmp_path, f"r{seed}-{lr}", config(seed, lr=lr),
+                                   metric_rows(f_ref, 5, 0)))
             for seed in range(2) for lr in (1e-3, 3e-3)]
     groups = group_runs(runs)
-    assert [(g.label, len(g.runs)) for g in groups] == [("optim.lr=0.001", 2), ("optim.lr=0.003", 2)]
+    assert ([(g.label, len(g.runs)) for g in groups]
+            == [("optim.lr=0.001", 2), ("optim.lr=0.003", 2)])
     assert find_group(groups, "optim.lr=3e-3") is groups[1]
     assert find_group(groups, "optim.lr=0.001") is groups[0]
     assert [g.label for g in group_runs(runs, ignore=["optim"])] == ["scale=baseline"]
@@ -223,16 +232,19 @@ def test_a_run_resumed_with_changes_on_purpose_is_a_group_of_its_own(tmp_path):
     """resumes.jsonl (scalevec_train/run/resume.py) of a run resumed with resume_changes=[optim.lr]
     sets it apart and names the change; operational changes alone (log cadence) do not."""
     rows = metric_rows(f_ref, 5, 0)
-    runs = {name: write_run(tmp_path, name, config(seed), rows) for seed, name in enumerate(["plain", "cadence", "lr"])}
-    entry = {"step": 3, "from": "x", "time": "t", "changes": {"train.log_every": {"from": 1, "to": 3,
-                                                                                  "kind": "operational"}}}
+    runs = {name: write_run(tmp_path, name, config(seed), rows)
+            for seed, name in enumerate(["plain", "cadence", "lr"])}
+    entry = {"step": 3, "from": "x", "time": "t",
+             "changes": {"train.log_every": {"from": 1, "to": 3, "kind": "operational"}}}
     (runs["cadence"] / "resumes.jsonl").write_text(json.dumps(entry) + "\n")
     lowered = {**entry, "changes": {**entry["changes"],
                                     "optim.lr": {"from": 0.003, "to": 0.001, "kind": "deliberate"}}}
-    (runs["lr"] / "resumes.jsonl").write_text(json.dumps(entry) + "\n" + json.dumps({**lowered, "step": 4}) + "\n")
+    (runs["lr"] / "resumes.jsonl").write_text(json.dumps(entry) + "\n"
+                                              + json.dumps({**lowered, "step": 4}) + "\n")
     groups = group_runs([load_run_dir(d) for d in runs.values()])
     assert sorted((g.label, sorted(Path(r.name).name for r in g.runs)) for g in groups) == [
-        ("resumed_with=(unset)", ["cadence", "plain"]), ("resumed_with=optim.lr from step 4", ["lr"])]
+        ("resumed_with=(unset)", ["cadence", "plain"]),
+        ("resumed_with=optim.lr from step 4", ["lr"])]
 
 
 def test_options_added_later_take_their_default(tmp_path):
@@ -250,33 +262,37 @@ def test_options_added_later_take_their_default(tmp_path):
 
 
 def test_task_metrics_join_the_summary(tmp_path):
-    """Runs that scored a downstream task: the summary shows each group's final accuracies (mean over its
-    seeds; the last logged value of each run) and the CSV every task metric; the task settings (tasks.*)
-    do not split groups. A group without the task shows n/a."""
+    """Runs that scored a downstream task: the summary shows each group's final accuracies (mean
+    over its seeds; the last logged value of each run) and the CSV every task metric; the task
+    settings (tasks.*) do not split groups. A group without the task shows n/a."""
     dirs = []
     for scale, accs in (("baseline", (0.30, 0.40)), ("unified", (0.50, 0.60)), ("none", ())):
         for seed in range(max(len(accs), 1)):
             rows = metric_rows(f_ref, 10, 0)
             if accs:
-                task = {"task/nl/acc": accs[seed], "task/nl/acc_norm": accs[seed] / 2, "task/nl/bpb": 1.5,
-                        "task/nl/chance": 0.25}
-                rows = [{"step": 0, "tokens": 0, **{k: 0.0 for k in task}, "task/nl/chance": 0.25}, *rows,
-                        {"step": 10, "tokens": 10 * TOKENS_PER_STEP, **task}]
-            cfg = {**config(seed, scale, 10), "tasks": {"every": seed, "items": [{"name": "nl"}] if accs else []}}
+                task = {"task/nl/acc": accs[seed], "task/nl/acc_norm": accs[seed] / 2,
+                        "task/nl/bpb": 1.5, "task/nl/chance": 0.25}
+                rows = [{"step": 0, "tokens": 0, **{k: 0.0 for k in task}, "task/nl/chance": 0.25},
+                        *rows, {"step": 10, "tokens": 10 * TOKENS_PER_STEP, **task}]
+            cfg = {**config(seed, scale, 10),
+                   "tasks": {"every": seed, "items": [{"name": "nl"}] if accs else []}}
             dirs.append(write_run(tmp_path, f"{scale}-{seed}", cfg, rows))
     groups = group_runs([load_run_dir(d) for d in dirs])
     rows = summarize(groups, groups[0])
-    assert [(r.label, r.runs) for r in rows] == [("scale=baseline", 2), ("scale=unified", 2), ("scale=none", 1)]
-    assert rows[0].tasks == pytest.approx({"task/nl/acc": 0.35, "task/nl/acc_norm": 0.175, "task/nl/bpb": 1.5,
-                                           "task/nl/chance": 0.25})
+    assert ([(r.label, r.runs) for r in rows]
+            == [("scale=baseline", 2), ("scale=unified", 2), ("scale=none", 1)])
+    assert rows[0].tasks == pytest.approx({"task/nl/acc": 0.35, "task/nl/acc_norm": 0.175,
+                                           "task/nl/bpb": 1.5, "task/nl/chance": 0.25})
     assert rows[2].tasks == {}
     table = summary_markdown(rows, "val_loss")
     assert table.splitlines()[0].endswith("| nl acc (chance 0.25) | nl acc_norm (chance 0.25) |")
-    assert table.splitlines()[3].endswith("| 0.550 | 0.275 |") and table.splitlines()[4].endswith("| n/a | n/a |")
+    assert (table.splitlines()[3].endswith("| 0.550 | 0.275 |")
+            and table.splitlines()[4].endswith("| n/a | n/a |"))
     write_summary_csv(rows, tmp_path / "summary.csv")
     with open(tmp_path / "summary.csv") as f:
         csv_rows = list(csv.DictReader(f))
-    assert float(csv_rows[1]["task/nl/acc"]) == pytest.approx(0.55) and csv_rows[2]["task/nl/bpb"] == ""
+    assert (float(csv_rows[1]["task/nl/acc"]) == pytest.approx(0.55)
+            and csv_rows[2]["task/nl/bpb"] == "")
 
 
 def test_missing_val_loss_is_a_clear_error(tmp_path):
@@ -291,13 +307,15 @@ def test_write_comparison_files_and_png(run_dirs, tmp_path):
     from matplotlib.image import imread
 
     out = tmp_path / "out"
-    table = write_comparison([load_run_dir(d) for d in run_dirs], "scale=baseline", out, ema_beta=0.9,
-                             logx=True, logy=True)
+    table = write_comparison([load_run_dir(d) for d in run_dirs], "scale=baseline", out,
+                             ema_beta=0.9, logx=True, logy=True)
     assert (out / "summary.md").read_text() == table
-    assert "| scale=unified train.steps=40 | 3 | 2000 | 2.2000 | 0.0200 | -0.0500 | not reached |" in table
+    assert ("| scale=unified train.steps=40 | 3 | 2000 | 2.2000 | 0.0200 | -0.0500 | not reached |"
+            in table)
     with open(out / "summary.csv") as f:
         rows = {r["group"]: r for r in csv.DictReader(f)}
-    assert float(rows["scale=none train.steps=40"]["token_efficiency"]) == pytest.approx(0.475, abs=1e-12)
+    assert (float(rows["scale=none train.steps=40"]["token_efficiency"])
+            == pytest.approx(0.475, abs=1e-12))
     assert rows["scale=unified train.steps=40"]["token_efficiency"] == "not reached"
     png = out / "curves.png"
     assert png.stat().st_size > 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -309,12 +327,16 @@ def test_write_comparison_files_and_png(run_dirs, tmp_path):
 def test_run_from_history_matches_run_dir(tmp_path):
     cfg, rows = config(3), metric_rows(f_ref, 10, 0.0)
     from_dir = load_run_dir(write_run(tmp_path, "r", cfg, rows, params=1234))
-    history = [{"_step": r["step"], "_runtime": 1.5, "loss": r.get("loss"), "val_loss": r.get("val_loss"),
-                **{k: v for k, v in r.items() if k not in ("step", "loss", "val_loss")}} for r in rows]
-    wandb_config = {k: {"value": v, "desc": None} for k, v in cfg.items()} | {"_wandb": {"cli_version": "x"}}
+    history = [{"_step": r["step"], "_runtime": 1.5, "loss": r.get("loss"),
+                "val_loss": r.get("val_loss"),
+                **{k: v for k, v in r.items() if k not in ("step", "loss", "val_loss")}}
+               for r in rows]
+    wandb_config = ({k: {"value": v, "desc": None} for k, v in cfg.items()}
+                    | {"_wandb": {"cli_version": "x"}})
     from_wandb = run_from_history("e/p/abc", history, wandb_config, params=1234)
     assert from_wandb.config == from_dir.config
-    assert [{k: v for k, v in r.items() if k not in ("_step", "_runtime")} for r in from_wandb.records] == \
+    assert [{k: v for k, v in r.items() if k not in ("_step", "_runtime")}
+            for r in from_wandb.records] == \
         from_dir.records
     assert from_wandb.params == from_dir.params == 1234
     assert len(group_runs([from_dir, from_wandb])) == 1
@@ -362,8 +384,10 @@ def scaling_dirs(root):
         for dim, n in SIZES.items():
             for seed, off in enumerate((-0.01, 0.01)):
                 loss = e + a * n ** -alpha
-                rows = metric_rows(lambda t, loss=loss: loss + 1e-4 * (40 * TOKENS_PER_STEP - t), 40, off)
-                dirs.append(write_run(root, f"{scale}-{dim}-{seed}", config(seed, scale, dim=dim), rows, n))
+                rows = metric_rows(lambda t, loss=loss: loss + 1e-4 * (40 * TOKENS_PER_STEP - t),
+                                   40, off)
+                dirs.append(write_run(root, f"{scale}-{dim}-{seed}", config(seed, scale, dim=dim),
+                                      rows, n))
     return dirs
 
 
@@ -377,7 +401,8 @@ def test_scaling_fit_per_strategy(tmp_path):
 
 def test_scaling_errors(tmp_path):
     runs = [load_run_dir(d) for d in scaling_dirs(tmp_path)]
-    twin = write_run(tmp_path, "twin", config(5, "baseline", dim=32, lr=1e-2), metric_rows(f_ref, 5, 0), 1e6)
+    twin = write_run(tmp_path, "twin", config(5, "baseline", dim=32, lr=1e-2),
+                     metric_rows(f_ref, 5, 0), 1e6)
     with pytest.raises(ScalevecError, match="differ in more than the seed: optim.lr"):
         scaling_series([*runs, load_run_dir(twin)])
     bare = write_run(tmp_path, "bare", config(0), metric_rows(f_ref, 5, 0))
@@ -428,38 +453,44 @@ def test_run_needs_tokens():
 
 @needs_matplotlib
 def test_a_mixture_source_loss_is_a_metric(tmp_path):
-    """--metric val_loss/NAME: the terminal loss is that source's (here 1.0 above the mixture's val_loss),
-    and the curve figure gets its panel; a metric of no source is refused."""
+    """--metric val_loss/NAME: the terminal loss is that source's (here 1.0 above the mixture's
+    val_loss), and the curve figure gets its panel; a metric of no source is refused."""
     dirs = []
     for scale, offset in (("baseline", 0.0), ("unified", -0.05)):
         for seed in (0, 1):
             rows = [{**r, "val_loss/docs": r["val_loss"] + 1.0} if "val_loss" in r else r
                     for r in metric_rows(f_ref, 20, offset)]
             dirs.append(write_run(tmp_path, f"{scale}-{seed}", config(seed, scale, steps=20), rows))
-    mixture = cli(*dirs, "--reference", "scale=baseline", "--out", tmp_path / "docs", "--metric", "val_loss/docs")
-    plain = cli(*dirs, "--reference", "scale=baseline", "--out", tmp_path / "mix", "--metric", "val_loss")
+    mixture = cli(*dirs, "--reference", "scale=baseline", "--out", tmp_path / "docs", "--metric",
+                  "val_loss/docs")
+    plain = cli(*dirs, "--reference", "scale=baseline", "--out", tmp_path / "mix", "--metric",
+                "val_loss")
     assert mixture.returncode == plain.returncode == 0, mixture.stderr + plain.stderr
     def terminal(out):
-        return {d["group"]: float(d["terminal_mean"]) for d in csv.DictReader((tmp_path / out / "summary.csv").open())}
+        return {d["group"]: float(d["terminal_mean"])
+                for d in csv.DictReader((tmp_path / out / "summary.csv").open())}
 
-    assert terminal("docs") == pytest.approx({g: v + 1.0 for g, v in terminal("mix").items()}, abs=1e-9)
+    assert (terminal("docs")
+            == pytest.approx({g: v + 1.0 for g, v in terminal("mix").items()}, abs=1e-9))
     assert "terminal val_loss/docs" in mixture.stdout
     for bad in ("val_loss/", "docs", "loss/docs"):
-        done = cli(*dirs, "--reference", "scale=baseline", "--out", tmp_path / "bad", "--metric", bad)
+        done = cli(*dirs, "--reference", "scale=baseline", "--out", tmp_path / "bad", "--metric",
+                   bad)
         assert done.returncode == 2 and "val_loss/NAME" in done.stderr, done.stderr
-    missing = cli(*dirs, "--reference", "scale=baseline", "--out", tmp_path / "bad", "--metric", "val_loss/code")
+    missing = cli(*dirs, "--reference", "scale=baseline", "--out", tmp_path / "bad", "--metric",
+                  "val_loss/code")
     assert missing.returncode == 1 and "no `val_loss/code` values logged" in missing.stderr
 
 
 def test_mixture_entries_group_and_label_by_field(tmp_path):
-    """data.mixture (a list of sections) flattens by index: runs that differ in one source's weight form
-    groups labelled by that field, and each source's path is ignored like data.path."""
+    """data.mixture (a list of sections) flattens by index: runs that differ in one source's weight
+    form groups labelled by that field, and each source's path is ignored like data.path."""
     dirs = []
     for weight, seed in ((0.25, 0), (0.25, 1), (0.5, 0)):
         cfg = config(seed)
         cfg["data"]["mixture"] = [{"name": "code", "source": "stdlib", "path": "", "weight": 0.75},
-                                  {"name": "docs", "source": "text_dir", "path": f"/home/u{seed}/docs",
-                                   "weight": weight}]
+                                  {"name": "docs", "source": "text_dir",
+                                   "path": f"/home/u{seed}/docs", "weight": weight}]
         dirs.append(write_run(tmp_path, f"w{weight}-{seed}", cfg, metric_rows(f_ref, 5, 0)))
     groups = group_runs([load_run_dir(d) for d in dirs])
     assert sorted((g.label, len(g.runs)) for g in groups) == [("data.mixture.1.weight=0.25", 2),

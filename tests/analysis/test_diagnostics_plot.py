@@ -1,5 +1,5 @@
-"""compare_runs --diagnostics: the diag/* series of two tiny runs (baseline, unified; train.diagnostics_every)
-as the plot reads them, and the png it draws of them side by side."""
+"""compare_runs --diagnostics: the diag/* series of two tiny runs (baseline, unified;
+train.diagnostics_every) as the plot reads them, and the png it draws of them side by side."""
 
 import importlib.util
 
@@ -21,8 +21,9 @@ STEPS = ["train.steps=4", "train.log_every=2"]
 @pytest.fixture(scope="module")
 def run_dirs(tmp_path_factory, data_overrides):
     root = tmp_path_factory.mktemp("diag_runs")
-    return [run(make_config(*data_overrides, *TINY_MODEL, *SHORT_RUN, *STEPS, "train.diagnostics_every=2",
-                            f"scale={scale}", f"run_dir={root / scale}")) for scale in ("baseline", "unified")]
+    return [run(make_config(*data_overrides, *TINY_MODEL, *SHORT_RUN, *STEPS,
+                            "train.diagnostics_every=2", f"scale={scale}",
+                            f"run_dir={root / scale}")) for scale in ("baseline", "unified")]
 
 
 def test_series_are_the_logged_values(run_dirs):
@@ -35,8 +36,10 @@ def test_series_are_the_logged_values(run_dirs):
     assert tokens.tolist() == [r["tokens"] for r in raw] and len(raw) == 2
     assert values.tolist() == [r["diag/layer1/resid_rms"] for r in raw]
     maps = panel_series(loaded, by_name["update_ratio"])
-    assert set(maps) == {"attn.wq", "attn.wk", "attn.wv", "attn.wo", "ffn.w_gate", "ffn.w_up", "ffn.w_down", "head"}
-    expected = [np.mean([r["diag/layer0/attn.wq/update_ratio"], r["diag/layer1/attn.wq/update_ratio"]]) for r in raw]
+    assert set(maps) == {"attn.wq", "attn.wk", "attn.wv", "attn.wo", "ffn.w_gate", "ffn.w_up",
+                         "ffn.w_down", "head"}
+    expected = [np.mean([r["diag/layer0/attn.wq/update_ratio"],
+                         r["diag/layer1/attn.wq/update_ratio"]]) for r in raw]
     assert maps["attn.wq"][1].tolist() == pytest.approx(expected, rel=1e-12)
     # the loss beside them, and every block map's input outliers (no FP8 here: no FP8 series)
     loss = [r for r in records(run_dirs[1]) if "loss" in r]
@@ -44,12 +47,13 @@ def test_series_are_the_logged_values(run_dirs):
     assert set(panel_series(loaded, by_name["in_kurtosis"])) == set(maps) - {"head"}
     assert panel_series(loaded, by_name["fp8_underflow"]) == {}
     # maps without an input-side scale have no gain: o and down under both strategies
-    assert set(panel_series(loaded, by_name["col_gain"])) == {"attn.wq", "attn.wk", "attn.wv", "ffn.w_gate",
-                                                              "ffn.w_up", "head"}
+    assert set(panel_series(loaded, by_name["col_gain"])) == {"attn.wq", "attn.wk", "attn.wv",
+                                                              "ffn.w_gate", "ffn.w_up", "head"}
 
 
 def test_a_run_without_diagnostics_is_refused(run_dirs, tmp_path, data_overrides):
-    plain = run(make_config(*data_overrides, *TINY_MODEL, *SHORT_RUN, *STEPS, f"run_dir={tmp_path / 'plain'}"))
+    plain = run(make_config(*data_overrides, *TINY_MODEL, *SHORT_RUN, *STEPS,
+                            f"run_dir={tmp_path / 'plain'}"))
     with pytest.raises(ScalevecError, match="train.diagnostics_every"):
         write_diagnostics([load_run_dir(run_dirs[0]), load_run_dir(plain)], tmp_path / "out")
 

@@ -1,7 +1,8 @@
-"""The trend of a multiplier over a ladder (scalevec_analysis/trend.py) on synthetic curves with a known
-answer: the reference's loss is L_R(C) = A C^(-alpha) along every trunk, and the strategy's point at
-compute C has the loss L_R(M C) with M = k (C / C0)^b times a per-seed factor, so the multiplier read from the
-curves is M, its elasticity b, and the strategy's law L_R(k C^(1+b)) has the exponent alpha (1 + b)."""
+"""The trend of a multiplier over a ladder (scalevec_analysis/trend.py) on synthetic curves with a
+known answer: the reference's loss is L_R(C) = A C^(-alpha) along every trunk, and the strategy's
+point at compute C has the loss L_R(M C) with M = k (C / C0)^b times a per-seed factor, so the
+multiplier read from the curves is M, its elasticity b, and the strategy's law L_R(k C^(1+b)) has
+the exponent alpha (1 + b)."""
 
 import math
 
@@ -11,11 +12,18 @@ import pytest
 from scalevec_analysis import compute_efficiency, efficiency_series
 from scalevec_analysis.efficiency import find_reference
 from scalevec_analysis.runs import Run
-from scalevec_analysis.trend import exponent_difference, fit_trend, head_shares, trend_markdown, trend_points
+from scalevec_analysis.trend import (
+    exponent_difference,
+    fit_trend,
+    head_shares,
+    trend_markdown,
+    trend_points,
+)
 
 A, ALPHA, K, B, C0 = 1000.0, 0.2, 1.1, 0.04, 1e14
 VOCAB = 4096
-RUNGS = {"l1": (32, 3e6), "l2": (64, 1e7), "l3": (96, 3e7), "l4": (128, 9e7)}  # dim, FLOPs per token
+# dim, FLOPs per token
+RUNGS = {"l1": (32, 3e6), "l2": (64, 1e7), "l3": (96, 3e7), "l4": (128, 9e7)}
 BUDGETS = (2.5, 5.0, 10.0)
 NOISE = (-0.05, 0.0, 0.05)  # log M per seed: the seeds' geometric mean is M itself
 
@@ -66,18 +74,22 @@ def analysed():
 
 def test_the_known_slope_is_recovered_with_an_interval_that_covers_it(analysed):
     _, _, _, _, points = analysed
-    # the reference's trunk reaches the strategy's loss at 2.5 and 5, never at 10 (M C beyond its end)
-    assert all(p.exact for p in points if p.budget < 10) and not any(p.exact for p in points if p.budget == 10)
+    # the reference's trunk reaches the strategy's loss at 2.5 and 5, never at 10 (M C beyond
+    # its end)
+    assert (all(p.exact for p in points if p.budget < 10)
+            and not any(p.exact for p in points if p.budget == 10))
     for budgets in ((2.5,), (5.0,), (2.5, 5.0)):
         t = fit_trend(points, budgets, bootstrap=400)
         assert t.slope.value == pytest.approx(B, abs=2e-3), budgets
         assert t.slope.low <= B <= t.slope.high and t.slope.high - t.slope.low < 0.1
         assert len(t.fitted) == 4 * len(budgets) and t.bounded == []
-    assert fit_trend(points, (10.0,)) is None  # every point at 10 is a bound: no trend is read there
+    # every point at 10 is a bound: no trend is read there
+    assert fit_trend(points, (10.0,)) is None
     # pooled over every budget: 10's points, all bounds, are left out with their budget
     pooled = fit_trend(points, (2.5, 5.0, 10.0), bootstrap=100)
     assert pooled.budgets == (2.5, 5.0) and pooled.slope.value == pytest.approx(B, abs=2e-3)
-    assert sorted(p.rung for p in pooled.bounded) == sorted(RUNGS) and {p.budget for p in pooled.bounded} == {10.0}
+    assert (sorted(p.rung for p in pooled.bounded) == sorted(RUNGS)
+            and {p.budget for p in pooled.bounded} == {10.0})
     # the pooled trend carried to 10x the largest rung's compute: M there, by the closed form
     t = fit_trend(points, (2.5, 5.0), bootstrap=400)
     far = 10 * max(p.compute for p in points)
@@ -90,10 +102,13 @@ def test_the_known_slope_is_recovered_with_an_interval_that_covers_it(analysed):
 def test_head_shares_and_the_exponents_difference(analysed):
     runs, _, reference, strategy, points = analysed
     shares = head_shares(runs)
-    assert shares == pytest.approx({rung: 6 * VOCAB * dim / flops for rung, (dim, flops) in RUNGS.items()})
-    # only the strategy's points at 2.5 and 5 follow L_R(k C^(1+b)); the reference's trunks, L_R itself
-    exact = type(strategy)(strategy.label, strategy.config, [p for p in strategy.points
-                                                               if dict(p.key)["train.tokens_per_param"] < 10])
+    assert shares == pytest.approx({rung: 6 * VOCAB * dim / flops
+                                    for rung, (dim, flops) in RUNGS.items()})
+    # only the strategy's points at 2.5 and 5 follow L_R(k C^(1+b)); the reference's trunks,
+    # L_R itself
+    exact = type(strategy)(strategy.label, strategy.config,
+                           [p for p in strategy.points
+                            if dict(p.key)["train.tokens_per_param"] < 10])
     diff = exponent_difference(exact, reference, bootstrap=200)
     assert diff.value == pytest.approx(ALPHA * B, abs=1e-3)
     assert diff.low <= ALPHA * B <= diff.high

@@ -1,6 +1,7 @@
-"""Checkpoint averaging: the averaged tensors against the elementwise mean of the three checkpoints read
-independently (DCP's own dcp_to_torch_save), loading the average on 1 process (scalevec_train.load,
-export) and on 2 gloo ranks into an FSDP-sharded model as a resume does, and the errors of bad inputs."""
+"""Checkpoint averaging: the averaged tensors against the elementwise mean of the three checkpoints
+read independently (DCP's own dcp_to_torch_save), loading the average on 1 process
+(scalevec_train.load, export) and on 2 gloo ranks into an FSDP-sharded model as a resume does, and
+the errors of bad inputs."""
 
 import json
 import shutil
@@ -30,8 +31,8 @@ from tests.support.launch import checkpoint_state, gloo_group, spawn
 from tests.support.presets import TINY_MODEL
 
 STEPS = [2, 4, 6]
-RUN = [*TINY_MODEL, *SHORT_RUN, "train.steps=6", "train.log_every=6", "optim.lr=1e-2", "checkpoint.every=2",
-       "checkpoint.keep_last=4"]
+RUN = [*TINY_MODEL, *SHORT_RUN, "train.steps=6", "train.log_every=6", "optim.lr=1e-2",
+       "checkpoint.every=2", "checkpoint.keep_last=4"]
 MOE = ["model=moe-tiny", "model.moe.num_experts=4", "model.moe.expert_dim=32", "model.ffn_dim=32"]
 RUNS = {"dense": ["scale=baseline"], "moe-unified": [*MOE, "scale=unified"]}
 
@@ -65,7 +66,8 @@ def test_average_is_the_elementwise_mean(runs, averaged, tmp_path, name):
         assert got[k].dtype == v.dtype, k
         torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
     last = checkpoint_state(step_dir(runs[name], 6), tmp_path)["model"]
-    assert any(not torch.equal(got[k], last[k]) for k in got)  # training moved the weights between saves
+    # training moved the weights between saves
+    assert any(not torch.equal(got[k], last[k]) for k in got)
     if name == "moe-unified":  # the router's balancing bias is averaged with the weights
         biases = [k for k in got if k.endswith("expert_bias")]
         assert biases and any(not torch.equal(got[k], last[k]) for k in biases)
@@ -95,7 +97,8 @@ def _rank(rank: int, world: int, store: str, checkpoints: dict[str, str], out: s
             model = parallelize(model, cfg.distributed, torch.device("cpu"), seed=1, dtype="fp32")
             assert type(model.layers[0].attn.wq.weight).__name__ == "DTensor"
             dcp.load({"model": ModelState(model)}, storage_reader=SafeReader(checkpoint))
-            full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+            full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                    for k, v in model.state_dict().items()}
             torch.save(full, f"{out}/{name}-rank{rank}.pt")
 
 
@@ -111,7 +114,8 @@ def loaded_on_two_ranks(averaged, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("name", RUNS)
 def test_two_ranks_load_the_average_into_sharded_models(runs, loaded_on_two_ranks, tmp_path, name):
-    """Loaded as a resume loads (DCP into DTensor shards), the average holds the mean exactly on every rank."""
+    """Loaded as a resume loads (DCP into DTensor shards), the average holds the mean exactly on
+    every rank."""
     want = expected_mean(runs[name], tmp_path)
     for rank in range(2):
         got = torch.load(loaded_on_two_ranks / f"{name}-rank{rank}.pt", weights_only=True)
@@ -125,21 +129,24 @@ def test_the_command_line_averages_named_steps(runs, averaged, tmp_path, capsys)
     want = checkpoint_state(averaged["dense"], tmp_path)["model"]
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert average_cli.main([str(runs["dense"]), f"out={tmp_path / 'x'}"]) == 2
-    assert average_cli.main([str(runs["dense"]), "last=3", "steps=[2,4]", f"out={tmp_path / 'x'}"]) == 2
+    assert (average_cli.main([str(runs["dense"]), "last=3", "steps=[2,4]", f"out={tmp_path / 'x'}"])
+            == 2)
     assert "usage:" in capsys.readouterr().err
 
 
 def test_bad_inputs_fail_with_their_own_messages(runs, averaged, tmp_path):
     dense = tmp_path / "dense"
     shutil.copytree(runs["dense"], dense)
-    with pytest.raises(ScalevecError, match=r"is 5: averaging takes 2 up to the 3 complete checkpoints"):
+    with pytest.raises(ScalevecError, match=r"is 5: averaging takes 2 up to the 3 complete "
+                                            r"checkpoints"):
         average(dense, tmp_path / "a", last=5)
     with pytest.raises(ScalevecError, match="at least two distinct steps"):
         average(dense, tmp_path / "a", steps=[4, 4])
     with pytest.raises(ScalevecError, match="exists and is not an empty folder"):
         average(dense, averaged["moe-unified"], last=2)
     shutil.copytree(step_dir(runs["moe-unified"], 6), step_dir(dense, 8))
-    with pytest.raises(ScalevecError, match=r"step_000004: was written by another model than .*step_000008"):
+    with pytest.raises(ScalevecError, match=r"step_000004: was written by another model than "
+                                            r".*step_000008"):
         average(dense, tmp_path / "a", last=3)
     (step_dir(dense, 4) / COMPLETE).unlink()
     with pytest.raises(ScalevecError, match="step_000004: is not a complete checkpoint"):
@@ -173,4 +180,5 @@ def test_evaluate_records_the_average_for_compare_runs(runs, averaged, capsys):
     assert [g.label for g in groups] == ["averaged=(unset)", "averaged=2,4,6"]
     summary = summarize(groups, groups[0])
     assert summary[1].terminal == average_run.records[0]["val_loss"]
-    assert summary[1].delta == pytest.approx(average_run.records[0]["val_loss"] - trained[-1]["val_loss"])
+    assert summary[1].delta == pytest.approx(average_run.records[0]["val_loss"]
+                                             - trained[-1]["val_loss"])

@@ -1,4 +1,5 @@
-"""Data pipeline: preparation and its cache, bad-data errors, and the deterministic, resumable loader.
+"""Data pipeline: preparation and its cache, bad-data errors, and the deterministic,
+resumable loader.
 
 References are independent of the code under test where possible: shard files are read with
 np.fromfile, documents are compared with the files they came from, and loader rows with slices of
@@ -23,7 +24,14 @@ from scalevec_train.data.corpus import open_corpus
 from scalevec_train.data.permutation import permute
 from scalevec_train.data.shards import ShardWriter
 from scalevec_train.infra.errors import ScalevecError
-from tests.support.corpora import VOCAB, folder_bytes, split_texts, split_tokens, text_cfg, write_corpus
+from tests.support.corpora import (
+    VOCAB,
+    folder_bytes,
+    split_texts,
+    split_tokens,
+    text_cfg,
+    write_corpus,
+)
 from tests.support.helpers import REPO, hide_package
 
 CONFIGS = REPO / "configs"
@@ -38,7 +46,7 @@ def shards_cfg(path: Path, **overrides) -> DataConfig:
     return DataConfig(**{"source": "shards", "path": str(path), "vocab_size": VOCAB, **overrides})
 
 
-# --- preparation ---------------------------------------------------------------------------------------
+# --- preparation ----------------------------------------------------------------------------------
 
 
 def test_splits_hold_every_document_once_in_corpus_order(prepared, corpus):
@@ -59,7 +67,8 @@ def test_splits_hold_every_document_once_in_corpus_order(prepared, corpus):
 def test_tokenizer_round_trips_code_exactly(prepared):
     sp = prepared.load_tokenizer()
     assert sp.get_piece_size() == VOCAB == prepared.vocab_size
-    for text in ("def f(x):\n    return x  # two  spaces\n\n", "\tindented\r\n", "naïve ☃ 😀 ∑\n", "  lead"):
+    for text in ("def f(x):\n    return x  # two  spaces\n\n", "\tindented\r\n", "naïve ☃ 😀 ∑\n",
+                 "  lead"):
         assert sp.decode(sp.encode(text)) == text
     assert sp.encode("\n") == [sp.piece_to_id("\n")]
 
@@ -68,7 +77,8 @@ def test_max_corpus_bytes_keeps_whole_leading_documents(corpus, tmp_path):
     root, docs = corpus
     walk_order = sorted(docs, key=lambda rel: (rel.count("/"), rel))
     kept = [docs[k] for k in walk_order[:6]]
-    data = prepare_data(text_cfg(root, tmp_path, max_corpus_bytes=sum(len(t.encode()) for t in kept) + 10,
+    data = prepare_data(text_cfg(root, tmp_path,
+                                 max_corpus_bytes=sum(len(t.encode()) for t in kept) + 10,
                                  val_fraction=0.3))
     assert sorted(split_texts(data, "train") + split_texts(data, "val")) == sorted(kept)
 
@@ -100,10 +110,12 @@ def test_changed_corpus_is_prepared_again(tmp_path):
 
 
 def test_interrupted_preparation_resumes_from_its_finished_parts(corpus, tmp_path, monkeypatch):
-    """Killed while writing its third part: no folder that looks prepared; the next preparation encodes
-    only the parts that were not finished, and its result is that of an uninterrupted one."""
+    """Killed while writing its third part: no folder that looks prepared; the next preparation
+    encodes only the parts that were not finished, and its result is that of an
+    uninterrupted one."""
     cfg = text_cfg(corpus[0], tmp_path / "cache", part_bytes=4000, shard_tokens=700)
-    reference = prepare_data(text_cfg(corpus[0], tmp_path / "reference", part_bytes=4000, shard_tokens=700))
+    reference = prepare_data(text_cfg(corpus[0], tmp_path / "reference", part_bytes=4000,
+                                      shard_tokens=700))
     finish, finished = parts_module.PartWriter.finish, []
 
     def killed_at_the_third(self):
@@ -115,7 +127,8 @@ def test_interrupted_preparation_resumes_from_its_finished_parts(corpus, tmp_pat
     monkeypatch.setattr(parts_module.PartWriter, "finish", killed_at_the_third)
     with pytest.raises(KeyboardInterrupt):
         prepare_data(cfg)
-    assert not [p for p in (tmp_path / "cache").iterdir() if not p.name.startswith(".") and p.name != "tokenizers"]
+    assert not [p for p in (tmp_path / "cache").iterdir()
+                if not p.name.startswith(".") and p.name != "tokenizers"]
     monkeypatch.undo()
     init, encoded = parts_module.PartWriter.__init__, []
 
@@ -127,7 +140,8 @@ def test_interrupted_preparation_resumes_from_its_finished_parts(corpus, tmp_pat
     data = prepare_data(cfg)
     assert finished == [0, 1] and encoded[0] == 2 and len(encoded) > 2
     assert folder_bytes(data.root) == folder_bytes(reference.root)
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [".lock", data.root.name, "tokenizers"]
+    assert (sorted(p.name for p in (tmp_path / "cache").iterdir())
+            == [".lock", data.root.name, "tokenizers"])
 
 
 def test_prepared_folder_reads_back_as_shards(prepared, tmp_path):
@@ -136,7 +150,7 @@ def test_prepared_folder_reads_back_as_shards(prepared, tmp_path):
     assert split_texts(again, "val") == split_texts(prepared, "val")
 
 
-# --- bad data ------------------------------------------------------------------------------------------
+# --- bad data -------------------------------------------------------------------------------------
 
 
 def test_empty_corpus_is_an_error(tmp_path):
@@ -159,8 +173,8 @@ def test_vocab_too_large_for_the_corpus_is_an_error(tmp_path):
 
 def test_token_id_beyond_vocab_is_an_error(prepared, tmp_path):
     folder = copy_prepared(prepared, tmp_path / "copy")
-    shard = np.memmap(folder / "train" / prepared.manifest["train"]["shards"][-1]["name"], dtype=np.uint16,
-                      mode="r+")
+    shard = np.memmap(folder / "train" / prepared.manifest["train"]["shards"][-1]["name"],
+                      dtype=np.uint16, mode="r+")
     shard[3] = VOCAB
     shard.flush()
     del shard
@@ -175,7 +189,8 @@ def test_tokenizer_mismatch_is_an_error(prepared, corpus, tmp_path):
     other = prepare_data(text_cfg(corpus[0], tmp_path / "cache", vocab_size=VOCAB + 10))
     folder = copy_prepared(prepared, tmp_path / "copy")
     with pytest.raises(ScalevecError, match="was written with tokenizer"):
-        prepare_data(shards_cfg(folder, tokenizer_path=str(other.tokenizer_path), vocab_size=VOCAB + 10))
+        prepare_data(shards_cfg(folder, tokenizer_path=str(other.tokenizer_path),
+                                vocab_size=VOCAB + 10))
     shutil.copyfile(other.tokenizer_path, folder / "tokenizer.model")
     with pytest.raises(ScalevecError, match="was written with tokenizer"):
         prepare_data(shards_cfg(folder, vocab_size=VOCAB + 10))
@@ -229,12 +244,13 @@ def test_presets_compose_onto_the_dataclass(tmp_path):
                                         "model:\n  vocab_size: 512\n")
     with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
         for preset in ("stdlib", "python_env", "text_dir", "hf", "shards"):
-            raw = OmegaConf.to_container(compose("main", overrides=[f"data={preset}"]), resolve=True)["data"]
+            raw = OmegaConf.to_container(compose("main", overrides=[f"data={preset}"]),
+                                         resolve=True)["data"]
             cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), raw))
             assert cfg == DataConfig(source=preset, vocab_size=512)
 
 
-# --- loader --------------------------------------------------------------------------------------------
+# --- loader ---------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 16, 17, 1000])
@@ -285,7 +301,8 @@ def test_resume_continues_with_exactly_the_next_batches(prepared):
     expected = [loader.next_batch() for _ in range(5)]
     resumed = TokenLoader(prepared, "train", 16, 4, seed=0)
     resumed.load_state_dict(state)
-    for (x, y, _), (rx, ry, _) in zip(expected, (resumed.next_batch() for _ in range(5)), strict=True):
+    for (x, y, _), (rx, ry, _) in zip(expected, (resumed.next_batch() for _ in range(5)),
+                                      strict=True):
         assert torch.equal(x, rx) and torch.equal(y, ry)
 
 
@@ -325,7 +342,7 @@ def test_split_too_short_for_one_sequence_is_an_error(prepared):
         TokenLoader(prepared, "val", too_long, 1, seed=0)
 
 
-# --- other sources -------------------------------------------------------------------------------------
+# --- other sources --------------------------------------------------------------------------------
 
 
 def test_stdlib_default_preparation(tmp_path):
@@ -357,7 +374,8 @@ def test_python_env_is_the_stdlib_then_the_installed_packages():
     corpus = open_corpus(DataConfig(source="python_env"))
     keys = corpus.keys()
     assert sorted(keys[:len(stdlib)]) == ["stdlib/" + k for k in stdlib]
-    assert sorted(keys[len(stdlib):]) == ["purelib/" + k for k in packages]  # this venv: one package folder
+    # this venv: one package folder
+    assert sorted(keys[len(stdlib):]) == ["purelib/" + k for k in packages]
     assert "purelib/numpy/__init__.py" in keys and "stdlib/json/decoder.py" in keys
     doc = next(d for d in corpus.documents() if d.key == "purelib/numpy/__init__.py")
     assert doc.read() == (Path(paths["purelib"]) / "numpy" / "__init__.py").read_text()
@@ -367,8 +385,8 @@ def test_hf_without_datasets_says_how_to_install(tmp_path, monkeypatch):
     hide_package(monkeypatch, "datasets")
     (tmp_path / "rows.jsonl").write_text('{"text": "a"}\n')
     with pytest.raises(ScalevecError, match="datasets"):
-        prepare_data(DataConfig(source="hf", path=str(tmp_path / "rows.jsonl"), cache_dir=str(tmp_path / "c"),
-                                vocab_size=VOCAB))
+        prepare_data(DataConfig(source="hf", path=str(tmp_path / "rows.jsonl"),
+                                cache_dir=str(tmp_path / "c"), vocab_size=VOCAB))
 
 
 def test_hf_byte_cap_keeps_whole_leading_documents(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
-"""The loader's document boundaries (model.attention_mask=document): document ids and uncounted targets
-read from the EOS tokens of the stream, against a walk over the stream; the attended keys that the FLOPs
-accounting uses, against the block-causal mask counted out."""
+"""The loader's document boundaries (model.attention_mask=document): document ids and uncounted
+targets read from the EOS tokens of the stream, against a walk over the stream; the attended keys
+that the FLOPs accounting uses, against the block-causal mask counted out."""
 
 import numpy as np
 import torch

@@ -1,6 +1,7 @@
-"""Hugging Face tokenizers (a tokenizer.json) as data.tokenizer_path: preparation, the checks, and a run
-that trains, exports and reloads with the same ids. The tokenizer is trained here with the `tokenizers`
-library (nothing downloaded); the reference ids are that library's own encoding of each document."""
+"""Hugging Face tokenizers (a tokenizer.json) as data.tokenizer_path: preparation, the checks, and a
+run that trains, exports and reloads with the same ids. The tokenizer is trained here with the
+`tokenizers` library (nothing downloaded); the reference ids are that library's own encoding of
+each document."""
 
 import json
 from pathlib import Path
@@ -19,24 +20,33 @@ from tests.support.helpers import SHORT_RUN, make_config
 from tests.support.presets import TINY_MODEL
 
 pytest.importorskip("tokenizers", reason="Hugging Face tokenizers is not installed (the hf extra)")
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+from tokenizers import (  # noqa: E402
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 EOS = "<|endoftext|>"
-SAMPLE = "def f(x):\n\tif x:\n        return x  +  12345  # größer 日本語 🙂\r\n <|endoftext|> </s> tail  \n"
+SAMPLE = ("def f(x):\n\tif x:\n        return x  +  12345  # größer 日本語 🙂\r\n <|endoftext|> "
+          "</s> tail  \n")
 TINY = [*TINY_MODEL, "model.vocab_size=512", *SHORT_RUN, "train.steps=4", "train.log_every=4"]
 
 
 def train_tokenizer(texts: list[str], out: Path, special: list[str], vocab: int = 400) -> Path:
-    """Byte-level BPE, as GPT-2 and Llama-3 use; its post-processor appends EOS (as GPT-style tokenizers
-    may), which scalevec must not apply to a document's tokens."""
+    """Byte-level BPE, as GPT-2 and Llama-3 use; its post-processor appends EOS (as GPT-style
+    tokenizers may), which scalevec must not apply to a document's tokens."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=special, show_progress=False,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=special, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     if EOS in special:
-        tok.post_processor = processors.TemplateProcessing(single=f"$A {EOS}",
-                                                           special_tokens=[(EOS, tok.token_to_id(EOS))])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"$A {EOS}", special_tokens=[(EOS, tok.token_to_id(EOS))])
     out.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(out))
     return out
@@ -55,12 +65,13 @@ def texts(corpus_dir) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def tok_json(texts, tmp_path_factory) -> Path:
-    return train_tokenizer(list(texts.values()), tmp_path_factory.mktemp("tok") / "tokenizer.json", [EOS])
+    return train_tokenizer(list(texts.values()), tmp_path_factory.mktemp("tok") / "tokenizer.json",
+                           [EOS])
 
 
 def test_preparation_encodes_each_document_like_tokenizers(tok_json, texts, corpus_dir, tmp_path):
-    cfg = DataConfig(source="text_dir", path=str(corpus_dir), tokenizer_path=str(tok_json), vocab_size=512,
-                     cache_dir=str(tmp_path), num_workers=1, val_fraction=0.2)
+    cfg = DataConfig(source="text_dir", path=str(corpus_dir), tokenizer_path=str(tok_json),
+                     vocab_size=512, cache_dir=str(tmp_path), num_workers=1, val_fraction=0.2)
     data = prepare_data(cfg)
     eos = Tokenizer.from_file(str(tok_json)).token_to_id(EOS)
     assert (data.vocab_size, data.eos_id) == (400, eos)
@@ -69,7 +80,8 @@ def test_preparation_encodes_each_document_like_tokenizers(tok_json, texts, corp
     docs = {}
     for split in ("train", "val"):
         m = data.manifest[split]
-        tokens = np.concatenate([np.fromfile(data.root / split / s["name"], dtype=np.uint16) for s in m["shards"]])
+        tokens = np.concatenate([np.fromfile(data.root / split / s["name"], dtype=np.uint16)
+                                 for s in m["shards"]])
         assert m["eos_id"] == eos and tokens[-1] == eos
         for doc in np.split(tokens, np.flatnonzero(tokens == eos) + 1)[:-1]:
             docs[split, data.load_tokenizer().decode(doc[:-1].tolist())] = doc[:-1].tolist()
@@ -77,7 +89,8 @@ def test_preparation_encodes_each_document_like_tokenizers(tok_json, texts, corp
     for (_, text), ids in docs.items():
         assert ids == reference_ids(tok_json, text)
     # the folder holding it names the same tokenizer, so the same prepared data
-    assert prepare_data(DataConfig(**{**cfg.__dict__, "tokenizer_path": str(tok_json.parent)})).root == data.root
+    assert prepare_data(DataConfig(**{**cfg.__dict__,
+                                      "tokenizer_path": str(tok_json.parent)})).root == data.root
 
 
 def test_special_tokens_in_text_are_text(tok_json):
@@ -88,24 +101,30 @@ def test_special_tokens_in_text_are_text(tok_json):
 
 
 def test_tokenizer_without_one_known_end_of_document_token_is_refused(texts, corpus_dir, tmp_path):
-    for special, found in (([], "has none of the special tokens .* Fix: add one as a special token"),
-                           (["</s>", "<eos>"], r"has several special tokens that may end a document \(\['</s>', "
-                                               r"'<eos>'\]\). Fix: keep one")):
-        path = train_tokenizer(list(texts.values())[:3], tmp_path / f"{len(special)}" / "tokenizer.json", special, 300)
+    for special, found in (([], "has none of the special tokens .* Fix: add one as a special "
+                                "token"),
+                           (["</s>", "<eos>"], r"has several special tokens that may end a "
+                                               r"document \(\['</s>', '<eos>'\]\). Fix: keep one")):
+        path = train_tokenizer(list(texts.values())[:3],
+                               tmp_path / f"{len(special)}" / "tokenizer.json", special, 300)
         with pytest.raises(ScalevecError, match=f"{path}: {found}"):
-            prepare_data(DataConfig(source="text_dir", path=str(corpus_dir), tokenizer_path=str(path), vocab_size=512,
+            prepare_data(DataConfig(source="text_dir", path=str(corpus_dir),
+                                    tokenizer_path=str(path), vocab_size=512,
                                     cache_dir=str(tmp_path / "cache")))
 
 
 def test_model_vocab_must_cover_the_tokenizer_json(tok_json, corpus_dir, tmp_path):
-    with pytest.raises(ScalevecError, match="model.vocab_size: 399 is smaller than the data's vocabulary of 400"):
-        prepare_data(DataConfig(source="text_dir", path=str(corpus_dir), tokenizer_path=str(tok_json), vocab_size=399,
+    with pytest.raises(ScalevecError, match="model.vocab_size: 399 is smaller than the data's "
+                       "vocabulary of 400"):
+        prepare_data(DataConfig(source="text_dir", path=str(corpus_dir),
+                                tokenizer_path=str(tok_json), vocab_size=399,
                                 cache_dir=str(tmp_path)))
 
 
 def test_run_trains_exports_and_reloads_with_the_same_ids(tok_json, data_overrides, tmp_path):
     transformers = pytest.importorskip("transformers")
-    run_dir = run(make_config(*data_overrides, *TINY, f"data.tokenizer_path={tok_json}", f"run_dir={tmp_path / 'run'}"))
+    run_dir = run(make_config(*data_overrides, *TINY, f"data.tokenizer_path={tok_json}",
+                              f"run_dir={tmp_path / 'run'}"))
     assert (run_dir / "tokenizer.json").read_bytes() == tok_json.read_bytes()
     assert not (run_dir / "tokenizer.model").exists()
     expected = reference_ids(tok_json, SAMPLE)

@@ -1,7 +1,7 @@
 """Weighted data mixtures (data.mixture): the shares of the sources against the weights (binomial
-tolerance), each source's samples in its own permutation order, resume on another world size (in process
-and on real gloo ranks), the per-source validation losses against a direct computation
-with plain PyTorch, the repeat warning, and bad configs. Two small text folders, written here."""
+tolerance), each source's samples in its own permutation order, resume on another world size (in
+process and on real gloo ranks), the per-source validation losses against a direct computation with
+plain PyTorch, the repeat warning, and bad configs. Two small text folders, written here."""
 
 import inspect
 import json
@@ -44,8 +44,10 @@ def folders(tmp_path_factory) -> tuple[Path, Path]:
 def mixture_cfg(folders, cache: Path, weights=(0.75, 0.25), **entry_b) -> DataConfig:
     a, b = folders
     return replace(text_cfg(a, cache), source="stdlib", path="", mixture=[
-        MixtureSource(name="a", source="text_dir", path=str(a), weight=weights[0], val_fraction=0.2),
-        MixtureSource(name="b", source="text_dir", path=str(b), weight=weights[1], val_fraction=0.2, **entry_b)])
+        MixtureSource(name="a", source="text_dir", path=str(a), weight=weights[0],
+                      val_fraction=0.2),
+        MixtureSource(name="b", source="text_dir", path=str(b), weight=weights[1], val_fraction=0.2,
+                      **entry_b)])
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +68,8 @@ def windows_of(mixture: MixtureData) -> dict[tuple, tuple[int, int]]:
 def drawn(mixture: MixtureData, batches) -> list[tuple[int, int]]:
     """(source, window) of every row of `batches`, found by its tokens."""
     known = windows_of(mixture)
-    return [known[tuple(x.tolist()) + (int(y[-1]),)] for b in batches for x, y in zip(b.inputs, b.targets)]
+    return [known[tuple(x.tolist()) + (int(y[-1]),)] for b in batches
+            for x, y in zip(b.inputs, b.targets)]
 
 
 def test_sources_share_one_tokenizer(mixture):
@@ -76,8 +79,8 @@ def test_sources_share_one_tokenizer(mixture):
 
 
 def test_shares_follow_the_weights_and_each_source_its_own_order(mixture):
-    """2,000 samples of a 0.75/0.25 mixture: source a's count within 3 binomial standard deviations of
-    1,500, and each source's rows, in sample order, are the windows its own permutation gives."""
+    """2,000 samples of a 0.75/0.25 mixture: source a's count within 3 binomial standard deviations
+    of 1,500, and each source's rows, in sample order, are the windows its own permutation gives."""
     n = 2000
     loader = MixtureLoader(mixture, SEQ, 50, seed=3)
     samples = drawn(mixture, [loader.next_batch() for _ in range(n // 50)])
@@ -86,7 +89,8 @@ def test_shares_follow_the_weights_and_each_source_its_own_order(mixture):
         count = (split_tokens(data, "train").size - 1) // SEQ
         j = np.arange(sum(s == k for s, _ in samples))
         assert j.size > count  # each source wraps into its second epoch
-        expected = np.concatenate([permute(j[j // count == e] % count, count, 3, e) for e in np.unique(j // count)])
+        expected = np.concatenate([permute(j[j // count == e] % count, count, 3, e)
+                                   for e in np.unique(j // count)])
         assert [w for s, w in samples if s == k] == expected.tolist()
 
 
@@ -100,11 +104,13 @@ def test_resume_on_another_world_size_draws_the_same_samples(mixture):
     pair = [MixtureLoader(mixture, SEQ, 4, seed=5, rank=r, world_size=2) for r in range(2)]
     for p in pair:
         p.load_state_dict(state)
-    got += [SimpleNamespace(inputs=torch.cat([p.next_batch().inputs for p in pair])) for _ in range(3)]
+    got += [SimpleNamespace(inputs=torch.cat([p.next_batch().inputs for p in pair]))
+            for _ in range(3)]
     quad = [MixtureLoader(mixture, SEQ, 2, seed=5, rank=r, world_size=4) for r in range(4)]
     for q in quad:
         q.load_state_dict(pair[1].state_dict())
-    got += [SimpleNamespace(inputs=torch.cat([q.next_batch().inputs for q in quad])) for _ in range(3)]
+    got += [SimpleNamespace(inputs=torch.cat([q.next_batch().inputs for q in quad]))
+            for _ in range(3)]
     for a, b in zip(expected, got, strict=True):
         assert torch.equal(a.inputs, b.inputs)
 
@@ -119,8 +125,9 @@ def test_resume_rejects_another_mixture(folders, mixture, tmp_path):
 
 
 def test_a_single_source_draws_what_it_drew_before_mixtures(folders, tmp_path):
-    """The single-source order is pinned (permutation values written down on main before mixtures), and a
-    mixture of that one source with its tokenizer draws exactly the single-source loader's rows."""
+    """The single-source order is pinned (permutation values written down on main before mixtures),
+    and a mixture of that one source with its tokenizer draws exactly the single-source
+    loader's rows."""
     assert permute(np.arange(8), 1000, 0, 0).tolist() == [414, 540, 67, 159, 765, 99, 686, 267]
     assert permute(np.arange(4), 1000, 7, 2).tolist() == [217, 821, 17, 699]
     single = prepare_data(text_cfg(folders[0], tmp_path, val_fraction=0.2))
@@ -128,8 +135,10 @@ def test_a_single_source_draws_what_it_drew_before_mixtures(folders, tmp_path):
     alone = prepare_data(replace(text_cfg(folders[0], tmp_path), source="stdlib", path="",
                                  tokenizer_path=str(single.tokenizer_path), mixture=[entry]))
     assert alone.first.root == single.root
-    plain, mixed = TokenLoader(single, "train", SEQ, 8, seed=2), MixtureLoader(alone, SEQ, 8, seed=2)
-    for loader in (plain, mixed):  # both are what the trainer takes (data/loader.py, Loader), signatures and all
+    plain, mixed = (TokenLoader(single, "train", SEQ, 8, seed=2),
+                    MixtureLoader(alone, SEQ, 8, seed=2))
+    # both are what the trainer takes (data/loader.py, Loader), signatures and all
+    for loader in (plain, mixed):
         assert isinstance(loader, Loader)
         for name in ("next_batch", "epochs_at", "state_dict", "load_state_dict"):
             expected = list(inspect.signature(getattr(Loader, name)).parameters)[1:]
@@ -140,8 +149,8 @@ def test_a_single_source_draws_what_it_drew_before_mixtures(folders, tmp_path):
 
 
 def test_the_schedule_deals_exact_shares_per_cycle_of_blocks():
-    """Over BLOCK blocks each source holds its weight's share to within one sample per block boundary,
-    and counts() agrees with assign() everywhere."""
+    """Over BLOCK blocks each source holds its weight's share to within one sample per block
+    boundary, and counts() agrees with assign() everywhere."""
     schedule = SourceSchedule([0.3, 0.3001, 0.0005, 0.3994], seed=1)
     n = BLOCK * BLOCK
     assert np.all(np.abs(schedule.counts(n) - n * np.array([0.3, 0.3001, 0.0005, 0.3994])) <= 2)
@@ -181,7 +190,8 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("change,where,problem", BAD, ids=[w.split(".")[-1] + "-" + p for _, w, p in BAD])
+@pytest.mark.parametrize("change,where,problem", BAD,
+                         ids=[w.split(".")[-1] + "-" + p for _, w, p in BAD])
 def test_bad_mixtures_name_the_entry_and_the_problem(folders, tmp_path, change, where, problem):
     cfg = mixture_cfg(folders, tmp_path)
     cfg.mixture[1] = replace(cfg.mixture[1], **change)
@@ -201,9 +211,11 @@ def test_the_mixture_preset_composes(tmp_path):
                                                                        ("docs", "text_dir", 0.5)]
 
 
-def test_array_tasks_prepare_each_source_as_one_process_does(folders, tmp_path, monkeypatch, capsys):
-    """A mixture prepared by 2 SLURM array tasks (in reverse order; parts of 2 KB, so each task encodes
-    some of each source) is byte for byte the one-process preparation, tokenizer included."""
+def test_array_tasks_prepare_each_source_as_one_process_does(folders, tmp_path, monkeypatch,
+                                                             capsys):
+    """A mixture prepared by 2 SLURM array tasks (in reverse order; parts of 2 KB, so each task
+    encodes some of each source) is byte for byte the one-process preparation,
+    tokenizer included."""
     from scalevec_train import prepare_data as prepare_cli
     from tests.support.corpora import folder_bytes
 
@@ -212,9 +224,10 @@ def test_array_tasks_prepare_each_source_as_one_process_does(folders, tmp_path, 
     for name in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "2")
-    overrides = [f"model.vocab_size={VOCAB}", f"data.cache_dir={tmp_path / 'two'}", "data.num_workers=1",
-                 "data.part_bytes=2000", "data.shard_tokens=500",
-                 f"data.mixture=[{{name:a,source:text_dir,path:'{folders[0]}',weight:0.75,val_fraction:0.2}},"
+    overrides = [f"model.vocab_size={VOCAB}", f"data.cache_dir={tmp_path / 'two'}",
+                 "data.num_workers=1", "data.part_bytes=2000", "data.shard_tokens=500",
+                 f"data.mixture=[{{name:a,source:text_dir,path:'{folders[0]}',"
+                 "weight:0.75,val_fraction:0.2},"
                  f"{{name:b,source:text_dir,path:'{folders[1]}',weight:0.25,val_fraction:0.2}}]"]
     for task, message in (("1", "process 1 of 2: its parts are written"), ("0", "(source b)")):
         monkeypatch.setenv("SLURM_ARRAY_TASK_ID", task)
@@ -224,11 +237,11 @@ def test_array_tasks_prepare_each_source_as_one_process_does(folders, tmp_path, 
         assert folder_bytes(tmp_path / "two" / data.root.name) == folder_bytes(data.root)
 
 
-# --- training runs ---------------------------------------------------------------------------------------
-TINY = ["model=dense-tiny", *TINY_MODEL, f"model.vocab_size={VOCAB}", "train.seq_len=32", "train.global_batch=8",
-        "train.micro_batch=4", "train.steps=6", "train.eval_every=3", "train.eval_batches=1", "train.log_every=1",
-        "checkpoint.every=3", "schedule.warmup_steps=1", "device=cpu", "data.num_workers=1",
-        "logger.progress_bar=false"]
+# --- training runs --------------------------------------------------------------------------------
+TINY = ["model=dense-tiny", *TINY_MODEL, f"model.vocab_size={VOCAB}", "train.seq_len=32",
+        "train.global_batch=8", "train.micro_batch=4", "train.steps=6", "train.eval_every=3",
+        "train.eval_batches=1", "train.log_every=1", "checkpoint.every=3",
+        "schedule.warmup_steps=1", "device=cpu", "data.num_workers=1", "logger.progress_bar=false"]
 
 
 def run_overrides(folders, cache: Path) -> list[str]:
@@ -243,11 +256,11 @@ def curve_of(run_dir: Path, key: str) -> dict[int, float]:
 
 
 def test_resumed_on_1_and_2_ranks_and_per_source_val_losses(folders, tmp_path):
-    """A mixture run of 6 steps, against the same run resumed from its step-3 checkpoint by the trainer on
-    1 and on 2 gloo ranks (tests/support/train_many.py on spawned ranks): the same losses (so the same samples)
-    and validation losses per source. Each source's val_loss/<name> equals its validation batches' mean
-    cross-entropy under the final model, computed here with plain PyTorch, and val_loss is their
-    0.75/0.25 weighted mean."""
+    """A mixture run of 6 steps, against the same run resumed from its step-3 checkpoint by the
+    trainer on 1 and on 2 gloo ranks (tests/support/train_many.py on spawned ranks): the same losses
+    (so the same samples) and validation losses per source. Each source's val_loss/<name> equals its
+    validation batches' mean cross-entropy under the final model, computed here with plain PyTorch,
+    and val_loss is their 0.75/0.25 weighted mean."""
     from scalevec_train.checkpoint import files as checkpoint_files
     from scalevec_train.data.sources import validation_batches
     from scalevec_train.interop.api import load
@@ -262,24 +275,29 @@ def test_resumed_on_1_and_2_ranks_and_per_source_val_losses(folders, tmp_path):
         for ckpt in (resumed / "checkpoints").glob("step_*"):
             if int(ckpt.name.split("_")[1]) > 3:
                 shutil.rmtree(ckpt)
-        (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(reference)
+        (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n"
+                                                       for r in records(reference)
                                                        if r["step"] <= 3))
-        train_spawned(world, [[*overrides, f"run_dir={resumed}", "resume=auto"]], tmp_path / f"resumed{world}.json")
+        train_spawned(world, [[*overrides, f"run_dir={resumed}", "resume=auto"]],
+                      tmp_path / f"resumed{world}.json")
         for key in ("loss", "val_loss", "val_loss/a", "val_loss/b"):
             got, expected = curve_of(resumed, key), curve_of(reference, key)
             assert got.keys() == expected.keys() and len(got) >= 3, key
             for step in got:
                 assert got[step] == pytest.approx(expected[step], rel=1e-5), (world, key, step)
-        assert checkpoint_files.read_train_state(checkpoint_files.step_dir(resumed, 6))["world_size"] == world
+        assert checkpoint_files.read_train_state(
+            checkpoint_files.step_dir(resumed, 6))["world_size"] == world
 
     cfg = make_config(*overrides, f"run_dir={reference}")
     model, _ = load(checkpoint_files.step_dir(reference, 6))
     final = {r["step"]: r for r in records(reference)}[6]
     t = cfg.train
-    sets = validation_batches(prepare_data(cfg.data), t.seq_len, t.micro_batch, t.eval_batches * t.global_batch, 0, 1,
+    sets = validation_batches(prepare_data(cfg.data), t.seq_len, t.micro_batch,
+                              t.eval_batches * t.global_batch, 0, 1,
                               cfg.model.attention_mask == "document")
     with torch.no_grad():
-        direct = {name: float(np.mean([F.cross_entropy(model(b.inputs).flatten(0, 1), b.targets.flatten()).item()
+        direct = {name: float(np.mean([F.cross_entropy(model(b.inputs).flatten(0, 1),
+                                                       b.targets.flatten()).item()
                                        for b in batches])) for name, batches in sets.items()}
     assert final["val_loss/a"] == pytest.approx(direct["a"], rel=1e-5)
     assert final["val_loss/b"] == pytest.approx(direct["b"], rel=1e-5)
@@ -288,6 +306,7 @@ def test_resumed_on_1_and_2_ranks_and_per_source_val_losses(folders, tmp_path):
     assert {"val_bpb/a", "val_bpb/b", "epochs/a", "epochs/b"} <= final.keys()
     # the evaluate command on the final checkpoint: the trainer's validation numbers at that step
     evaluated, _ = evaluate(reference)
-    assert evaluated.keys() == {"val_loss", "val_bpb", "val_loss/a", "val_loss/b", "val_bpb/a", "val_bpb/b"}
+    assert (evaluated.keys()
+            == {"val_loss", "val_bpb", "val_loss/a", "val_loss/b", "val_bpb/a", "val_bpb/b"})
     for key, value in evaluated.items():
         assert value == pytest.approx(final[key], rel=1e-5), key

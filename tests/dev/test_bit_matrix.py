@@ -10,11 +10,12 @@ CASE = "dense-unified-adamw-1rank"
 
 
 def test_one_case_records_and_checks_identical(tmp_path, corpus_dir, monkeypatch, capsys):
-    """The script's main() in this process (its training runs are its own subprocesses still), on the
-    suite's small corpus instead of the standard library: preparing that (a tokenizer trained on all of
-    it, every file encoded) would cost most of the test and is not what it checks."""
+    """The script's main() in this process (its training runs are its own subprocesses still), on
+    the suite's small corpus instead of the standard library: preparing that (a tokenizer trained on
+    all of it, every file encoded) would cost most of the test and is not what it checks."""
     matrix = load_script(REPO / "dev" / "bit_matrix.py")
-    monkeypatch.setattr(matrix, "COMMON", [*matrix.COMMON, "data=text_dir", f"data.path={corpus_dir}"])
+    monkeypatch.setattr(matrix, "COMMON",
+                        [*matrix.COMMON, "data=text_dir", f"data.path={corpus_dir}"])
 
     def main(*argv):
         monkeypatch.setattr(sys, "argv", ["bit_matrix.py", *map(str, argv)])
@@ -31,7 +32,10 @@ def test_one_case_records_and_checks_identical(tmp_path, corpus_dir, monkeypatch
 
 def test_a_difference_is_named_by_step():
     matrix = load_script(REPO / "dev" / "bit_matrix.py")
-    want = {"loss": [[7, 5.25], [8, 5.125]], "grad_norm": [[7, 1.5], [8, 1.25]], "val_loss": [[9, 5.0]]}
-    got = {"loss": [[7, 5.25], [8, 5.125000000000001]], "grad_norm": [[7, 1.5], [8, 1.25]], "val_loss": []}
+    want = {"loss": [[7, 5.25], [8, 5.125]], "grad_norm": [[7, 1.5], [8, 1.25]],
+            "val_loss": [[9, 5.0]]}
+    got = {"loss": [[7, 5.25], [8, 5.125000000000001]], "grad_norm": [[7, 1.5], [8, 1.25]],
+           "val_loss": []}
     assert matrix.differences("case", want, got) == [
-        "case: step 8 loss 5.125000000000001, expected 5.125", "case: 0 values of val_loss, expected 1"]
+        "case: step 8 loss 5.125000000000001, expected 5.125",
+        "case: 0 values of val_loss, expected 1"]

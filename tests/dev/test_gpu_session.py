@@ -1,8 +1,9 @@
 """dev/gpu_session.sh short of a GPU: its dry run checks phase names, budgets and every command's
-arguments and prints the one-command plan; a plan past its deadline, its command's timeout or the files
-copied back, an unknown phase and a command that would fail at its start are refused. dev/gpu_phase.py
-runs each phase: skipped when too little time is left, stopped at its limit or the deadline, and every
-process it started ended with it, torchrun-style workers in sessions of their own included."""
+arguments and prints the one-command plan; a plan past its deadline, its command's timeout or the
+files copied back, an unknown phase and a command that would fail at its start are refused.
+dev/gpu_phase.py runs each phase: skipped when too little time is left, stopped at its limit or the
+deadline, and every process it started ended with it, torchrun-style workers in sessions of their
+own included."""
 
 import os
 import re
@@ -24,20 +25,23 @@ FILES_BACK = 8
 
 def session(*args: str, **env: str) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if not k.startswith("GPU_SESSION_")}
-    return subprocess.run(["bash", str(SCRIPT), *args], env={**full, "PYTHON": sys.executable, **env},
-                          capture_output=True, text=True, cwd=REPO)
+    return subprocess.run(["bash", str(SCRIPT), *args],
+                          env={**full, "PYTHON": sys.executable, **env}, capture_output=True,
+                          text=True, cwd=REPO)
 
 
 def plan(out: str) -> dict:
-    """The plan the dry run prints: phases in order with (estimate, limit, min), setup, deadline, files,
-    the command's timeout."""
+    """The plan the dry run prints: phases in order with (estimate, limit, min), setup, deadline,
+    files, the command's timeout."""
     phases = {m.group(1): tuple(map(int, m.groups()[1:]))
-              for m in re.finditer(r"^  (\S+) +(\d+) s +(\d+) s +(\d+) s  \S+  \(estimated", out, re.M)}
+              for m in re.finditer(r"^  (\S+) +(\d+) s +(\d+) s +(\d+) s  \S+  \(estimated",
+                                   out, re.M)}
     setup = int(re.search(r"^  setup +(\d+) s", out, re.M).group(1))
     deadline = int(re.search(r"estimates: \d+ s of the (\d+) s deadline", out).group(1))
     files = int(re.search(r"files back: (\d+) of", out).group(1))
     command = int(re.search(r"under a timeout of (\d+) s", out).group(1))
-    return {"phases": phases, "setup": setup, "deadline": deadline, "files": files, "command": command}
+    return {"phases": phases, "setup": setup, "deadline": deadline, "files": files,
+            "command": command}
 
 
 def test_the_default_plan_is_one_command_in_the_issues_order_that_fits_its_deadline():
@@ -47,23 +51,25 @@ def test_the_default_plan_is_one_command_in_the_issues_order_that_fits_its_deadl
         assert "wheels: .whl/ lacks" in done.stdout
         assert "bash ../shared/tools/gpu-wheels.sh $(cat dev/gpu_wheels.txt)" in done.stdout
     p = plan(done.stdout)
-    # issue 49's order: the kernels, dense-1b compiled with kernels auto, then triton and torch alone,
-    # moe-2b with a profile, tests/gpu, torchtitan
-    assert list(p["phases"]) == ["kernels", "train-1b", "train-1b-kernels", "moe-2b", "gpu-tests", "torchtitan"]
+    # issue 49's order: the kernels, dense-1b compiled with kernels auto, then triton and torch
+    # alone, moe-2b with a profile, tests/gpu, torchtitan
+    assert list(p["phases"]) == ["kernels", "train-1b", "train-1b-kernels", "moe-2b", "gpu-tests",
+                                 "torchtitan"]
     assert p["setup"] + sum(est for est, _, _ in p["phases"].values()) <= p["deadline"]
     assert all(minimum <= est <= limit for est, limit, minimum in p["phases"].values())
     assert p["deadline"] + p["setup"] <= p["command"] <= 600  # a command of at most 10 minutes
     assert p["files"] <= FILES_BACK
     checked = done.stdout.split("commands:")[1]
-    assert checked.count("  ok  ") == 7 and "FAIL" not in checked  # train-1b-kernels: triton, then torch
+    # train-1b-kernels: triton, then torch
+    assert checked.count("  ok  ") == 7 and "FAIL" not in checked
     assert "2 run config(s) compose: dense-1b baseline, dense-1b unified" in checked
     assert "model.kernels=triton" in checked and "model.kernels=torch" in checked
     assert "2 run config(s) compose: moe-2b baseline, moe-2b unified" in checked
 
 
 def test_the_fp8_phase_is_a_command_of_its_own_that_fits_the_deadline():
-    """model.fp8's GEMM table of dense-0.5b/1b/2b, then dense-1b in bf16, tensorwise and rowwise; beside even
-    the default plan's first two phases it would pass the deadline, so it runs alone."""
+    """model.fp8's GEMM table of dense-0.5b/1b/2b, then dense-1b in bf16, tensorwise and rowwise;
+    beside even the default plan's first two phases it would pass the deadline, so it runs alone."""
     done = session("--dry-run", "fp8")
     assert done.returncode in (0, 1), done.stdout + done.stderr
     p = plan(done.stdout)
@@ -74,10 +80,11 @@ def test_the_fp8_phase_is_a_command_of_its_own_that_fits_the_deadline():
     assert checked.count("  ok  ") == 4 and "FAIL" not in checked
     assert "3 preset(s) compose: dense-0.5b, dense-1b, dense-2b" in checked
     for fp8 in ("none", "tensorwise", "rowwise"):
-        assert f"--micro-batch 4 -- model.fp8={fp8}\n        arguments parse; 2 run config(s) compose: dense-1b " \
-               "baseline, dense-1b unified" in checked
+        assert f"--micro-batch 4 -- model.fp8={fp8}\n        arguments parse; 2 run config(s) " \
+               "compose: dense-1b baseline, dense-1b unified" in checked
     beside = session("--dry-run", "kernels", "train-1b", "fp8")
-    assert beside.returncode == 2 and "add up to 580 s with the setup, over the deadline of 515 s" in beside.stderr
+    assert (beside.returncode == 2
+            and "add up to 580 s with the setup, over the deadline of 515 s" in beside.stderr)
 
 
 @pytest.mark.parametrize("args,env,problem", [
@@ -102,24 +109,27 @@ def test_the_checker_names_a_command_that_would_fail_at_its_start():
              ["python3", "scripts/bench_nothing.py"],
              ["python3", "scripts/bench_kernels.py", "--ops", "rms_norm", "--against", "eager"]]
     done = subprocess.run([sys.executable, str(REPO / "dev" / "gpu_session_check.py")], cwd=REPO,
-                          input="\n".join(shlex.join(w) for w in lines), capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'kernels'}"})
+                          input="\n".join(shlex.join(w) for w in lines), capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'kernels'}"})
     assert done.returncode == 1, done.stderr
     verdicts = re.findall(r"^  (ok|FAIL)  ", done.stdout, re.M)
     assert verdicts == ["FAIL", "FAIL", "FAIL", "FAIL", "ok"], done.stdout
     assert "dense-9b" in done.stdout and "optim.lr" in done.stdout
-    assert "invalid choice: 'nothing'" in done.stdout and "bench_nothing.py does not exist" in done.stdout
+    assert ("invalid choice: 'nothing'" in done.stdout
+            and "bench_nothing.py does not exist" in done.stdout)
 
 
-def phase(tmp_path: Path, script: str, *, limit: float, minimum: float = 0, deadline: float | None = None,
-          grace: float = 2) -> tuple[int, str, str]:
+def phase(tmp_path: Path, script: str, *, limit: float, minimum: float = 0,
+          deadline: float | None = None, grace: float = 2) -> tuple[int, str, str]:
     """Run `script` (Python) as a phase: (exit status, its log, the report's line)."""
     log, report = tmp_path / "phase.log", tmp_path / "session.txt"
-    cmd = [sys.executable, str(PHASE), "--name", "demo", "--limit", str(limit), "--min", str(minimum),
-           "--grace", str(grace), "--log", str(log), "--report", str(report), "--note", " estimate=1s"]
+    cmd = [sys.executable, str(PHASE), "--name", "demo", "--limit", str(limit), "--min",
+           str(minimum), "--grace", str(grace), "--log", str(log), "--report", str(report),
+           "--note", " estimate=1s"]
     if deadline is not None:
         cmd += ["--deadline", str(deadline)]
-    done = subprocess.run([*cmd, "--", sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([*cmd, "--", sys.executable, "-c", script], capture_output=True,
+                          text=True, timeout=60)
     return done.returncode, log.read_text() if log.exists() else "", report.read_text()
 
 
@@ -135,16 +145,18 @@ def alive(pid: int) -> bool:
 # worker's pid, then waits (or exits at once with `leave`).
 WORKER = """
 import subprocess, sys, time
-worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                          start_new_session=True)
 open({pidfile!r}, "w").write(str(worker.pid))
 print("worker started", flush=True)
 {rest}
 """
 
 
-# The phase that exits by itself has a limit it never reaches (its wall time is its own); the one stopped
-# at its limit must have started its worker within those 3 s.
-@pytest.mark.parametrize("rest,limit,want_rc,running", [("time.sleep(120)", 3, 124, 2), ("sys.exit(3)", 20, 3, 1)],
+# The phase that exits by itself has a limit it never reaches (its wall time is its own); the one
+# stopped at its limit must have started its worker within those 3 s.
+@pytest.mark.parametrize("rest,limit,want_rc,running",
+                         [("time.sleep(120)", 3, 124, 2), ("sys.exit(3)", 20, 3, 1)],
                          ids=["stopped-at-its-limit", "exits-leaving-a-worker"])
 def test_a_phase_ends_every_process_it_started(tmp_path, rest, limit, want_rc, running):
     pidfile = tmp_path / "worker.pid"
@@ -155,22 +167,28 @@ def test_a_phase_ends_every_process_it_started(tmp_path, rest, limit, want_rc, r
     assert time.monotonic() - start < 30  # not waiting for the worker's 120 s
     assert log.startswith("$ ") and "worker started" in log
     # at the limit: the command and its worker; after the command's exit: the worker it left behind
-    assert re.search(rf"rc={want_rc} wall=\d+s limit={limit}s ended {running} process\(es\) still running$",
-                     log.strip())
+    assert re.search(rf"rc={want_rc} wall=\d+s limit={limit}s ended {running} process\(es\) still "
+                     r"running$", log.strip())
     assert re.fullmatch(rf"demo +rc={want_rc} +wall= +\d+s limit={limit}s estimate=1s\n", report)
 
 
 def test_a_phase_is_capped_by_the_deadline_and_skipped_when_too_little_is_left(tmp_path):
-    """Decided by what the phase did, not by how long the processes took to start: a start-up delay only
-    shortens the time left (the phase starts with at most 6 s to the deadline, less 3 s of grace)."""
-    rc, log, report = phase(tmp_path, "import time; time.sleep(120)", limit=100, deadline=time.time() + 6, grace=3)
-    limit = int(re.fullmatch(r"demo +rc=124 +wall= +\d+s limit=(\d+)s estimate=1s\n", report).group(1))
+    """Decided by what the phase did, not by how long the processes took to start: a start-up delay
+    only shortens the time left (the phase starts with at most 6 s to the deadline, less 3 s of
+    grace)."""
+    rc, log, report = phase(tmp_path, "import time; time.sleep(120)", limit=100,
+                            deadline=time.time() + 6, grace=3)
+    limit = int(re.fullmatch(r"demo +rc=124 +wall= +\d+s limit=(\d+)s estimate=1s\n",
+                             report).group(1))
     assert rc == 124 and limit <= 3  # cut at the deadline less the grace, not at its own 100 s
-    # its log kept: the command, then the status line with the limit it ran under and the process it cut
+    # its log kept: the command, then the status line with the limit it ran under and the process it
+    # cut
     assert log.startswith("$ ")
-    assert re.search(rf"\nrc=124 wall=\d+s limit={limit}s ended 1 process\(es\) still running$", log.strip())
+    assert re.search(rf"\nrc=124 wall=\d+s limit={limit}s ended 1 process\(es\) still running$",
+                     log.strip())
     (tmp_path / "phase.log").unlink()
-    rc, log, report = phase(tmp_path, "print('ran')", limit=100, minimum=30, deadline=time.time() + 20)
+    rc, log, report = phase(tmp_path, "print('ran')", limit=100, minimum=30,
+                            deadline=time.time() + 20)
     assert rc == 125 and log == ""  # never started: no log
     left = re.fullmatch(r"demo +skipped: (\d+)s left before the deadline, it needs 30s estimate=1s",
                         report.splitlines()[-1]).group(1)

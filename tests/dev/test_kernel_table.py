@@ -9,17 +9,21 @@ from tests.support.helpers import REPO, load_script
 
 pytest.importorskip("triton")
 if backend.INTERPRETED:
-    pytest.skip("TRITON_INTERPRET=1: the capture records the compiled kernels' launches", allow_module_level=True)
+    pytest.skip("TRITON_INTERPRET=1: the capture records the compiled kernels' launches",
+                allow_module_level=True)
 kernel_table = load_script(REPO / "dev" / "kernel_table.py")
 
 
-@pytest.mark.parametrize("preset,strategy", [("dense-tiny-gemma", "baseline"), ("dense-tiny", "unified-full-heads"),
-                                             ("moe-tiny", "unified-per-expert"), ("moe-tiny", "none")])
+@pytest.mark.parametrize("preset,strategy",
+                         [("dense-tiny-gemma", "baseline"), ("dense-tiny", "unified-full-heads"),
+                          ("moe-tiny", "unified-per-expert"), ("moe-tiny", "none")])
 def test_the_capture_without_weight_gradients_launches_what_training_launches(preset, strategy):
-    """The capture leaves the maps' weights without gradients (kernel_table._capture_model): with them, as
-    training has them, the same variants launch, in the same order."""
+    """The capture leaves the maps' weights without gradients (kernel_table._capture_model): with
+    them, as training has them, the same variants launch, in the same order."""
     model = compose_config([f"model={preset}", *kernel_table.CHEAP], 1).model
-    scale = compose_config(["model=moe-tiny", *kernel_table.STRATEGIES[strategy], *kernel_table.CHEAP], 1).scale
+    scale = compose_config(["model=moe-tiny", *kernel_table.STRATEGIES[strategy],
+                            *kernel_table.CHEAP], 1).scale
     frozen = kernel_table._capture_model(model, scale)
     trained = kernel_table._capture_model(model, scale, weight_grads=True)
-    assert frozen.variants and frozen.variants == trained.variants and frozen.widths == trained.widths
+    assert (frozen.variants and frozen.variants == trained.variants
+            and frozen.widths == trained.widths)

@@ -39,21 +39,26 @@ def _assert_within_twice_torch_error(fused, torch_lowp, ref, what):
 
 
 def _run(fn, leaves, upstream):
-    """Outputs, then the gradients of every leaf; upstream gradients are cast to each output's dtype."""
+    """Outputs, then the gradients of every leaf; upstream gradients are cast to each output's
+    dtype."""
     outs = fn(*leaves)
-    grads = torch.autograd.grad(outs, leaves, [u.to(o.dtype) for o, u in zip(outs, upstream, strict=True)])
+    grads = torch.autograd.grad(outs, leaves,
+                                [u.to(o.dtype) for o, u in zip(outs, upstream, strict=True)])
     return list(outs) + list(grads)
 
 
 @pytest.mark.parametrize("m,n,k,residual,scale_dtype", list(itertools.product(
     (1, 3001), (768, 1000, 4096), (1, 2, 3), (False, True), (torch.bfloat16, torch.float32))) + [
-    (257, 8192, 3, True, torch.float32), (129, 16384, 3, True, torch.bfloat16), (513, 2048, 4, True, torch.float32)])
+    (257, 8192, 3, True, torch.float32), (129, 16384, 3, True, torch.bfloat16),
+    (513, 2048, 4, True, torch.float32)])
 def test_rows_bf16_within_twice_torch_error(m, n, k, residual, scale_dtype):
     gen = torch.Generator(device="cuda").manual_seed(m + n + k)
     x = torch.randn(m, n, device="cuda", generator=gen).bfloat16()
     r = torch.randn(m, n, device="cuda", generator=gen).bfloat16()
-    scales = [(1 + 0.5 * torch.randn(n, device="cuda", generator=gen)).to(scale_dtype) for _ in range(k)]
-    upstream = [torch.randn(m, n, device="cuda", generator=gen).bfloat16() for _ in range(k + residual)]
+    scales = [(1 + 0.5 * torch.randn(n, device="cuda", generator=gen)).to(scale_dtype)
+              for _ in range(k)]
+    upstream = [torch.randn(m, n, device="cuda", generator=gen).bfloat16()
+                for _ in range(k + residual)]
     names = [f"y{i}" for i in range(k)] + ["h"] * residual + ["dx"] + ["dr"] * residual
     names += [f"ds{i}" for i in range(k)]
 
@@ -71,12 +76,14 @@ def test_rows_bf16_within_twice_torch_error(m, n, k, residual, scale_dtype):
         _assert_within_twice_torch_error(a, b, c, name)
 
 
-@pytest.mark.parametrize("d,heads,shape", [(128, 8, "shared"), (128, 8, "full"), (64, 32, "full"), (96, 5, "none")])
+@pytest.mark.parametrize("d,heads,shape", [(128, 8, "shared"), (128, 8, "full"), (64, 32, "full"),
+                                           (96, 5, "none")])
 def test_head_bf16_within_twice_torch_error(d, heads, shape):
     gen = torch.Generator(device="cuda").manual_seed(d * heads)
     x = torch.randn(3, 1000, heads, d, device="cuda", generator=gen).bfloat16()
     scale_shape = {"shared": (d,), "full": (heads, d), "none": None}[shape]
-    inputs = [x] if scale_shape is None else [x, 1 + 0.5 * torch.randn(scale_shape, device="cuda", generator=gen)]
+    inputs = ([x] if scale_shape is None
+              else [x, 1 + 0.5 * torch.randn(scale_shape, device="cuda", generator=gen)])
     upstream = [torch.randn(x.shape, device="cuda", generator=gen).bfloat16()]
 
     def call(backend):
@@ -91,18 +98,22 @@ def test_head_bf16_within_twice_torch_error(d, heads, shape):
 
 def test_fp32_matches_reference_tightly():
     gen = torch.Generator(device="cuda").manual_seed(7)
-    inputs = [torch.randn(4097, 2000, device="cuda", generator=gen), torch.randn(2000, device="cuda", generator=gen),
+    inputs = [torch.randn(4097, 2000, device="cuda", generator=gen),
+              torch.randn(2000, device="cuda", generator=gen),
               torch.randn(2000, device="cuda", generator=gen)]
     upstream = [torch.randn(4097, 2000, device="cuda", generator=gen) for _ in range(2)]
-    fused = _run(lambda x, a, b: rms_norm_scales(x, [a, b], EPS, backend="triton"), _leaves(*inputs), upstream)
-    ref = _run(lambda x, a, b: rms_norm_scales(x, [a, b], EPS, backend="torch"), _leaves(*inputs), upstream)
+    fused = _run(lambda x, a, b: rms_norm_scales(x, [a, b], EPS, backend="triton"),
+                 _leaves(*inputs), upstream)
+    ref = _run(lambda x, a, b: rms_norm_scales(x, [a, b], EPS, backend="torch"), _leaves(*inputs),
+               upstream)
     for a, b in zip(fused, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * (1 + b.abs().max().item()))
 
 
 def _swiglu_inputs(m, f, kind, dtype, gen):
-    """gate, up and (gate_scale, up_scale, expert_offsets) for a scale kind: none, shared or experts (eight
-    experts of uneven size, two of them empty, the gate's scale per expert, the up's shared)."""
+    """gate, up and (gate_scale, up_scale, expert_offsets) for a scale kind: none, shared or experts
+    (eight experts of uneven size, two of them empty, the gate's scale per expert, the up's
+    shared)."""
     gate, up = (torch.randn(m, f, device="cuda", generator=gen).to(dtype) for _ in range(2))
 
     def s(*shape):
@@ -117,8 +128,9 @@ def _swiglu_inputs(m, f, kind, dtype, gen):
     return gate, up, (s(8, f), s(f), offsets)
 
 
-@pytest.mark.parametrize("m,f,kind", [(4097, 2304, "shared"), (4096, 1408, "experts"), (3001, 1000, "none"),
-                                      (1024, 8192, "shared"), (513, 16384, "experts")])
+@pytest.mark.parametrize("m,f,kind", [(4097, 2304, "shared"), (4096, 1408, "experts"),
+                                      (3001, 1000, "none"), (1024, 8192, "shared"),
+                                      (513, 16384, "experts")])
 def test_swiglu_bf16_within_twice_torch_error(m, f, kind):
     gen = torch.Generator(device="cuda").manual_seed(m + f)
     gate, up, (gate_scale, up_scale, offsets) = _swiglu_inputs(m, f, kind, torch.bfloat16, gen)
@@ -143,7 +155,8 @@ def test_swiglu_bf16_within_twice_torch_error(m, f, kind):
 
 def test_swiglu_fp32_matches_reference_tightly_and_deterministically():
     gen = torch.Generator(device="cuda").manual_seed(10)
-    gate, up, (gate_scale, up_scale, offsets) = _swiglu_inputs(8192, 1536, "experts", torch.float32, gen)
+    gate, up, (gate_scale, up_scale, offsets) = _swiglu_inputs(8192, 1536, "experts", torch.float32,
+                                                               gen)
     upstream = [torch.randn(8192, 1536, device="cuda", generator=gen)]
 
     def fn(backend):
@@ -204,5 +217,6 @@ def test_inductor_fullgraph_matches_eager():
     want = block(*eager_leaves)
     got = torch.compile(block, fullgraph=True)(*compiled_leaves)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-    for a, b in zip(torch.autograd.grad(got, compiled_leaves), torch.autograd.grad(want, eager_leaves), strict=True):
+    for a, b in zip(torch.autograd.grad(got, compiled_leaves),
+                    torch.autograd.grad(want, eager_leaves), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -1,7 +1,8 @@
-"""One holder at a time of a folder (scalevec_train/infra/lock.py), between real processes: a live holder is
-named at once, a dead one (SIGKILL) is taken over at once; where flock fails (NFS without lockd) the
-holder's record decides, by its pid on the same host and by its beat across hosts; and the data cache's
-lock is waited for by writers, never taken by readers of prepared data."""
+"""One holder at a time of a folder (scalevec_train/infra/lock.py), between real processes: a live
+holder is named at once, a dead one (SIGKILL) is taken over at once; where flock fails
+(NFS without lockd) the holder's record decides, by its pid on the same host and by its beat across
+hosts; and the data cache's lock is waited for by writers, never taken by readers of prepared
+data."""
 
 import errno
 import fcntl
@@ -43,7 +44,8 @@ def hold(folder: str, ready, host: str | None, without_flock: bool) -> None:
 def start_holder(folder: Path, host: str | None = None, without_flock: bool = False):
     context = multiprocessing.get_context("forkserver")
     ready = context.Event()
-    child = context.Process(target=hold, args=(str(folder), ready, host, without_flock), daemon=True)
+    child = context.Process(target=hold, args=(str(folder), ready, host, without_flock),
+                            daemon=True)
     child.start()
     assert ready.wait(120), "the holder never took the lock"
     return child
@@ -61,15 +63,16 @@ def refused_by(folder: Path) -> dict:
 
 
 @pytest.mark.parametrize("without_flock", [False, True], ids=["flock", "no_flock"])
-def test_a_live_holder_is_named_at_once_and_a_killed_one_is_taken_over_at_once(without_flock, tmp_path,
-                                                                                monkeypatch):
+def test_a_live_holder_is_named_at_once_and_a_killed_one_is_taken_over_at_once(
+        without_flock, tmp_path, monkeypatch):
     if without_flock:
         monkeypatch.setattr(fcntl, "flock", no_flock)
     child = start_holder(tmp_path, without_flock=without_flock)
     start = time.monotonic()
     record = refused_by(tmp_path)
     assert time.monotonic() - start < 5
-    assert (record["host"], record["pid"]) == (socket.gethostname(), child.pid) and "UTC" in record["started"]
+    assert ((record["host"], record["pid"]) == (socket.gethostname(), child.pid)
+            and "UTC" in record["started"])
     kill(child)
     start = time.monotonic()
     with DirLock(tmp_path) as lock:
@@ -82,11 +85,13 @@ def test_a_live_holder_is_named_at_once_and_a_killed_one_is_taken_over_at_once(w
 
 @pytest.mark.parametrize("without_flock", [False, True], ids=["local_flock", "no_flock"])
 def test_a_holder_on_another_host_is_known_by_its_beat(without_flock, tmp_path, monkeypatch):
-    """Where flock does not reach across hosts (or fails), a record of another host holds while its beat
-    moves, and is taken over once it stands still for STALE seconds (the holder's node is gone)."""
+    """Where flock does not reach across hosts (or fails), a record of another host holds while its
+    beat moves, and is taken over once it stands still for STALE seconds
+    (the holder's node is gone)."""
     monkeypatch.setattr(lock_module, "BEAT", 0.1)
     monkeypatch.setattr(lock_module, "STALE", 2.0)
-    # flock of the other host's process is invisible here, as on a file system whose flock is per node
+    # flock of the other host's process is invisible here, as on a file system whose flock is per
+    # node
     child = start_holder(tmp_path, host="node-b", without_flock=True)
     if without_flock:
         monkeypatch.setattr(fcntl, "flock", no_flock)
@@ -104,7 +109,8 @@ def test_two_newcomers_to_a_dead_holder_without_flock_leave_one_holder(tmp_path,
     kill(start_holder(tmp_path, without_flock=True))
     context = multiprocessing.get_context("forkserver")
     outcome, done, start = context.Queue(), context.Event(), context.Barrier(2)
-    racers = [context.Process(target=race, args=(str(tmp_path), outcome, done, start)) for _ in range(2)]
+    racers = [context.Process(target=race, args=(str(tmp_path), outcome, done, start))
+              for _ in range(2)]
     for racer in racers:
         racer.start()
     try:
@@ -117,8 +123,9 @@ def test_two_newcomers_to_a_dead_holder_without_flock_leave_one_holder(tmp_path,
 
 
 def race(folder: str, outcome, done, start) -> None:
-    """Takes the lock and keeps it until `done`, or says it was refused; both racers start at once, so
-    that both find the dead holder's record (each takes it over) and the check after writing decides."""
+    """Takes the lock and keeps it until `done`, or says it was refused; both racers start at once,
+    so that both find the dead holder's record (each takes it over) and the check after writing
+    decides."""
     fcntl.flock = no_flock
     lock = DirLock(Path(folder))
     start.wait(120)
@@ -133,8 +140,8 @@ def race(folder: str, outcome, done, start) -> None:
 
 
 def test_readers_of_a_prepared_cache_never_wait_for_its_lock(data_overrides, tmp_path):
-    """Runs in different run directories share one data cache: one preparing (holding the cache's lock)
-    never stops another from reading data that is already prepared."""
+    """Runs in different run directories share one data cache: one preparing
+    (holding the cache's lock) never stops another from reading data that is already prepared."""
     from tests.support.helpers import make_config
 
     data = make_config(*data_overrides).data
@@ -145,4 +152,5 @@ def test_readers_of_a_prepared_cache_never_wait_for_its_lock(data_overrides, tmp
     reader.start()
     reader.join(30)
     kill(child)  # (a reader waiting for the lock gets it now, and ends)
-    assert read and read[0].root == prepared.root, "reading prepared data waited for the cache's lock"
+    assert read and read[0].root == prepared.root, (
+        "reading prepared data waited for the cache's lock")

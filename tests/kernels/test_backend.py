@@ -44,7 +44,8 @@ x = torch.randn(3, 8)
 assert torch.allclose(y, torch.nn.functional.rms_norm(x, (8,), eps=1e-6))
 assert swiglu_norm(x, x, None, None, 1e-6).shape == x.shape
 check_backend("auto", "cuda")
-for run in (lambda: rms_norm_scales(x, None, 1e-6, backend="triton"), lambda: check_backend("triton", "cuda")):
+for run in (lambda: rms_norm_scales(x, None, 1e-6, backend="triton"),
+            lambda: check_backend("triton", "cuda")):
     try:
         run()
     except KernelError as e:
@@ -53,27 +54,32 @@ for run in (lambda: rms_norm_scales(x, None, 1e-6, backend="triton"), lambda: ch
         raise AssertionError("backend='triton' ran without triton")
 """
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    child = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    child = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                           timeout=300)
     assert child.returncode == 0, child.stderr[-4000:]
 
 
 def test_auto_picks_by_the_latest_visits_measurements():
-    """choice.pick against the table in measured/ (written in the test from the first visit's files)."""
+    """choice.pick against the table in measured/ (written in the test from the first visit's
+    files)."""
     from scalevec_kernels import choice
 
     table = choice.table()
-    assert (table["device"], table["date"], table["triton"]) == ("NVIDIA H200", "2026-11-26", "3.6.0")
-    # measured: compile faster for the SwiGLU at dense-1b's width (1377.7 against 1534.8 us), shared scales
-    # or per expert; the fused RMSNorm faster with K = 3 at 1024 (113.2 against 157.4 us)
+    assert ((table["device"], table["date"], table["triton"])
+            == ("NVIDIA H200", "2026-11-26", "3.6.0"))
+    # measured: compile faster for the SwiGLU at dense-1b's width (1377.7 against 1534.8 us), shared
+    # scales or per expert; the fused RMSNorm faster with K = 3 at 1024 (113.2 against 157.4 us)
     assert choice.pick("swiglu_norm", 8192)[0] == "compile"
     impl, why = choice.pick("swiglu_norm", 8192, experts=64)
-    assert impl == "compile" and why.startswith("measured: fused 2426.5 us, compile 1371.1 us (device time")
+    assert impl == "compile" and why.startswith("measured: fused 2426.5 us, compile 1371.1 us "
+                                                "(device time")
     assert choice.pick("rms_norm", 1024, 3) == ("fused", choice.pick("rms_norm", 1024, 3)[1])
     # dense-2b's 2560 stands on 2048's wall-time measurement; moe-2b's expert width 512 on nothing
     impl, why = choice.pick("rms_norm", 2560, 1)
     assert impl == "compile" and why.startswith("nearest measured width 2048: fused 721.4 us")
     impl, why = choice.pick("swiglu_norm", 512, experts=64)
-    assert impl == "fused" and why.startswith("not measured (no width within 2x of 512 with per-expert scales)")
+    assert impl == "fused" and why.startswith("not measured (no width within 2x of 512 "
+                                              "with per-expert scales)")
     assert choice.pick("rms_norm", 64, 1)[0] == "fused"  # a head's 64 features: not measured
 
 

@@ -1,6 +1,7 @@
 """The per-head RMSNorm (scalevec_kernels.head_rms_norm) against plain PyTorch, on CPU in fp32.
 
-The Triton kernels run in triton's CPU interpreter, in a child process (see tests/support/kernels.py).
+The Triton kernels run in triton's CPU interpreter, in a child process
+(see tests/support/kernels.py).
 """
 
 import pytest
@@ -20,7 +21,8 @@ def test_head_reference_normalizes_each_head():
     torch.testing.assert_close(head_rms_norm(x, full, EPS, backend="torch"), expect)
     torch.testing.assert_close(head_rms_norm(x, full.flatten(), EPS), expect)
     shared = full[0]
-    torch.testing.assert_close(head_rms_norm_reference(x, shared, EPS), F.rms_norm(x, (16,), shared, EPS))
+    torch.testing.assert_close(head_rms_norm_reference(x, shared, EPS),
+                               F.rms_norm(x, (16,), shared, EPS))
 
 
 def test_bad_scale_shape_raises():

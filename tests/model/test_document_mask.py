@@ -1,6 +1,7 @@
-"""Attention within documents (model.attention_mask=document): a document's logits do not depend on the
-documents before it in the window, the block-causal mask and positions against written-out references,
-FlexAttention against the dense-mask SDPA reference, compile and activation checkpointing."""
+"""Attention within documents (model.attention_mask=document): a document's logits do not depend on
+the documents before it in the window, the block-causal mask and positions against written-out
+references, FlexAttention against the dense-mask SDPA reference, compile and
+activation checkpointing."""
 
 import pytest
 import torch
@@ -14,11 +15,13 @@ from tests.support.launch import compile_backend
 
 # three documents in a row of 24 tokens (lengths 7, 9, 8), and a second row of two (12, 12)
 DOC_IDS = torch.tensor([[0] * 7 + [1] * 9 + [2] * 8, [0] * 12 + [1] * 12])
-HEAD_NORMS = ["scale=unified", "model.qk_norm=true"]  # per-head norms behind q, k (and v under unified)
+# per-head norms behind q, k (and v under unified)
+HEAD_NORMS = ["scale=unified", "model.qk_norm=true"]
 
 
 def model_for(*overrides: str, seed: int = 0) -> Transformer:
-    cfg = make_config_shared("model.n_layers=2", "model.n_kv_heads=2", "model.attention_mask=document", *overrides)
+    cfg = make_config_shared("model.n_layers=2", "model.n_kv_heads=2",
+                             "model.attention_mask=document", *overrides)
     model = Transformer(cfg.model, cfg.scale)
     model.init_weights(seed)
     return model
@@ -41,8 +44,8 @@ def test_positions_and_mask_match_written_out_references():
 @pytest.mark.parametrize("rope_reset", [False, True])
 @pytest.mark.parametrize("extra", [[], HEAD_NORMS])
 def test_changing_one_document_leaves_the_next_ones_logits_unchanged(rope_reset, extra):
-    """fp32, exactly: the masked scores are -inf before the softmax, so the earlier document's values
-    reach no later query."""
+    """fp32, exactly: the masked scores are -inf before the softmax, so the earlier document's
+    values reach no later query."""
     model = model_for(f"model.rope_reset={str(rope_reset).lower()}", *extra)
     x = tokens()
     y = x.clone()
@@ -69,7 +72,8 @@ def test_without_ids_or_with_one_document_it_is_causal():
     causal = model_for("model.attention_mask=causal", *HEAD_NORMS)
     x = tokens()
     assert torch.equal(model(x), causal(x))
-    torch.testing.assert_close(model(x, doc_ids=torch.zeros_like(DOC_IDS)), causal(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model(x, doc_ids=torch.zeros_like(DOC_IDS)), causal(x), rtol=1e-5,
+                               atol=1e-5)
     assert torch.equal(causal(x, doc_ids=DOC_IDS), causal(x))  # a causal model ignores the ids
 
 
@@ -83,27 +87,30 @@ def test_flex_attention_equals_the_dense_reference_forward():
     got = flex_attention(q, k, v, block_mask=block_mask(DOC_IDS))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
-        flex, dense = model_for("model.attention_backend=flex"), model_for("model.attention_backend=sdpa")
-        torch.testing.assert_close(flex(tokens(), doc_ids=DOC_IDS), dense(tokens(), doc_ids=DOC_IDS),
-                                   rtol=1e-5, atol=1e-5)
+        flex, dense = (model_for("model.attention_backend=flex"),
+                       model_for("model.attention_backend=sdpa"))
+        torch.testing.assert_close(flex(tokens(), doc_ids=DOC_IDS),
+                                   dense(tokens(), doc_ids=DOC_IDS), rtol=1e-5, atol=1e-5)
 
 
 def loss_and_grads(model: Transformer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     x = tokens()
-    loss = F.cross_entropy(model(x[:, :-1], doc_ids=DOC_IDS[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+    loss = F.cross_entropy(model(x[:, :-1], doc_ids=DOC_IDS[:, :-1]).flatten(0, 1),
+                           x[:, 1:].flatten())
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("ac,compiled", [("selective", False), ("full", False), ("none", True)])
 def test_checkpointing_and_compile_keep_document_masking(ac, compiled):
-    # One block: each block is wrapped (and compiled) on its own with the same mask and positions, and a
-    # second one only repeated the work (dynamo traces every compiled block again)
+    # One block: each block is wrapped (and compiled) on its own with the same mask and positions,
+    # and a second one only repeated the work (dynamo traces every compiled block again)
     overrides = [*HEAD_NORMS, "model.rope_reset=true", "model.n_layers=1"]
     want_loss, want = loss_and_grads(model_for(*overrides))
     model = model_for(*overrides)
-    # aot_eager: the masks and positions as dynamo and AOT autograd capture them, without inductor's code
-    # generation (minutes of C++ on a fresh machine; test_compile.py compares inductor's numbers)
+    # aot_eager: the masks and positions as dynamo and AOT autograd capture them, without inductor's
+    # code generation (minutes of C++ on a fresh machine; test_compile.py compares
+    # inductor's numbers)
     with compile_backend("aot_eager"):
         for block in model.layers:
             wrap_block(block, ac, compile_block=compiled)
@@ -117,16 +124,16 @@ def test_flex_training_on_cpu_is_refused_before_any_work(tmp_path):
     from scalevec_train.infra.errors import ScalevecError
     from scalevec_train.run.build import build
 
-    cfg = make_config_shared("model.attention_mask=document", "model.attention_backend=flex", "device=cpu",
-                      f"run_dir={tmp_path / 'run'}")
+    cfg = make_config_shared("model.attention_mask=document", "model.attention_backend=flex",
+                             "device=cpu", f"run_dir={tmp_path / 'run'}")
     with pytest.raises(ScalevecError, match="model.attention_backend: flex trains on CUDA only"):
         build(cfg)
     assert not (tmp_path / "run").exists()
 
 
 def test_describe_and_flops_count_the_attention_the_mask_leaves():
-    """Attention FLOPs per token: 12 * layers * width * 2 * (mean keys a query attends) under document
-    masking, in place of 12 * layers * width * seq_len; the rest unchanged."""
+    """Attention FLOPs per token: 12 * layers * width * 2 * (mean keys a query attends) under
+    document masking, in place of 12 * layers * width * seq_len; the rest unchanged."""
     from scalevec_train.costs.accounting import matmul_params_per_token, train_flops_per_token
     from scalevec_train.costs.tables import describe
 
@@ -136,8 +143,10 @@ def test_describe_and_flops_count_the_attention_the_mask_leaves():
     width = causal.model.n_heads * causal.model.head_dim
     matmuls = 6 * matmul_params_per_token(model)
     assert train_flops_per_token(model, 128) == matmuls + 12 * causal.model.n_layers * width * 128
-    assert train_flops_per_token(model, 128, 20.0) == matmuls + 12 * causal.model.n_layers * width * 40
-    assert describe(document, 20.0)["train_flops_per_token"] == train_flops_per_token(model, 128, 20.0)
+    assert (train_flops_per_token(model, 128, 20.0)
+            == matmuls + 12 * causal.model.n_layers * width * 40)
+    assert (describe(document, 20.0)["train_flops_per_token"]
+            == train_flops_per_token(model, 128, 20.0))
     assert describe(document, 20.0)["attended_keys"] == 20.0
     assert describe(causal, 20.0)["train_flops_per_token"] == train_flops_per_token(model, 128)
     assert "attention_mask" not in describe(causal)

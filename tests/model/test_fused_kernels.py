@@ -1,10 +1,10 @@
-"""The whole model through the Triton kernels (model.kernels=triton, under triton's CPU interpreter, in
-fp32) against the same model on the PyTorch path (model.kernels=torch): the same logits and gradients,
-and the same losses over a few optimizer steps, for dense and MoE models under baseline and unified in
-both placement readings, and under document masking. This covers every fused path the model takes: the
-pre-norms with the residual add of the previous sub-layer (and the final norm), the per-head norms behind
-q, k, v, and the fused normalization + SwiGLU of the dense FFN, the shared expert and the routed experts
-(per-expert scales).
+"""The whole model through the Triton kernels (model.kernels=triton, under triton's CPU interpreter,
+in fp32) against the same model on the PyTorch path (model.kernels=torch): the same logits and
+gradients, and the same losses over a few optimizer steps, for dense and MoE models under baseline
+and unified in both placement readings, and under document masking. This covers every fused path the
+model takes: the pre-norms with the residual add of the previous sub-layer (and the final norm), the
+per-head norms behind q, k, v, and the fused normalization + SwiGLU of the dense FFN, the shared
+expert and the routed experts (per-expert scales).
 
 The interpreter runs in a child process (tests/support/kernels.py says why).
 """
@@ -30,7 +30,8 @@ CASES = {
     "moe-baseline": [*MOE, "scale=baseline"],
     "moe-unified": [*MOE, "scale=unified"],
     "moe-unified-rev1": [*MOE, "scale=unified", REV1],
-    "dense-unified-document": ["scale=unified", "model.attention_mask=document", "model.rope_reset=true"],
+    "dense-unified-document": ["scale=unified", "model.attention_mask=document",
+                               "model.rope_reset=true"],
 }
 # the document ids of the 16 inputs of each row (the causal models ignore them)
 DOC_IDS = torch.tensor([[0] * 5 + [1] * 11, [0] * 9 + [1] * 4 + [2] * 3])

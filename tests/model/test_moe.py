@@ -1,5 +1,6 @@
-"""The MoE layer against a naive reference that routes and computes token by token, expert by expert,
-scaling activations (the layer scales weights); the expert bias; presets; a short training run."""
+"""The MoE layer against a naive reference that routes and computes token by token, expert by
+expert, scaling activations (the layer scales weights); the expert bias; presets; a short
+training run."""
 
 import copy
 import math
@@ -26,14 +27,16 @@ DIM, EXPERTS, WIDTH, SHARED_WIDTH = 16, 4, 8, 8
 STRATEGIES = {
     "baseline": ScaleConfig(),
     # HG with dual placement on every FFN map: gate/up output sites and a new down input site.
-    "hg_dual": ScaleConfig(heterogeneity="per_branch", placement="dual", targets=["gate", "up", "down"],
-                           reparam="or"),
+    "hg_dual": ScaleConfig(heterogeneity="per_branch", placement="dual",
+                           targets=["gate", "up", "down"], reparam="or"),
     # Per-expert input sites, and down's output site behind a normalization of the combined output.
-    "per_expert_dnp": ScaleConfig(heterogeneity="per_branch", per_expert=True, placement="dual_norm",
-                                  targets=["q", "k", "o", "down"], reparam="er"),
-    # Revision 2's unified: every expert's gate and up normalized over its hidden width, u_e * N(W_e x).
-    "unified": ScaleConfig(name="unified", heterogeneity="per_branch", placement="dual_norm", reparam="or",
-                           reparam_sites="all", weight_decay="iwd"),
+    "per_expert_dnp": ScaleConfig(heterogeneity="per_branch", per_expert=True,
+                                  placement="dual_norm", targets=["q", "k", "o", "down"],
+                                  reparam="er"),
+    # Revision 2's unified: every expert's gate and up normalized over its hidden width,
+    # u_e * N(W_e x).
+    "unified": ScaleConfig(name="unified", heterogeneity="per_branch", placement="dual_norm",
+                           reparam="or", reparam_sites="all", weight_decay="iwd"),
     "unified_rev1": ScaleConfig(name="unified", heterogeneity="per_branch", placement="dual_norm",
                                 targets=["q", "k", "o", "down"], reparam="or", reparam_sites="all",
                                 weight_decay="iwd"),
@@ -44,7 +47,8 @@ def model_config(**moe) -> ModelConfig:
     options = dict(num_experts=EXPERTS, top_k=2, expert_dim=WIDTH, num_shared_experts=1,
                    aux_loss_coef=0.01, z_loss_coef=0.001)
     options.update(moe)
-    cfg = ModelConfig(dim=DIM, n_heads=2, n_kv_heads=2, ffn_dim=SHARED_WIDTH, moe=MoEConfig(**options))
+    cfg = ModelConfig(dim=DIM, n_heads=2, n_kv_heads=2, ffn_dim=SHARED_WIDTH,
+                      moe=MoEConfig(**options))
     cfg.validate()
     return cfg
 
@@ -85,10 +89,10 @@ def site_value(site, expert=None):
 
 
 def swiglu(x_gate, x_up, w_gate, w_up, w_down, sites, eps, expert=None):
-    """One expert on one token, scaling activations: x * s_in, W x * u_out (or u_out * N(W x) when the
-    site sits behind a normalization), and h * s_down_in."""
-    scaled = [site_value(getattr(sites, n), expert) for n in ("gate_in", "up_in", "gate_out", "up_out",
-                                                                "down_in")]
+    """One expert on one token, scaling activations: x * s_in, W x * u_out (or u_out * N(W x) when
+    the site sits behind a normalization), and h * s_down_in."""
+    scaled = [site_value(getattr(sites, n), expert)
+              for n in ("gate_in", "up_in", "gate_out", "up_out", "down_in")]
     gate_in, up_in, gate_out, up_out, down_in = scaled
     g = w_gate @ (x_gate if gate_in is None else x_gate * gate_in)
     u = w_up @ (x_up if up_in is None else x_up * up_in)
@@ -102,7 +106,8 @@ def swiglu(x_gate, x_up, w_gate, w_up, w_down, sites, eps, expert=None):
     return w_down @ (h if down_in is None else h * down_in)
 
 
-def reference(layer: MoEFeedForward, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(layer: MoEFeedForward,
+              b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, weighted auxiliary loss), one token and one expert at a time."""
     cfg = layer.cfg
     common = b.get("ffn", b.get("norm"))
@@ -113,16 +118,19 @@ def reference(layer: MoEFeedForward, b: dict[str, torch.Tensor]) -> tuple[torch.
     for t in range(x_r.shape[0]):
         logits = layer.router.weight @ x_r[t]
         p = logits.softmax(-1) if cfg.score_func == "softmax" else logits.sigmoid()
-        ranked = sorted(range(cfg.num_experts), key=lambda e: -(p[e].item() + layer.expert_bias[e].item()))
+        ranked = sorted(range(cfg.num_experts),
+                        key=lambda e: -(p[e].item() + layer.expert_bias[e].item()))
         chosen = ranked[:cfg.top_k]
         weights = [p[e] for e in chosen]
         total = sum(weights)
         y = torch.zeros(DIM)
         for e, w in zip(chosen, weights, strict=True):
             w = w / total if cfg.renormalize else w
-            y = y + w * swiglu(x_g[t], x_u[t], ex.w_gate[e], ex.w_up[e], ex.w_down[e], ex, layer.eps, e)
+            y = y + w * swiglu(x_g[t], x_u[t], ex.w_gate[e], ex.w_up[e], ex.w_down[e], ex,
+                               layer.eps, e)
         if sh is not None:
-            y = y + swiglu(x_g[t], x_u[t], sh.w_gate.weight, sh.w_up.weight, sh.w_down.weight, sh, layer.eps)
+            y = y + swiglu(x_g[t], x_u[t], sh.w_gate.weight, sh.w_up.weight, sh.w_down.weight, sh,
+                           layer.eps)
         s = site_value(layer.down_out)
         if layer.out_norm is not None:
             y = y / torch.sqrt(y.pow(2).mean() + layer.eps)
@@ -155,11 +163,13 @@ def assert_matches_reference(layer, b):
     torch.testing.assert_close(aux, ref_aux, atol=1e-6, rtol=1e-5)
     names = list(b) + [n for n, _ in layer.named_parameters()]
     for name, g, ref in zip(names, grads, ref_grads, strict=True):
-        torch.testing.assert_close(g, ref, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"grad of {n}: {m}")
+        torch.testing.assert_close(g, ref, atol=1e-5, rtol=1e-4,
+                                   msg=lambda m, n=name: f"grad of {n}: {m}")
 
 
 @pytest.mark.parametrize("backend", ["grouped_mm", "loop"])
-@pytest.mark.parametrize("score_func,renormalize", [("softmax", True), ("softmax", False), ("sigmoid", True)])
+@pytest.mark.parametrize("score_func,renormalize",
+                         [("softmax", True), ("softmax", False), ("sigmoid", True)])
 @pytest.mark.parametrize("strategy", ["baseline", "hg_dual", "per_expert_dnp", "unified"])
 def test_matches_naive_reference(backend, score_func, renormalize, strategy):
     scale = STRATEGIES[strategy]
@@ -173,11 +183,13 @@ def test_idle_experts_and_a_single_token(backend):
     scale = STRATEGIES["hg_dual"]
     layer = make_layer(scale, backend=backend, num_shared_experts=0)
     with torch.no_grad():
-        layer.expert_bias.copy_(torch.tensor([-10.0, -10.0, 0.0, 0.0]))  # experts 0 and 1 never chosen
+        # experts 0 and 1 never chosen
+        layer.expert_bias.copy_(torch.tensor([-10.0, -10.0, 0.0, 0.0]))
     assert_matches_reference(layer, make_inputs(scale))
     out = layer(make_inputs(scale))
     out.square().sum().backward()
-    assert layer.experts.w_gate.grad[:2].abs().max() == 0 and layer.experts.w_gate.grad[2:].abs().max() > 0
+    assert (layer.experts.w_gate.grad[:2].abs().max() == 0
+            and layer.experts.w_gate.grad[2:].abs().max() > 0)
     layer = make_layer(STRATEGIES["baseline"], backend=backend)
     assert_matches_reference(layer, make_inputs(STRATEGIES["baseline"], shape=(1, 1)))
 
@@ -251,7 +263,8 @@ def test_bias_update_balances_a_skewed_router_and_eval_never_moves_it(score_func
     shares = loads(layer, x, 60)
     assert shares[0] > 0.47  # of at most 0.5: one of each token's two picks
     late = sum(shares[-20:]) / 20
-    # Softmax squeezes the scores of all but the top expert together, so the bias balances less well.
+    # Softmax squeezes the scores of all but the top expert together, so the bias balances
+    # less well.
     assert late < (0.3 if score_func == "sigmoid" else shares[0] - 0.05)
     assert layer.expert_bias[0] < layer.expert_bias[1:].min()
     assert "expert_bias" in layer.state_dict() and "token_counts" not in layer.state_dict()
@@ -281,7 +294,8 @@ def test_bad_options_are_rejected(bad, where):
 
 @pytest.mark.parametrize("strategy", ["hg_dual", "unified"])
 def test_sites_on_expert_hidden_units_are_per_expert(strategy):
-    """One row per routed expert on the hidden units; the shared expert and the model width keep one."""
+    """One row per routed expert on the hidden units; the shared expert and the model width
+    keep one."""
     layer = moe_layer(model_config(), STRATEGIES[strategy])
     for name in ("gate_out", "up_out"):
         assert getattr(layer.experts, name).shape == (EXPERTS, WIDTH)
@@ -293,7 +307,8 @@ def test_sites_on_expert_hidden_units_are_per_expert(strategy):
 
 
 def load_preset(path: Path) -> ModelConfig:
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(path)))
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig),
+                                              OmegaConf.load(path)))
     cfg.validate()
     return cfg
 
@@ -335,9 +350,10 @@ def test_moe_tiny_trains(strategy):
     cfg = load_preset(PRESETS / "moe-tiny.yaml")
     model = Transformer(cfg, STRATEGIES[strategy])
     model.init_weights(seed=0)
-    # A few fixed sequences seen again and again: learnable in a handful of steps. 20 steps: on torch 2.13
-    # (2-core CPU, 2026-11-28) the last 5 losses averaged 2.2 (baseline) and 0.7 (unified) nats from a first
-    # loss of 8.4, far under the 6.4 asserted; 50 steps cost 2.5 times the CPU and checked nothing more.
+    # A few fixed sequences seen again and again: learnable in a handful of steps. 20 steps: on
+    # torch 2.13 (2-core CPU, 2026-11-28) the last 5 losses averaged 2.2 (baseline) and 0.7
+    # (unified) nats from a first loss of 8.4, far under the 6.4 asserted; 50 steps cost 2.5 times
+    # the CPU and checked nothing more.
     data = torch.randint(0, cfg.vocab_size, (4, 25))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     losses = []
@@ -357,4 +373,5 @@ def test_moe_tiny_trains(strategy):
                                         "bias_min", "bias_max")}
     assert metrics["moe/layer0/bias_max"] > metrics["moe/layer0/bias_min"]
     # Copies (folding, evaluation snapshots) work after a training forward, without its graph.
-    assert model.layers[0].ffn.aux_loss is not None and copy.deepcopy(model).layers[0].ffn.aux_loss is None
+    assert (model.layers[0].ffn.aux_loss is not None
+            and copy.deepcopy(model).layers[0].ffn.aux_loss is None)

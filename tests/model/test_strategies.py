@@ -1,4 +1,5 @@
-"""Scale-vector strategies against the spec: identities at init, folding, gradients, decay policy."""
+"""Scale-vector strategies against the spec: identities at init, folding, gradients,
+decay policy."""
 
 import math
 
@@ -52,8 +53,8 @@ REV1 = "scale.targets=[q,k,o,down]"  # revision 1's placement reading
 
 
 def layer0_sites(model: Transformer) -> dict[str, ScaleSite]:
-    return {name: site for path, site in scale_sites(model) for layer, name in [site_display_name(path)]
-            if layer == 0}
+    return {name: site for path, site in scale_sites(model)
+            for layer, name in [site_display_name(path)] if layer == 0}
 
 
 def test_unified_has_exactly_the_spec_sites():
@@ -62,13 +63,16 @@ def test_unified_has_exactly_the_spec_sites():
     sites = layer0_sites(model)
     assert set(sites) == {
         "attn_norm.sites.q", "attn_norm.sites.k", "attn_norm.sites.v",  # HG input sites
-        "attn.wq.out_site", "attn.wk.out_site", "attn.wv.out_site",  # q = u_q * N_h(Wq .), k and v likewise
+        # q = u_q * N_h(Wq .), k and v likewise
+        "attn.wq.out_site", "attn.wk.out_site", "attn.wv.out_site",
         "ffn_norm.sites.gate", "ffn_norm.sites.up",  # HG
         "ffn.w_gate.out_site", "ffn.w_up.out_site",  # gate = u_gate * N(W_gate .), up likewise
     }
-    assert {p for p, _ in scale_sites(model) if not p.startswith("layers.")} == {"final_norm.sites.final"}
+    assert ({p for p, _ in scale_sites(model) if not p.startswith("layers.")}
+            == {"final_norm.sites.final"})
     assert all(s.param == "or" for _, s in scale_sites(model))
-    assert {n for n, s in sites.items() if s.behind_norm} == {n for n in sites if n.endswith("out_site")}
+    assert ({n for n, s in sites.items() if s.behind_norm}
+            == {n for n in sites if n.endswith("out_site")})
     assert {n: s.shape for n, s in sites.items() if s.role == "output"} == {
         "attn.wq.out_site": (16,), "attn.wk.out_site": (16,), "attn.wv.out_site": (16,),  # head_dim
         "ffn.w_gate.out_site": (96,), "ffn.w_up.out_site": (96,)}  # ffn_dim
@@ -92,14 +96,16 @@ def test_revision_1_reading_stays_available():
 def test_dp_places_output_sites_on_the_pre_norm_maps():
     """W -> diag(u) W diag(v) on q, k, v, gate, up, with v the pre-norm's own (shared) site."""
     sites = layer0_sites(build("dp"))
-    assert set(sites) == {"attn_norm.sites.attn", "ffn_norm.sites.ffn", "attn.wq.out_site", "attn.wk.out_site",
-                          "attn.wv.out_site", "ffn.w_gate.out_site", "ffn.w_up.out_site"}
+    assert set(sites) == {"attn_norm.sites.attn", "ffn_norm.sites.ffn", "attn.wq.out_site",
+                          "attn.wk.out_site", "attn.wv.out_site", "ffn.w_gate.out_site",
+                          "ffn.w_up.out_site"}
     assert not any(s.behind_norm for s in sites.values())
     assert sites["attn.wk.out_site"].shape == (32,) and sites["ffn.w_up.out_site"].shape == (96,)
 
 
 def test_dnp_reuses_model_norms():
-    """On a model with QK-norm and post-norms, dnp makes their scales sites; it adds no second norm."""
+    """On a model with QK-norm and post-norms, dnp makes their scales sites; it adds no
+    second norm."""
     gemma = ["model.qk_norm=true", "model.post_norm=true"]
     x = tokens()
     base = build("baseline", *gemma)
@@ -128,11 +134,13 @@ def test_dual_before_a_model_norm_is_refused():
 @pytest.mark.parametrize("gemma", [False, True])
 @pytest.mark.parametrize("reading", ["rev2", "rev1"])
 def test_folding_preserves_logits(scale, gemma, reading):
-    extra = ["model.qk_norm=true", "model.post_norm=true", "model.tie_embeddings=false"] if gemma else []
+    extra = (["model.qk_norm=true", "model.post_norm=true", "model.tie_embeddings=false"] if gemma
+             else [])
     extra += [REV1] if reading == "rev1" else []
     if gemma and scale == "dp":
         # dual placement before the model's own QK-norm/post-norms is refused (tested below)
-        extra = [e for e in extra if e not in ("model.post_norm=true", REV1)] + ["scale.targets=[v,o,gate]"]
+        extra = ([e for e in extra if e not in ("model.post_norm=true", REV1)]
+                 + ["scale.targets=[v,o,gate]"])
     model = build(scale, *extra)
     randomize_sites(model)
     x = tokens(3)
@@ -144,7 +152,8 @@ def test_folding_preserves_logits(scale, gemma, reading):
         assert all(s.param == "fixed" for _, s in scale_sites(folded))
 
 
-MOE = ["model=moe-tiny", "model.moe.num_experts=4", "model.moe.expert_dim=16", "model.moe.num_shared_experts=1"]
+MOE = ["model=moe-tiny", "model.moe.num_experts=4", "model.moe.expert_dim=16",
+       "model.moe.num_shared_experts=1"]
 
 
 @pytest.mark.parametrize("scale", ["baseline", "hg", "dp", "dnp", "unified", "er"])
@@ -200,7 +209,8 @@ def test_iwd_decays_exactly_the_input_sites_magnitudes():
     # Revision 1's decay: every parameter of an input site.
     groups = classify(build("unified", "scale.reparam_decay=all_params"))
     assert sorted(n for n, _ in groups["scale_decay"]) == sorted(
-        f"{path}.{p}" for path, site in scale_sites(model) if site.role == "input" for p in ("beta", "alpha"))
+        f"{path}.{p}" for path, site in scale_sites(model) if site.role == "input"
+        for p in ("beta", "alpha"))
 
 
 def test_weight_decay_policies_all_and_none():
@@ -215,10 +225,11 @@ LR, WD = 0.01, 0.5
 
 
 def one_step(reparam: str, optim: str, decay: str, zero_grads: bool):
-    """A unified model under scale.reparam=`reparam`, after one optimizer step from random sites with
-    random (or zero) gradients: (sites before, their gradients, the model after)."""
-    cfg = make_config_shared("scale=unified", f"scale.reparam={reparam}", f"scale.reparam_decay={decay}", *SMALL,
-                      f"optim={optim}", f"optim.lr={LR}", f"optim.weight_decay={WD}")
+    """A unified model under scale.reparam=`reparam`, after one optimizer step from random sites
+    with random (or zero) gradients: (sites before, their gradients, the model after)."""
+    cfg = make_config_shared("scale=unified", f"scale.reparam={reparam}",
+                             f"scale.reparam_decay={decay}", *SMALL, f"optim={optim}",
+                             f"optim.lr={LR}", f"optim.weight_decay={WD}")
     model = Transformer(cfg.model, cfg.scale)
     model.init_weights(0)
     randomize_sites(model)
@@ -237,8 +248,9 @@ def one_step(reparam: str, optim: str, decay: str, zero_grads: bool):
 @pytest.mark.parametrize("optim", ["adamw", "muon"])
 @pytest.mark.parametrize("reparam", ["or", "er", "plain"])
 def test_decay_shrinks_s_by_the_decoupled_factor(reparam, optim):
-    """With no gradient, one step multiplies the s of every decayed (input) site by exactly 1 - lr*wd and
-    leaves output sites alone, whatever the parameterization (spec revision 2, in s-space)."""
+    """With no gradient, one step multiplies the s of every decayed (input) site by exactly
+    1 - lr*wd and leaves output sites alone, whatever the parameterization (spec revision 2,
+    in s-space)."""
     _, before, _, model = one_step(reparam, optim, "magnitude", zero_grads=True)
     for path, site in scale_sites(model):
         s_after = site().detach().clone()
@@ -252,9 +264,10 @@ def test_decay_shrinks_s_by_the_decoupled_factor(reparam, optim):
 @pytest.mark.parametrize("decay", ["magnitude", "all_params"])
 @pytest.mark.parametrize("reparam", ["or", "er"])
 def test_one_step_of_a_reparameterized_site_matches_the_closed_form(reparam, decay, optim):
-    """Adam's first step moves every parameter by lr * g / (|g| + eps); decay comes on top: in magnitude
-    mode beta <- beta (1 - lr wd), b <- b + log(1 - lr wd), alpha undecayed; in all_params mode every
-    parameter of the site p <- p (1 - lr wd) (revision 1). Output sites never decay under iwd."""
+    """Adam's first step moves every parameter by lr * g / (|g| + eps); decay comes on top: in
+    magnitude mode beta <- beta (1 - lr wd), b <- b + log(1 - lr wd), alpha undecayed; in all_params
+    mode every parameter of the site p <- p (1 - lr wd) (revision 1). Output sites never decay
+    under iwd."""
     cfg, before, grads, model = one_step(reparam, optim, decay, zero_grads=False)
     eps = cfg.optim.eps
     for path, site in scale_sites(model):

@@ -21,7 +21,8 @@ def test_preset_parameter_count_matches_its_name(preset):
     assert abs(total - SIZES[preset]) / SIZES[preset] <= 0.10, f"{preset}: {total:,}"
 
 
-@pytest.mark.parametrize("extra", [[], ["scale=unified"], ["model.qk_norm=true", "model.post_norm=true"]])
+@pytest.mark.parametrize("extra",
+                         [[], ["scale=unified"], ["model.qk_norm=true", "model.post_norm=true"]])
 def test_causality(extra):
     cfg = make_config_shared("model.n_layers=2", *extra)
     model = Transformer(cfg.model, cfg.scale)
@@ -35,7 +36,8 @@ def test_causality(extra):
 
 
 def test_forward_matches_a_plain_reference():
-    """One block written out by hand (repeat-kv attention with an explicit mask, rotate-half RoPE)."""
+    """One block written out by hand (repeat-kv attention with an explicit mask,
+    rotate-half RoPE)."""
     cfg = make_config_shared("model.n_layers=1", "model.tie_embeddings=false")
     model = Transformer(cfg.model, cfg.scale)
     model.init_weights(3)
@@ -75,8 +77,9 @@ def test_forward_matches_a_plain_reference():
 
 def test_init_depends_only_on_seed_and_name():
     """A parameter's initial value is a function of (seed, name): models that differ before it (the
-    embedding's size), around it (the scale sites of a strategy) and after it (an untied output head)
-    give every parameter they share the same value; another name or another seed gives another value."""
+    embedding's size), around it (the scale sites of a strategy) and after it (an untied output
+    head) give every parameter they share the same value; another name or another seed gives
+    another value."""
     models = {}
     for key, extra in {"base": [], "vocab": ["model.vocab_size=3000"], "unified": ["scale=unified"],
                        "untied": ["model.tie_embeddings=false"]}.items():
@@ -85,7 +88,8 @@ def test_init_depends_only_on_seed_and_name():
         models[key].init_weights(5)
     base = dict(models["base"].named_parameters())
     for key in ("vocab", "unified", "untied"):
-        shared = [(n, p) for n, p in models[key].named_parameters() if n in base and p.shape == base[n].shape]
+        shared = [(n, p) for n, p in models[key].named_parameters()
+                  if n in base and p.shape == base[n].shape]
         assert len(shared) >= 2 * 7, key  # at least the seven matrices of both blocks
         for name, p in shared:
             assert torch.equal(p, base[name]), (key, name)

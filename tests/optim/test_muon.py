@@ -13,7 +13,8 @@ SHAPES = [(48, 16), (16, 40), (32, 32)]  # tall, wide, square
 
 
 def _run(params, opt, steps, seed=1):
-    """`steps` optimizer steps on fixed random gradients (the same for any optimizer given the seed)."""
+    """`steps` optimizer steps on fixed random gradients (the same for any optimizer given the
+    seed)."""
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         for p in params:
@@ -34,7 +35,8 @@ def test_matches_torch_muon(lr_adjust, nesterov):
     _run(theirs, torch.optim.Muon(theirs, lr=0.02, nesterov=nesterov, adjust_lr_fn=lr_adjust), 5)
     for ns_dtype in (torch.bfloat16, torch.float32):
         ours = _leaves(init)
-        _run(ours, Muon(ours, lr=0.02, nesterov=nesterov, lr_adjust=lr_adjust, ns_dtype=ns_dtype), 5)
+        _run(ours, Muon(ours, lr=0.02, nesterov=nesterov, lr_adjust=lr_adjust, ns_dtype=ns_dtype),
+             5)
         for p0, a, b in zip(init, ours, theirs, strict=True):
             ours_update, their_update = a.detach() - p0, b.detach() - p0
             rel = ((ours_update - their_update).norm() / their_update.norm()).item()
@@ -86,11 +88,14 @@ def test_adamw_groups_match_torch_adamw():
                 {"params": ours[3:], "use_muon": False, "lr": 3e-3, "weight_decay": 0.0}],
                lr=0.02, weight_decay=0.1)
     theirs = _leaves(init)
-    muon_ref = torch.optim.Muon(theirs[:1], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
-    adamw_ref = torch.optim.AdamW([{"params": theirs[1:3]}, {"params": theirs[3:], "weight_decay": 0.0}],
+    muon_ref = torch.optim.Muon(theirs[:1], lr=0.02, weight_decay=0.1,
+                                adjust_lr_fn="match_rms_adamw")
+    adamw_ref = torch.optim.AdamW([{"params": theirs[1:3]},
+                                   {"params": theirs[3:], "weight_decay": 0.0}],
                                   lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     gen = torch.Generator().manual_seed(1)
-    # 70 steps: at step 69 Python's (1 - 0.95**69) ** 0.5, which torch's update uses, and sqrt() differ
+    # 70 steps: at step 69 Python's (1 - 0.95**69) ** 0.5, which torch's update uses, and sqrt()
+    # differ
     for _ in range(70):
         for a, b in zip(ours, theirs, strict=True):
             a.grad = torch.randn(a.shape, generator=gen)
@@ -109,7 +114,8 @@ def _mixed(params):
 
 
 # how a state saved before the AdamW step counters moved to the device may hold them
-SAVED_STEPS = {"as_saved": lambda t: t, "number": lambda t: t.item(), "float64": lambda t: t.double()}
+SAVED_STEPS = {"as_saved": lambda t: t, "number": lambda t: t.item(),
+               "float64": lambda t: t.double()}
 
 
 @pytest.mark.parametrize("saved_step", SAVED_STEPS)
@@ -135,8 +141,9 @@ def test_state_dict_round_trip(saved_step):
     opt2.load_state_dict(saved)
     assert opt2.param_groups[0]["ns_dtype"] == "float32" and opt2.param_groups[2]["lr"] == 3e-3
     steps = [s["step"] for s in opt2.state.values() if "step" in s]
-    assert len(steps) == 2 and all(isinstance(s, torch.Tensor) and s.dtype == torch.float32 and s.ndim == 0
-                                   and s.device == resumed[2].device and s.item() == 2 for s in steps)
+    assert len(steps) == 2 and all(isinstance(s, torch.Tensor) and s.dtype == torch.float32
+                                   and s.ndim == 0 and s.device == resumed[2].device
+                                   and s.item() == 2 for s in steps)
     # the remaining 3 steps see the gradients that steps 3..5 of the uninterrupted run saw
     gen = torch.Generator().manual_seed(1)
     for step in range(5):
@@ -152,10 +159,12 @@ def test_state_dict_round_trip(saved_step):
 def test_checkpoints_keep_the_group_key_names_they_were_written_with():
     """In memory a group has OptimConfig's names; its state stores them as checkpoints always did
     (adamw_betas, adamw_eps, and eps for Newton-Schulz; the `split` older ones hold is dropped)."""
-    params = _leaves([torch.randn(32, 24), torch.randn(2, 12, 20), torch.randn(24), torch.randn(9, 24)])
+    params = _leaves([torch.randn(32, 24), torch.randn(2, 12, 20), torch.randn(24),
+                      torch.randn(9, 24)])
     opt = _mixed(params)
     _run(params, opt, 1)
-    assert {"betas", "eps", "ns_eps"} <= set(opt.param_groups[0]) and "adamw_eps" not in opt.param_groups[0]
+    assert ({"betas", "eps", "ns_eps"} <= set(opt.param_groups[0])
+            and "adamw_eps" not in opt.param_groups[0])
     state = opt.state_dict()
     for group in state["param_groups"]:
         assert (group["adamw_betas"], group["adamw_eps"], group["eps"]) == ((0.9, 0.95), 1e-8, 1e-7)

@@ -1,4 +1,5 @@
-"""Muon under FSDP2 on 2 gloo processes against one plain process, and DCP resume across world sizes.
+"""Muon under FSDP2 on 2 gloo processes against one plain process, and DCP resume across world
+sizes.
 
 One spawned group of 2 ranks does all distributed work: FSDP, HSDP with the shard dimension live,
 HSDP with only the replica dimension live, a DCP save, and a resume of the one-process checkpoint.
@@ -29,7 +30,8 @@ def train(model, opt, steps, rank=0, world=1):
     """Global-batch losses of `steps`; each rank takes its share of the batch."""
     losses = []
     for step in steps:
-        tokens = torch.randint(0, VOCAB, (BATCH, 7), generator=torch.Generator().manual_seed(100 + step))
+        tokens = torch.randint(0, VOCAB, (BATCH, 7),
+                               generator=torch.Generator().manual_seed(100 + step))
         tokens = tokens.chunk(world)[rank]
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
@@ -80,7 +82,8 @@ def _worker(rank, workdir):
             out[name] = (losses, full_params(model))
         model, opt = build(init_device_mesh("cpu", (2,)), seed=1)
         load(model, opt, Path(workdir) / "ckpt_1process")
-        out["resumed_on_2"] = (train(model, opt, range(SAVE_AT, STEPS), rank, 2), full_params(model))
+        out["resumed_on_2"] = (train(model, opt, range(SAVE_AT, STEPS), rank, 2),
+                               full_params(model))
         if rank == 0:  # written whole or not at all; every result needed both ranks' collectives
             torch.save(out, Path(workdir) / "dist.tmp")
             os.replace(Path(workdir) / "dist.tmp", Path(workdir) / "dist.pt")
@@ -91,7 +94,8 @@ def _worker(rank, workdir):
 
 def _assert_params_close(got, want):
     for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-5,
+                                   msg=lambda m, n=n: f"{n}: {m}")
 
 
 def test_fsdp_matches_one_process_and_resumes_across_world_sizes(tmp_path):

@@ -1,8 +1,8 @@
 """Muon's device-side skip (step_where), on 1 process and on 2 gloo ranks under FSDP2 (row-sharded
 matrices orthogonalized on owner ranks, expert stacks, AdamW groups): a taken step equals
 Muon's plain step bit for bit, a skipped one (NaN gradients) leaves every parameter and state tensor
-bit-identical, and the step after it equals that of a run that never had it. The host never reads the
-flag (tests/training/test_host_reads.py counts reads in whole runs)."""
+bit-identical, and the step after it equals that of a run that never had it. The host never reads
+the flag (tests/training/test_host_reads.py counts reads in whole runs)."""
 
 import os
 from datetime import timedelta
@@ -27,7 +27,8 @@ def snapshot(model, opt) -> dict[str, torch.Tensor]:
 
 
 def backward(model, step: int, rank: int, world: int, poison: bool = False) -> None:
-    tokens = torch.randint(0, VOCAB, (BATCH, 7), generator=torch.Generator().manual_seed(100 + step)).chunk(world)[rank]
+    tokens = torch.randint(0, VOCAB, (BATCH, 7),
+                           generator=torch.Generator().manual_seed(100 + step)).chunk(world)[rank]
     loss = F.cross_entropy(model(tokens[:, :-1]).reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
     (loss * float("nan") if poison else loss).backward()
 
@@ -65,7 +66,8 @@ def mismatches(mesh, rank: int = 0, world: int = 1) -> list[str]:
     ref_opt.step()
     compare(snapshot(model, opt), snapshot(ref_model, ref_opt), "step after the skipped one")
     assert any(k.endswith("/step") for k in before) and all(
-        v.device.type == "cpu" and v.dtype == torch.float32 for k, v in before.items() if k.endswith("/step"))
+        v.device.type == "cpu" and v.dtype == torch.float32 for k, v in before.items()
+        if k.endswith("/step"))
     return bad
 
 

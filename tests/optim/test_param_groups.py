@@ -1,10 +1,12 @@
-"""Every parameter gets the learning rate, weight decay, decay rule and optimizer its config gives it.
+"""Every parameter gets the learning rate, weight decay, decay rule and optimizer its config gives
+it.
 
 The expectation comes from a table written here from the documented options (configs/optim/*.yaml,
 OptimConfig, ScaleConfig), not from the grouping code: which parameters are hidden matrices, the
-router, the embedding, the head, and which scale site (with its role) each site parameter belongs to.
-The check is behavioural: two optimizer steps of the optimizer the trainer builds, on random gradients,
-against torch.optim.AdamW / torch.optim.Muon stepping each parameter alone with the table's values.
+router, the embedding, the head, and which scale site (with its role) each site parameter belongs
+to. The check is behavioural: two optimizer steps of the optimizer the trainer builds, on random
+gradients, against torch.optim.AdamW / torch.optim.Muon stepping each parameter alone with the
+table's values.
 """
 
 import math
@@ -16,15 +18,17 @@ from scalevec_train.model import Transformer
 from scalevec_train.optim.groups import build_optimizer
 from tests.support.helpers import make_config
 
-# moe-tiny shrunk, one layer, untied head, under scale=unified (HG + DNP + IWD): sites of both roles.
-SMALL = ["model=moe-tiny", "model.dim=16", "model.n_heads=2", "model.n_kv_heads=1", "model.n_layers=1",
-         "model.ffn_dim=16", "model.moe.num_experts=2", "model.moe.expert_dim=8", "model.vocab_size=32",
-         "model.tie_embeddings=false", "scale=unified"]
+# moe-tiny shrunk, one layer, untied head, under scale=unified (HG + DNP + IWD): sites of both
+# roles.
+SMALL = ["model=moe-tiny", "model.dim=16", "model.n_heads=2", "model.n_kv_heads=1",
+         "model.n_layers=1", "model.ffn_dim=16", "model.moe.num_experts=2",
+         "model.moe.expert_dim=8", "model.vocab_size=32", "model.tie_embeddings=false",
+         "scale=unified"]
 EMBEDDING, HEAD, ROUTER = "tok_emb.weight", "head.weight", "layers.0.ffn.router.weight"
 MATRICES = ["layers.0.attn.wq.weight", "layers.0.attn.wk.weight", "layers.0.attn.wv.weight",
             "layers.0.attn.wo.weight", "layers.0.ffn.experts.w_gate", "layers.0.ffn.experts.w_up",
-            "layers.0.ffn.experts.w_down", "layers.0.ffn.shared.w_gate.weight", "layers.0.ffn.shared.w_up.weight",
-            "layers.0.ffn.shared.w_down.weight"]
+            "layers.0.ffn.experts.w_down", "layers.0.ffn.shared.w_gate.weight",
+            "layers.0.ffn.shared.w_up.weight", "layers.0.ffn.shared.w_down.weight"]
 SITES = {  # site -> role: input (right before a linear map) or output
     "layers.0.attn_norm.sites.q": "input", "layers.0.attn_norm.sites.k": "input",
     "layers.0.attn_norm.sites.v": "input", "layers.0.ffn_norm.sites.gate": "input",
@@ -49,13 +53,16 @@ CASES = {
     "adamw-er-all-magnitude-decay_embeddings-no_decay_head": [
         "optim=adamw", "scale.reparam=er", "scale.weight_decay=all", "optim.decay_embeddings=true",
         "optim.decay_head=false"],
-    "adamw-er-iwd-all_params": ["optim=adamw", "scale.reparam=er", "scale.reparam_decay=all_params"],
+    "adamw-er-iwd-all_params": ["optim=adamw", "scale.reparam=er",
+                                "scale.reparam_decay=all_params"],
     "muon-or-all-all_params-adamw_lr": ["optim=muon", "scale.reparam=or", "scale.weight_decay=all",
-                                        "scale.reparam_decay=all_params", f"optim.adamw_lr={ADAMW_LR}"],
+                                        "scale.reparam_decay=all_params",
+                                        f"optim.adamw_lr={ADAMW_LR}"],
     "muon-er-iwd-magnitude-muon_router-decay_embeddings": [
         "optim=muon", "scale.reparam=er", "optim.muon_router=true", "optim.decay_embeddings=true"],
-    "muon-plain-all-no_decay_head-adamw_lr": ["optim=muon", "scale.reparam=plain", "scale.weight_decay=all",
-                                              "optim.decay_head=false", f"optim.adamw_lr={ADAMW_LR}"],
+    "muon-plain-all-no_decay_head-adamw_lr": ["optim=muon", "scale.reparam=plain",
+                                              "scale.weight_decay=all", "optim.decay_head=false",
+                                              f"optim.adamw_lr={ADAMW_LR}"],
 }
 
 
@@ -75,8 +82,10 @@ def expected_table(overrides: list[str]) -> dict[str, tuple[str, float, float, s
     parts = PARTS[option(overrides, "scale.reparam", "or")]
 
     table = {name: ("muon" if muon else "adamw", LR, WD, "scale") for name in MATRICES}
-    table[ROUTER] = ("muon", LR, WD, "scale") if muon and muon_router else ("adamw", adamw_lr, WD, "scale")
-    table[EMBEDDING] = ("adamw", adamw_lr, WD if decay_embeddings else 0.0, "scale" if decay_embeddings else "none")
+    table[ROUTER] = (("muon", LR, WD, "scale") if muon and muon_router
+                     else ("adamw", adamw_lr, WD, "scale"))
+    table[EMBEDDING] = ("adamw", adamw_lr, WD if decay_embeddings else 0.0,
+                        "scale" if decay_embeddings else "none")
     table[HEAD] = ("adamw", adamw_lr, WD if decay_head else 0.0, "scale" if decay_head else "none")
     for site, role in SITES.items():
         for part in parts:
@@ -87,10 +96,11 @@ def expected_table(overrides: list[str]) -> dict[str, tuple[str, float, float, s
 
 def reference_step(p: torch.Tensor, grads: list[torch.Tensor], kind: str, lr: float, wd: float,
                    rule: str) -> torch.Tensor:
-    """`p` after the steps of torch's own optimizer with these values; a 3-D expert stack is a batch of
-    matrices, each its own Muon matrix."""
+    """`p` after the steps of torch's own optimizer with these values; a 3-D expert stack is a batch
+    of matrices, each its own Muon matrix."""
     if kind == "muon" and p.ndim == 3:
-        return torch.stack([reference_step(p[e], [g[e] for g in grads], kind, lr, wd, rule) for e in range(len(p))])
+        return torch.stack([reference_step(p[e], [g[e] for g in grads], kind, lr, wd, rule)
+                            for e in range(len(p))])
     x = p.detach().clone().requires_grad_()
     decay = wd if rule == "scale" else 0.0
     if kind == "muon":

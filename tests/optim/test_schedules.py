@@ -23,7 +23,8 @@ def test_cosine_closed_form():
     cfg = ScheduleConfig(name="cosine", warmup_steps=100, min_lr_ratio=0.1)
     assert lr_multiplier(cfg, 100, TOTAL) == pytest.approx(1.0)
     mid = 100 + 450
-    assert lr_multiplier(cfg, mid, TOTAL) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert (lr_multiplier(cfg, mid, TOTAL)
+            == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5))))
     assert lr_multiplier(cfg, TOTAL, TOTAL) == pytest.approx(0.1)
 
 

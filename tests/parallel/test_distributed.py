@@ -23,7 +23,8 @@ from scalevec_train.parallel.wrap import wrap_block
 
 
 def small_model(seed: int = 0) -> Transformer:
-    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16)
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64,
+                      max_seq_len=16)
     model = Transformer(cfg, ScaleConfig())
     model.init_weights(seed)
     return model
@@ -37,7 +38,8 @@ def train_once(model: Transformer, optimizer: torch.optim.Optimizer) -> None:
 
 
 def manager(run_dir: Path, model, optimizer, async_save: bool = False) -> CheckpointManager:
-    return CheckpointManager(run_dir, {"model": ModelState(model), "optim": OptimizerState(model, optimizer)},
+    return CheckpointManager(run_dir, {"model": ModelState(model),
+                                       "optim": OptimizerState(model, optimizer)},
                              records={}, info={}, keep_last=2, async_save=async_save)
 
 
@@ -58,11 +60,13 @@ def test_a_failed_save_leaves_the_last_good_checkpoint(tmp_path, monkeypatch):
 
     with monkeypatch.context() as m:
         m.setenv(FAULT_AT_ENV, "save.files:10=nospace")  # the shard file fails half written
-        with pytest.raises(CheckpointWriteError, match=r"step_000010: could not be written \(rank 0: OSError: "
+        with pytest.raises(CheckpointWriteError,
+                           match=r"step_000010: could not be written \(rank 0: OSError: "
                            r"\[Errno 28\] No space left on device"):
             saver.save(10)
     assert checkpoint_files.find_resume(tmp_path, "auto") == good
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000005"]  # no partial folder
+    # no partial folder
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000005"]
 
     fresh = small_model(seed=1)
     load_into(good, fresh)
@@ -112,7 +116,8 @@ class OpCounter(TorchDispatchMode):
 
 
 def backward_ops(ac: str) -> tuple[Counter, dict[str, torch.Tensor]]:
-    """The aten ops the backward pass runs under activation checkpointing `ac`, and the gradients."""
+    """The aten ops the backward pass runs under activation checkpointing `ac`, and the
+    gradients."""
     model = small_model()
     for block in model.layers:
         wrap_block(block, ac, compile_block=False)
@@ -131,7 +136,8 @@ def test_activation_checkpointing_recomputes_what_it_should_and_keeps_gradients(
     layers = 2
     assert none[silu] == 0
     # selective: element-wise work (SiLU) is recomputed, matmul outputs are not; full: both are (all
-    # of q, k, v, o, gate, up; recomputation stops before `down`, whose output backward never reads).
+    # of q, k, v, o, gate, up; recomputation stops before `down`, whose output backward never
+    # reads).
     assert selective[silu] == layers and selective[mm] == none[mm]
     assert full[silu] == layers and full[mm] >= none[mm] + layers * 6
     for name, g in grads.items():

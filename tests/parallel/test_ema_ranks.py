@@ -1,8 +1,10 @@
-"""The weight EMA on 2 gloo ranks (FSDP2: DTensor shards of the EMA, the replicated fp32 scale sites whole):
-the run of one process, the same EMA; 4 steps, a resume and 4 more give the EMA of 8 steps bit for bit;
-checkpoints of 1 process resume on 2 ranks and of 2 ranks on 1, the EMA resharded with the model.
-The MoE model with the unified strategy covers the sites and the routers' expert_bias. One group of 2
-ranks (tests/support/launch.py train_spawned) trains every 2-rank run (tests/support/train_many.py)."""
+"""The weight EMA on 2 gloo ranks (FSDP2: DTensor shards of the EMA, the replicated fp32 scale sites
+whole): the run of one process, the same EMA; 4 steps, a resume and 4 more give the EMA of 8 steps
+bit for bit; checkpoints of 1 process resume on 2 ranks and of 2 ranks on 1, the EMA resharded with
+the model.
+The MoE model with the unified strategy covers the sites and the routers' expert_bias. One group of
+2 ranks (tests/support/launch.py train_spawned) trains every 2-rank run
+(tests/support/train_many.py)."""
 
 import re
 import shutil
@@ -26,16 +28,18 @@ RUN = [*TINY_MOE, "model.moe.expert_dim=32", "model.moe.num_experts=4", "scale=u
        "schedule.warmup_steps=1", f"checkpoint.every={HALF}", "checkpoint.keep_last=4",
        "train.ema.half_life_tokens=256", "device=cpu", "data.num_workers=1"]
 # fp32 sums in another order over ranks and shards: about 1e-7 relative per step, grown by Adam's
-# normalized steps to a few 1e-6 in 8 steps; a rank's shard missing from the EMA, or a step more or less
-# in it, is off by about lr = 1e-2
+# normalized steps to a few 1e-6 in 8 steps; a rank's shard missing from the EMA, or a step more or
+# less in it, is off by about lr = 1e-2
 ATOL = 2e-5
-# as in test_world_sizes.py: sites whose magnitude the normalized maps after them cancel get rounding noise
-# for gradients, which Adam turns into moves of up to lr per step, different on every world size
+# as in test_world_sizes.py: sites whose magnitude the normalized maps after them cancel get
+# rounding noise for gradients, which Adam turns into moves of up to lr per step, different on every
+# world size
 CANCELLED = re.compile(r"(attn_norm\.sites\.[qkv]|ffn_norm\.sites\.(gate|up))\.beta$")
 
 
 def resumable_copy(run_dir: Path, dst: Path) -> Path:
-    """A copy of `run_dir` whose checkpoints after step HALF are incomplete (resume=auto passes them)."""
+    """A copy of `run_dir` whose checkpoints after step HALF are incomplete (resume=auto passes
+    them)."""
     shutil.copytree(run_dir, dst)
     for ckpt in (dst / "checkpoints").glob("step_*"):
         if int(ckpt.name.split("_")[1]) > HALF:
@@ -59,7 +63,8 @@ def runs(data_overrides, tmp_path_factory) -> dict[str, Path]:
     ]
     train_spawned(2, launch, root / "launch.json")
     two_to_one = resumable_copy(root / "two", root / "two_to_one")
-    run(make_config(*data_overrides, *RUN, f"train.steps={STEPS}", f"run_dir={two_to_one}", "resume=auto"))
+    run(make_config(*data_overrides, *RUN, f"train.steps={STEPS}", f"run_dir={two_to_one}",
+                    "resume=auto"))
     return {"one": one, "two": root / "two", "split": root / "split", "one_to_two": one_to_two,
             "two_to_one": two_to_one}
 
@@ -74,7 +79,8 @@ def assert_close_ema(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
     assert got.keys() == want.keys() and any(k.endswith("expert_bias") for k in want)
     for name, value in want.items():
         atol = 2 * STEPS * 1e-2 if CANCELLED.search(name) else ATOL
-        torch.testing.assert_close(got[name], value, rtol=0, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(got[name], value, rtol=0, atol=atol,
+                                   msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_two_ranks_keep_the_ema_of_one_process(runs, tmp_path):
@@ -84,7 +90,8 @@ def test_two_ranks_keep_the_ema_of_one_process(runs, tmp_path):
     for key in ("loss", "grad_norm", "val_loss", "val_loss_ema", "val_bpb_ema"):
         expected = curve(runs["one"], key)
         assert_same_curve(curve(runs["two"], key), expected, expected, what=key)
-    assert curve(runs["two"], "val_loss_ema")[STEPS] != pytest.approx(curve(runs["two"], "val_loss")[STEPS])
+    assert (curve(runs["two"], "val_loss_ema")[STEPS]
+            != pytest.approx(curve(runs["two"], "val_loss")[STEPS]))
 
 
 def test_a_resume_on_two_ranks_continues_the_ema_bit_for_bit(runs, tmp_path):
@@ -97,5 +104,5 @@ def test_a_resume_on_two_ranks_continues_the_ema_bit_for_bit(runs, tmp_path):
 def test_the_ema_reshards_to_another_world_size(runs, tmp_path, name, reference):
     assert_close_ema(ema(runs[name], tmp_path), ema(runs[reference], tmp_path))
     expected = {s: v for s, v in curve(runs[reference], "val_loss_ema").items() if s > HALF}
-    assert_same_curve({s: v for s, v in curve(runs[name], "val_loss_ema").items() if s > HALF}, expected, expected,
-                      what="val_loss_ema")
+    assert_same_curve({s: v for s, v in curve(runs[name], "val_loss_ema").items() if s > HALF},
+                      expected, expected, what="val_loss_ema")

@@ -1,8 +1,8 @@
-"""FP8 training (model.fp8, parallel/fp8.py), emulated on the CPU: which maps convert on every preset (a
-table written here from torchao's thresholds), each converted map against bf16 by signal-to-noise, the
-forward and backward on 2 gloo ranks against one process, torch.compile without a graph break,
-activation checkpointing equal to none, the default path without torchao, and the diagnostics of FP8's
-casts and gradients."""
+"""FP8 training (model.fp8, parallel/fp8.py), emulated on the CPU: which maps convert on every
+preset (a table written here from torchao's thresholds), each converted map against bf16 by
+signal-to-noise, the forward and backward on 2 gloo ranks against one process, torch.compile without
+a graph break, activation checkpointing equal to none, the default path without torchao, and the
+diagnostics of FP8's casts and gradients."""
 
 from contextlib import nullcontext
 from functools import partial
@@ -14,7 +14,11 @@ import torch.nn.functional as F
 from scalevec_train.infra.errors import ScalevecError
 from scalevec_train.model.layers import Linear
 from scalevec_train.model.transformer import Transformer
-from scalevec_train.parallel.data_parallel import parallelize, reduce_replicated_grads, replicated_params
+from scalevec_train.parallel.data_parallel import (
+    parallelize,
+    reduce_replicated_grads,
+    replicated_params,
+)
 from scalevec_train.parallel.fp8 import convert as convert_fp8
 from scalevec_train.parallel.fp8 import gathered_in_fp8, map_precisions, precompute_scales
 from scalevec_train.parallel.process_group import full_value
@@ -27,33 +31,39 @@ from tests.support.presets import SMALL_MODEL
 
 CPU = torch.device("cpu")
 MAPS = ("q", "k", "v", "o", "gate", "up", "down")
-PATHS = {"q": "attn.wq", "k": "attn.wk", "v": "attn.wv", "o": "attn.wo", "gate": "ffn.w_gate", "up": "ffn.w_up",
-         "down": "ffn.w_down"}
-# The block maps model.fp8_filter=auto converts, from torchao's size thresholds for weights [N out, K in]
-# (tensorwise: not K <= 4096 and N <= 1024; rowwise: N > 2048, K > 1024 and not N <= 4096 and K <= 2048),
-# worked out by hand for each preset's shapes.
+PATHS = {"q": "attn.wq", "k": "attn.wk", "v": "attn.wv", "o": "attn.wo", "gate": "ffn.w_gate",
+         "up": "ffn.w_up", "down": "ffn.w_down"}
+# The block maps model.fp8_filter=auto converts, from torchao's size thresholds for weights [N out,
+# K in] (tensorwise: not K <= 4096 and N <= 1024; rowwise: N > 2048, K > 1024 and not N <= 4096 and
+# K <= 2048), worked out by hand for each preset's shapes.
 AUTO = {
     "dense-tiny": {"tensorwise": (), "rowwise": ()},
     "dense-0.12b": {"tensorwise": ("gate", "up"), "rowwise": ()},  # 768 wide, FFN 2304
-    "dense-0.5b": {"tensorwise": ("q", "o", "gate", "up", "down"), "rowwise": ()},  # k, v: 512 x 1536
+    # k, v: 512 x 1536
+    "dense-0.5b": {"tensorwise": ("q", "o", "gate", "up", "down"), "rowwise": ()},
     "dense-gemma-0.5b": {"tensorwise": ("q", "o", "gate", "up", "down"), "rowwise": ()},
-    "dense-1b": {"tensorwise": ("q", "o", "gate", "up", "down"), "rowwise": ("gate", "up")},  # FFN 8192
-    "dense-2b": {"tensorwise": ("q", "o", "gate", "up", "down"), "rowwise": ("q", "o", "gate", "up", "down")},
+    # FFN 8192
+    "dense-1b": {"tensorwise": ("q", "o", "gate", "up", "down"), "rowwise": ("gate", "up")},
+    "dense-2b": {"tensorwise": ("q", "o", "gate", "up", "down"),
+                 "rowwise": ("q", "o", "gate", "up", "down")},
     "moe-0.5b": {"tensorwise": (), "rowwise": ()},  # attention 768 wide; experts stay
     "moe-2b": {"tensorwise": (), "rowwise": ()},  # attention 1024 x 1024: N <= 1024
 }
-# SNR floors (dB) of a converted map's output, input gradient and weight gradient against bf16's, per
-# recipe: e4m3 keeps 3 mantissa bits (about 28.5 dB measured on every map of SMALL_MODEL), tensorwise's
-# gradients are e5m2 (2 bits: about 24.5 dB); rowwise_with_gw_hp's weight gradient is bf16's own matmul.
-SNR_FLOOR = {"tensorwise": (26, 22, 22), "rowwise": (26, 26, 26), "rowwise_with_gw_hp": (26, 26, 40)}
-# SNR floors (dB) of 2 ranks' gradients (2 sequences each) against one process's: accumulated over the
-# same 2 micro-batches (measured: 53.9 dB under both recipes), and of one micro-batch of all 4 sequences
-# (measured: rowwise 51.8 dB, tensorwise 18.9 dB)
+# SNR floors (dB) of a converted map's output, input gradient and weight gradient against bf16's,
+# per recipe: e4m3 keeps 3 mantissa bits (about 28.5 dB measured on every map of SMALL_MODEL),
+# tensorwise's gradients are e5m2 (2 bits: about 24.5 dB); rowwise_with_gw_hp's weight gradient is
+# bf16's own matmul.
+SNR_FLOOR = {"tensorwise": (26, 22, 22), "rowwise": (26, 26, 26),
+             "rowwise_with_gw_hp": (26, 26, 40)}
+# SNR floors (dB) of 2 ranks' gradients (2 sequences each) against one process's: accumulated over
+# the same 2 micro-batches (measured: 53.9 dB under both recipes), and of one micro-batch of all 4
+# sequences (measured: rowwise 51.8 dB, tensorwise 18.9 dB)
 ACCUMULATED_FLOOR = 45
 WHOLE_BATCH_FLOOR = {"rowwise": 45, "tensorwise": 16}
 SMALL = [*SMALL_MODEL, "model.vocab_size=128", "device=cpu"]
 # tensorwise on every map whose dims divide by 16: the attention's, not the feed-forward's (40 wide)
-MIXED = [*SMALL, "model.ffn_dim=40", "model.fp8=tensorwise", "model.fp8_filter=all", "train.dtype=bf16"]
+MIXED = [*SMALL, "model.ffn_dim=40", "model.fp8=tensorwise", "model.fp8_filter=all",
+         "train.dtype=bf16"]
 
 
 def snr_db(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -63,7 +73,8 @@ def snr_db(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def converted(preset: str, recipe: str, fp8_filter: str = "auto") -> dict[str, set[str]]:
     """{layer index: the maps that convert} of a preset (built on the meta device)."""
-    cfg = make_config_shared(f"model={preset}", f"model.fp8={recipe}", f"model.fp8_filter={fp8_filter}")
+    cfg = make_config_shared(f"model={preset}", f"model.fp8={recipe}",
+                             f"model.fp8_filter={fp8_filter}")
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.scale)
     out: dict[str, set[str]] = {}
@@ -81,12 +92,14 @@ def test_the_filter_converts_the_maps_torchao_thresholds_pick_on_every_preset(pr
         cfg = make_config_shared(f"model={preset}")
         expected = set(AUTO[preset][recipe])
         found = converted(preset, recipe)
-        assert found == ({str(i): expected for i in range(cfg.model.n_layers)} if expected else {}), recipe
-    # rowwise_with_gw_hp takes rowwise's thresholds; `all` converts every block map (all dims divide by 16),
-    # an MoE layer's attention maps (its experts stay)
+        assert found == ({str(i): expected for i in range(cfg.model.n_layers)} if expected
+                         else {}), recipe
+    # rowwise_with_gw_hp takes rowwise's thresholds; `all` converts every block map (all dims divide
+    # by 16), an MoE layer's attention maps (its experts stay)
     assert converted(preset, "rowwise_with_gw_hp") == converted(preset, "rowwise")
     every = set(MAPS[:4]) if preset.startswith("moe") else set(MAPS)
-    assert converted(preset, "tensorwise", "all") == {str(i): every for i in range(cfg.model.n_layers)}
+    assert converted(preset, "tensorwise", "all") == {str(i): every
+                                                      for i in range(cfg.model.n_layers)}
 
 
 def test_no_other_matrix_converts_and_each_says_why():
@@ -95,17 +108,20 @@ def test_no_other_matrix_converts_and_each_says_why():
     with torch.device("meta"):
         rows = {r.name: r for r in map_precisions(Transformer(cfg.model, cfg.scale))}
     kept = {name: r.why for name, r in rows.items() if not r.fp8}
-    assert kept["tok_emb.weight"].startswith("the embedding") and kept["head.weight"].startswith("the output head")
+    assert (kept["tok_emb.weight"].startswith("the embedding")
+            and kept["head.weight"].startswith("the output head"))
     assert kept["layers.0.ffn.router.weight"] == "the router: scores in fp32"
     assert kept["layers.0.ffn.experts.w_gate"].startswith("an expert stack")
     assert kept["layers.0.ffn.shared.w_up.weight"].startswith("the shared expert")
-    assert {name for name, r in rows.items() if r.fp8} == {f"layers.{i}.{PATHS[m]}.weight" for i in range(4)
-                                                          for m in ("q", "k", "v", "o")}
-    odd = make_config_shared("model=dense-tiny", "model.ffn_dim=40", "model.fp8=tensorwise", "model.fp8_filter=all")
+    assert ({name for name, r in rows.items() if r.fp8}
+            == {f"layers.{i}.{PATHS[m]}.weight" for i in range(4) for m in ("q", "k", "v", "o")})
+    odd = make_config_shared("model=dense-tiny", "model.ffn_dim=40", "model.fp8=tensorwise",
+                             "model.fp8_filter=all")
     with torch.device("meta"):
         rows = {r.name: r for r in map_precisions(Transformer(odd.model, odd.scale))}
     assert not rows["layers.0.ffn.w_up.weight"].fp8 and rows["layers.0.attn.wq.weight"].fp8
-    assert rows["layers.0.ffn.w_up.weight"].why == "40x256: a dim not divisible by 16, which the FP8 matmul needs"
+    assert rows["layers.0.ffn.w_up.weight"].why == ("40x256: a dim not divisible by 16, which the "
+                                                    "FP8 matmul needs")
 
 
 def small_model(*overrides: str) -> Transformer:
@@ -127,7 +143,8 @@ def test_every_converted_map_is_within_its_snr_floor_of_bf16(recipe, scale):
             assert m.matmul is not F.linear
             matmuls[name] = m.matmul
 
-            def recorded(x, w, name=name):  # what the map's matmul is given (gate and up: by project())
+            # what the map's matmul is given (gate and up: by project())
+            def recorded(x, w, name=name):
                 inputs[name] = x.detach()
                 return matmuls[name](x, w)
             m.matmul = recorded
@@ -137,7 +154,8 @@ def test_every_converted_map_is_within_its_snr_floor_of_bf16(recipe, scale):
     assert len(inputs) == 14
     for name, x in inputs.items():
         linear = model.get_submodule(name)
-        grad = torch.randn(*x.shape[:-1], linear.weight.shape[0], generator=torch.Generator().manual_seed(1))
+        grad = torch.randn(*x.shape[:-1], linear.weight.shape[0],
+                           generator=torch.Generator().manual_seed(1))
         results = []
         for matmul in (matmuls[name], F.linear):
             x_, w = x.clone().requires_grad_(), linear.weight.detach().clone().requires_grad_()
@@ -148,21 +166,24 @@ def test_every_converted_map_is_within_its_snr_floor_of_bf16(recipe, scale):
         (y, gx, gw), (y_ref, gx_ref, gw_ref) = results
         assert y.dtype == y_ref.dtype == torch.bfloat16 and gw.dtype == torch.float32
         floors = SNR_FLOOR[recipe]
-        for what, got, want, floor in zip(("output", "input grad", "weight grad"), (y, gx, gw), (y_ref, gx_ref, gw_ref),
-                                          floors, strict=True):
+        for what, got, want, floor in zip(("output", "input grad", "weight grad"), (y, gx, gw),
+                                          (y_ref, gx_ref, gw_ref), floors, strict=True):
             assert snr_db(got, want) >= floor, (name, what)
 
 
-def loss_and_grads(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def loss_and_grads(model: Transformer,
+                   tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
     loss.backward()
-    return loss.detach(), {n: full_value(p.grad).detach().clone() for n, p in model.named_parameters()}
+    return loss.detach(), {n: full_value(p.grad).detach().clone()
+                           for n, p in model.named_parameters()}
 
 
 def test_activation_checkpointing_computes_what_keeping_every_activation_does():
     tokens = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(0))
-    reference = loss_and_grads(small_model("scale=unified", "model.fp8=tensorwise", "model.fp8_filter=all"), tokens)
+    reference = loss_and_grads(small_model("scale=unified", "model.fp8=tensorwise",
+                                           "model.fp8_filter=all"), tokens)
     for mode in ("selective", "full"):
         model = small_model("scale=unified", "model.fp8=tensorwise", "model.fp8_filter=all",
                             f"distributed.activation_checkpointing={mode}")
@@ -190,23 +211,26 @@ def test_compiled_blocks_trace_fp8_in_one_graph_and_match_eager():
 def _ranks(rank: int, world: int, store: str, out: str, recipe: str) -> None:
     with gloo_group(store, rank, world):
         model = small_model(f"model.fp8={recipe}", "model.fp8_filter=all", "train.dtype=bf16")
-        tokens = torch.randint(0, 128, (4, 33), generator=torch.Generator().manual_seed(0))[rank::world]
+        tokens = torch.randint(0, 128, (4, 33),
+                               generator=torch.Generator().manual_seed(0))[rank::world]
         loss, grads = loss_and_grads(model, tokens)
         replicated = replicated_params(model)
         reduce_replicated_grads(replicated)
         ids = {id(p) for p in replicated}
         grads.update({n: p.grad for n, p in model.named_parameters() if id(p) in ids})
-        # each rank's own loss; FSDP's reduce-scatter averaged the gradients, the sites' all-reduce theirs
+        # each rank's own loss; FSDP's reduce-scatter averaged the gradients, the sites' all-reduce
+        # theirs
         torch.save({"loss": loss, "grads": grads}, f"{out}/rank{rank}.pt")
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_two_gloo_ranks_compute_what_one_process_does(recipe, tmp_path):
-    """Under FSDP2 (bf16 weights all-gathered: gloo has no FP8 collectives) against one process (bf16
-    autocast) on the same 4 sequences. Each rank's loss is what one process gives its 2 sequences, and
-    the averaged gradients what one process accumulates over them as 2 micro-batches; against the
-    gradients of one micro-batch of all 4, rowwise stays close (it scales the gradient's columns over
-    the tokens of a micro-batch), tensorwise within its bound (one scale per micro-batch's tensor)."""
+    """Under FSDP2 (bf16 weights all-gathered: gloo has no FP8 collectives) against one process
+    (bf16 autocast) on the same 4 sequences. Each rank's loss is what one process gives its 2
+    sequences, and the averaged gradients what one process accumulates over them as 2 micro-batches;
+    against the gradients of one micro-batch of all 4, rowwise stays close (it scales the gradient's
+    columns over the tokens of a micro-batch), tensorwise within its bound (one scale per
+    micro-batch's tensor)."""
     spawn(_ranks, (2, str(tmp_path / "store"), str(tmp_path), recipe))
     tokens = torch.randint(0, 128, (4, 33), generator=torch.Generator().manual_seed(0))
     model = small_model(f"model.fp8={recipe}", "model.fp8_filter=all", "train.dtype=bf16")
@@ -226,21 +250,23 @@ def test_the_default_path_never_imports_torchao_and_fp8_without_it_says_how_to_i
     hide_package(monkeypatch, "torchao")
     model = small_model()
     assert all(m.matmul is F.linear for m in model.modules() if isinstance(m, Linear))
-    with pytest.raises(ScalevecError, match=r"model.fp8: needs torchao.*pip install torchao==0.18.0"):
+    with pytest.raises(ScalevecError,
+                       match=r"model.fp8: needs torchao.*pip install torchao==0.18.0"):
         small_model("model.fp8=rowwise")
 
 
 def test_fp8_diagnostics_are_the_casts_and_gradients_computed_here():
-    """map_input_stats' FP8 shares against torch's own float8 cast of each input with tensorwise's scale
-    (the format's largest value over the input's amax), and fp8_grad_snr against the gradients of a
-    second model with the same weights and no FP8."""
+    """map_input_stats' FP8 shares against torch's own float8 cast of each input with tensorwise's
+    scale (the format's largest value over the input's amax), and fp8_grad_snr against the gradients
+    of a second model with the same weights and no FP8."""
     model = small_model("model.fp8=tensorwise", "model.fp8_filter=all")
     tokens = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(0))
     inputs, matmuls = {}, {}
     for name, m in model.named_modules():
         if isinstance(m, Linear):
             matmuls[name] = m.matmul
-            m.matmul = lambda x, w, name=name: (inputs.__setitem__(name, x.detach()), matmuls[name](x, w))[1]
+            m.matmul = lambda x, w, name=name: (inputs.__setitem__(name, x.detach()),
+                                                matmuls[name](x, w))[1]
     with torch.no_grad():
         model(tokens[:, :-1])
     for name, m in model.named_modules():
@@ -252,12 +278,17 @@ def test_fp8_diagnostics_are_the_casts_and_gradients_computed_here():
     for name, x in inputs.items():
         key = "diag/layer" + name.removeprefix("layers.").replace(".", "/", 1)
         fp8 = (x * (e4m3 / x.abs().max())).to(torch.float8_e4m3fn).float()
-        got_ = {k.removeprefix(key + "/"): float(v) for k, v in got.items() if k.startswith(key + "/")}
-        assert got_["fp8_underflow"] == pytest.approx(float(((fp8 == 0) & (x != 0)).sum() / (x != 0).sum()), abs=1e-6)
-        assert got_["fp8_saturated"] == pytest.approx(float((fp8.abs() == e4m3).float().mean()), abs=1e-6)
+        got_ = {k.removeprefix(key + "/"): float(v) for k, v in got.items()
+                if k.startswith(key + "/")}
+        assert got_["fp8_underflow"] == pytest.approx(float(((fp8 == 0) & (x != 0)).sum()
+                                                            / (x != 0).sum()), abs=1e-6)
+        assert got_["fp8_saturated"] == pytest.approx(float((fp8.abs() == e4m3).float().mean()),
+                                                      abs=1e-6)
         assert got_["fp8_saturated"] > 0  # the amax itself
-        assert got_["in_max_rms"] == pytest.approx(float(x.abs().max() / x.square().mean().sqrt()), rel=1e-5)
-    snr = fp8_grad_snr(model, tokens[:, :-1], tokens[:, 1:], None, partial(torch.autocast, "cpu", dtype=torch.bfloat16))
+        assert got_["in_max_rms"] == pytest.approx(float(x.abs().max() / x.square().mean().sqrt()),
+                                                   rel=1e-5)
+    snr = fp8_grad_snr(model, tokens[:, :-1], tokens[:, 1:], None,
+                       partial(torch.autocast, "cpu", dtype=torch.bfloat16))
     assert all(p.grad is None for p in model.parameters())  # dropped after
     reference = small_model()
     reference.load_state_dict(model.state_dict())
@@ -266,7 +297,8 @@ def test_fp8_diagnostics_are_the_casts_and_gradients_computed_here():
     for name in inputs:
         key = "diag/layer" + name.removeprefix("layers.").replace(".", "/", 1) + "/fp8_grad_snr_db"
         weight = f"{name}.weight"
-        assert float(snr[key]) == pytest.approx(snr_db(fp8_grads[weight], bf16_grads[weight]), rel=1e-4), key
+        assert float(snr[key]) == pytest.approx(snr_db(fp8_grads[weight], bf16_grads[weight]),
+                                                rel=1e-4), key
 
 
 def _gathered_in_fp8(rank: int, world: int, store: str, out: str) -> None:
@@ -277,7 +309,8 @@ def _gathered_in_fp8(rank: int, world: int, store: str, out: str) -> None:
         convert_fp8(model, CPU, all_gather=True)  # what parallelize does on NCCL
         model = parallelize(model, cfg.distributed, CPU, seed=0, dtype=cfg.train.dtype)
         weights = gathered_in_fp8(model)
-        tokens = torch.randint(0, 128, (4, 33), generator=torch.Generator().manual_seed(0))[rank::world]
+        tokens = torch.randint(0, 128, (4, 33),
+                               generator=torch.Generator().manual_seed(0))[rank::world]
         loss, _ = loss_and_grads(model, tokens)
         precompute_scales(weights)
         scales = {n: p._local_tensor._precomputed_scale for n, p in model.named_parameters()
@@ -287,11 +320,12 @@ def _gathered_in_fp8(rank: int, world: int, store: str, out: str) -> None:
 
 
 def test_tensorwise_weights_all_gathered_in_fp8_and_their_scales_precomputed(tmp_path):
-    """The NCCL path on 2 gloo ranks, whose all-gather takes FP8 where a block's group also holds weights of
-    another dtype (gloo has no FP8 collectives): here the feed-forward's, 40 wide, which stay bf16. Each
-    rank's loss is that of the bf16 all-gather within FP8's error (the gathered weight is cast from the
-    fp32 shard, not from its bf16 copy), and precompute_scales gives every FP8 weight the scale of its whole
-    value: the format's largest magnitude over the weight's amax."""
+    """The NCCL path on 2 gloo ranks, whose all-gather takes FP8 where a block's group also holds
+    weights of another dtype (gloo has no FP8 collectives): here the feed-forward's, 40 wide, which
+    stay bf16. Each rank's loss is that of the bf16 all-gather within FP8's error (the gathered
+    weight is cast from the fp32 shard, not from its bf16 copy), and precompute_scales gives every
+    FP8 weight the scale of its whole value: the format's largest magnitude over the weight's
+    amax."""
     spawn(_gathered_in_fp8, (2, str(tmp_path / "store"), str(tmp_path)))
     tokens = torch.randint(0, 128, (4, 33), generator=torch.Generator().manual_seed(0))
     model = small_model(*MIXED[len(SMALL):])
@@ -303,4 +337,5 @@ def test_tensorwise_weights_all_gathered_in_fp8_and_their_scales_precomputed(tmp
         assert sorted(got["scales"]) == sorted(f"layers.{i}.{PATHS[m]}.weight" for i in range(2)
                                                for m in ("q", "k", "v", "o"))
         for name, scale in got["scales"].items():
-            assert torch.allclose(scale, e4m3 / got["full"][name].abs().max().float(), rtol=1e-6), name
+            assert torch.allclose(scale, e4m3 / got["full"][name].abs().max().float(),
+                                  rtol=1e-6), name

@@ -1,7 +1,7 @@
-"""FP8 training end to end on the CPU (emulated): a tiny model's training loss under tensorwise and rowwise
-stays within a stated bound of bf16's over 30 steps, under baseline and unified, with the diagnostics of
-FP8 recorded; a checkpoint trained in FP8 resumes without it and one trained without it resumes in FP8
-(the same parameters and states)."""
+"""FP8 training end to end on the CPU (emulated): a tiny model's training loss under tensorwise and
+rowwise stays within a stated bound of bf16's over 30 steps, under baseline and unified, with the
+diagnostics of FP8 recorded; a checkpoint trained in FP8 resumes without it and one trained without
+it resumes in FP8 (the same parameters and states)."""
 
 import json
 import shutil
@@ -21,16 +21,18 @@ RUN = [*SMALL_MODEL, *SHORT_RUN, "train.dtype=bf16", "model.fp8_filter=all", f"t
        "train.log_every=1", "checkpoint.every=15", "checkpoint.keep_last=2", "optim.lr=0.01",
        "train.diagnostics_every=10"]
 RECIPES = ("none", "tensorwise", "rowwise")
-# |loss under FP8 - loss under bf16| at every step of the 30, and of their means over the last 10 steps.
-# Measured (largest step gap / last-10 gap): baseline tensorwise 0.061 / 0.027, rowwise 0.042 / 0.006;
-# unified tensorwise 0.107 / 0.024, rowwise 0.108 / 0.009
+# |loss under FP8 - loss under bf16| at every step of the 30, and of their means over the last 10
+# steps.
+# Measured (largest step gap / last-10 gap): baseline tensorwise 0.061 / 0.027, rowwise 0.042 /
+# 0.006; unified tensorwise 0.107 / 0.024, rowwise 0.108 / 0.009
 LOSS_BOUND, MEAN_BOUND = 0.15, 0.05
 
 
 @pytest.fixture(scope="module")
 def runs(data_overrides, tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8")
-    return {(scale, recipe): run(make_config(*data_overrides, *RUN, f"scale={scale}", f"model.fp8={recipe}",
+    return {(scale, recipe): run(make_config(*data_overrides, *RUN, f"scale={scale}",
+                                             f"model.fp8={recipe}",
                                              f"run_dir={root / f'{scale}-{recipe}'}"))
             for scale in ("baseline", "unified") for recipe in RECIPES}
 
@@ -45,7 +47,8 @@ def test_the_loss_under_fp8_stays_within_its_bound_of_bf16(runs, scale):
         last = [s for s in bf16 if s > STEPS - 10]
         assert 0 < max(gaps) <= LOSS_BOUND, recipe  # FP8 did change the computation, by little
         assert abs(mean(fp8[s] for s in last) - mean(bf16[s] for s in last)) <= MEAN_BOUND, recipe
-        # the diagnostics measure FP8's casts and gradients on every converted map, bf16 runs only the outliers
+        # the diagnostics measure FP8's casts and gradients on every converted map, bf16 runs only
+        # the outliers
         snr = curve(runs[scale, recipe], "diag/layer1/ffn.w_down/fp8_grad_snr_db")
         assert sorted(snr) == [10, 20, 30] and all(10 < v < 40 for v in snr.values()), recipe
     assert not curve(runs[scale, "none"], "diag/layer1/ffn.w_down/fp8_underflow")
@@ -65,15 +68,18 @@ def truncated(run_dir, tmp_path, step: int):
 
 
 @pytest.mark.parametrize("trained,resumed", [("tensorwise", "none"), ("none", "rowwise")])
-def test_a_checkpoint_resumes_across_fp8_on_and_off(data_overrides, runs, tmp_path, trained, resumed):
+def test_a_checkpoint_resumes_across_fp8_on_and_off(data_overrides, runs, tmp_path, trained,
+                                                    resumed):
     source = runs["baseline", trained]
-    # the same parameter names, shapes and dtypes, and the same optimizer states, with FP8 or without
-    states = [{k: (v.shape, v.dtype) for k, v in trained_state(step_dir(runs["baseline", r], 15), tmp_path).items()}
+    # the same parameter names, shapes and dtypes, and the same optimizer states, with FP8 or
+    # without
+    states = [{k: (v.shape, v.dtype)
+               for k, v in trained_state(step_dir(runs["baseline", r], 15), tmp_path).items()}
               for r in (trained, resumed)]
     assert states[0] == states[1] and "model/layers.0.attn.wq.weight" in states[0]
     copied = truncated(source, tmp_path, 15)
-    run(make_config(*data_overrides, *RUN, "scale=baseline", f"model.fp8={resumed}", "resume_changes=[model.fp8]",
-                    f"run_dir={copied}", "resume=auto"))
+    run(make_config(*data_overrides, *RUN, "scale=baseline", f"model.fp8={resumed}",
+                    "resume_changes=[model.fp8]", f"run_dir={copied}", "resume=auto"))
     [entry] = read_resumes(copied)
     assert entry["step"] == 15 and entry["changes"] == {
         "model.fp8": {"from": trained, "to": resumed, "kind": "deliberate"}}

@@ -1,13 +1,14 @@
-"""Leaving the process group ends it: when the training command returns on 2 gloo ranks, its groups are
-freed and no gloo thread runs on (docs/guides/reliability.md, "Leaving cleanly").
+"""Leaving the process group ends it: when the training command returns on 2 gloo ranks, its groups
+are freed and no gloo thread runs on (docs/guides/reliability.md, "Leaving cleanly").
 
 A gloo group's worker threads end only when the group is freed, and destroy_process_group() does not
-free a group that something still holds: FSDP2's DeviceMesh (kept by torch's DTensor caches for the life
-of the process), the async checkpoint's group, a traceback's frames. Threads left running into interpreter
-finalization made a rank abort now and then after a run that had saved everything. Checked after a
-finished Muon run with FSDP and async checkpoints, and after a run that diverges (a ScalevecError: exit
-code 3): the world group is gone (a weak reference to it is dead), and no thread named as torch names a
-gloo group's threads is alive, while the same names were there when the group was up.
+free a group that something still holds: FSDP2's DeviceMesh (kept by torch's DTensor caches for the
+life of the process), the async checkpoint's group, a traceback's frames. Threads left running into
+interpreter finalization made a rank abort now and then after a run that had saved everything.
+Checked after a finished Muon run with FSDP and async checkpoints, and after a run that diverges (a
+ScalevecError: exit code 3): the world group is gone (a weak reference to it is dead), and no thread
+named as torch names a gloo group's threads is alive, while the same names were there when the group
+was up.
 """
 
 import json
@@ -30,37 +31,41 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads thread na
 
 GLOO_THREADS = {"pt_gloo_runloop", "gloo_tcp_loop"}
 PF_EXITING = 0x4  # a task's flag once it has begun to exit (linux/sched.h)
-RUN = [*TINY_MODEL, *(o for o in SHORT_RUN if not o.startswith("train.micro_batch=")), "train.micro_batch=2",
-       "train.steps=4", "train.log_every=1"]
+RUN = [*TINY_MODEL, *(o for o in SHORT_RUN if not o.startswith("train.micro_batch=")),
+       "train.micro_batch=2", "train.steps=4", "train.log_every=1"]
 
 
 def gloo_threads() -> list[str]:
-    """The gloo threads of this process, by name; one that is exiting counts as gone (a joined thread is
-    listed until the kernel has released it)."""
+    """The gloo threads of this process, by name; one that is exiting counts as gone (a joined
+    thread is listed until the kernel has released it)."""
     found = []
     for task in Path("/proc/self/task").iterdir():
         try:
             stat = (task / "stat").read_text()
         except FileNotFoundError:  # released meanwhile
             continue
-        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        name, fields = (stat[stat.index("(") + 1:stat.rindex(")")],
+                        stat[stat.rindex(")") + 2:].split())
         if name in GLOO_THREADS and not int(fields[6]) & PF_EXITING:
             found.append(name)
     return found
 
 
 def _rank(rank: int, world: int, store: str, out: str, overrides: list[str]) -> None:
-    # the command's own init() joins nothing when a group exists: this one meets in a file, not on a port
+    # the command's own init() joins nothing when a group exists: this one meets in a file, not on a
+    # port
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     dist.barrier()  # a worker thread has run a collective: it has named itself
     during, world_group = gloo_threads(), weakref.ref(dist.group.WORLD)
     try:
-        train.main.__wrapped__(compose_raw(overrides))  # the command's body, without Hydra's argv parsing
+        # the command's body, without Hydra's argv parsing
+        train.main.__wrapped__(compose_raw(overrides))
         code = 0
     except SystemExit as e:
         code = e.code
     Path(out, f"rank{rank}.json").write_text(json.dumps(
-        {"code": code, "during": during, "after": gloo_threads(), "world_alive": world_group() is not None}))
+        {"code": code, "during": during, "after": gloo_threads(),
+         "world_alive": world_group() is not None}))
 
 
 def leave(tmp_path: Path, overrides: list[str]) -> list[dict]:

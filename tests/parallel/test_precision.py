@@ -1,6 +1,6 @@
 """Scale sites stay fp32 under FSDP2 mixed precision (spec, precision): with a bf16
-MixedPrecisionPolicy on 2 gloo ranks, the s every site hands the forward pass is fp32 and equal to the
-one-process value, while the matrices compute in bf16."""
+MixedPrecisionPolicy on 2 gloo ranks, the s every site hands the forward pass is fp32 and equal to
+the one-process value, while the matrices compute in bf16."""
 
 import torch
 
@@ -13,8 +13,8 @@ from tests.support.launch import gloo_group, spawn
 from tests.support.parallel import site_values
 from tests.support.presets import SMALL_MODEL
 
-OVERRIDES = ["scale=unified", *SMALL_MODEL, "model.vocab_size=128", "train.dtype=bf16", "device=cpu",
-             "train.micro_batch=8"]
+OVERRIDES = ["scale=unified", *SMALL_MODEL, "model.vocab_size=128", "train.dtype=bf16",
+             "device=cpu", "train.micro_batch=8"]
 
 
 def tokens() -> torch.Tensor:
@@ -26,15 +26,18 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
         cfg = make_config(*OVERRIDES, world_size=world)
         with torch.device("meta"):
             model = Transformer(cfg.model, cfg.scale)
-        model = parallelize(model, cfg.distributed, torch.device("cpu"), seed=0, dtype=cfg.train.dtype)
+        model = parallelize(model, cfg.distributed, torch.device("cpu"), seed=0,
+                            dtype=cfg.train.dtype)
         site_values(model)
         seen: dict[str, object] = {}
         for path, module in model.named_modules():
             if isinstance(module, ScaleSite):
-                module.register_forward_hook(lambda m, args, s, path=path: seen.__setitem__(path, s.detach()))
+                module.register_forward_hook(
+                    lambda m, args, s, path=path: seen.__setitem__(path, s.detach()))
             elif isinstance(module, Linear):
                 module.register_forward_hook(
-                    lambda m, args, y, path=path: seen.__setitem__(f"{path}:weight", m.weight.dtype))
+                    lambda m, args, y, path=path: seen.__setitem__(f"{path}:weight",
+                                                                   m.weight.dtype))
         model(tokens()).float().sum().backward()
         params = {n: p.dtype for n, p in model.named_parameters() if "site" in n}
         torch.save({"seen": seen, "param_dtypes": params}, f"{out}/rank{rank}.pt")

@@ -1,11 +1,12 @@
-"""One precision regime (docs/concepts/architecture.md, "Precision"): train.dtype=bf16 on one process (autocast)
-and on 2 gloo ranks (autocast + FSDP2 bf16 mixed precision) hand the fused ops the same dtypes, call by
-call, for dense and MoE models under baseline and unified: the residual stream and every activation
-bf16, every scale fp32, the outputs bf16, and the same dtypes saved for the backward.
+"""One precision regime (docs/concepts/architecture.md, "Precision"): train.dtype=bf16 on one
+process (autocast) and on 2 gloo ranks (autocast + FSDP2 bf16 mixed precision) hand the fused ops
+the same dtypes, call by call, for dense and MoE models under baseline and unified: the residual
+stream and every activation bf16, every scale fp32, the outputs bf16, and the same dtypes saved for
+the backward.
 
 The record comes from the real ops: each fused op the model calls (rms_norm_scales, head_rms_norm,
-swiglu_norm; on CPU their PyTorch paths) is wrapped where the model looks it up, and notes the dtypes
-of its tensor arguments, of its outputs, and of the tensors autograd saves inside it.
+swiglu_norm; on CPU their PyTorch paths) is wrapped where the model looks it up, and notes the
+dtypes of its tensor arguments, of its outputs, and of the tensors autograd saves inside it.
 """
 
 import contextlib
@@ -24,7 +25,8 @@ from tests.support.launch import gloo_group, spawn
 from tests.support.parallel import site_values
 from tests.support.presets import SMALL_MODEL
 
-SMALL = [*SMALL_MODEL, "model.vocab_size=128", "train.dtype=bf16", "device=cpu", "train.micro_batch=8"]
+SMALL = [*SMALL_MODEL, "model.vocab_size=128", "train.dtype=bf16", "device=cpu",
+         "train.micro_batch=8"]
 MOE = ["model=moe-tiny", "model.moe.num_experts=4", "model.moe.expert_dim=32"]
 CASES = {
     "dense-baseline": ["scale=baseline"],
@@ -33,7 +35,8 @@ CASES = {
     "moe-unified": [*MOE, "scale=unified"],
 }
 # Where the model looks each fused op up.
-FUSED = [(layers, "rms_norm_scales"), (layers, "head_rms_norm"), (swiglu, "swiglu_norm"), (moe, "rms_norm_scales")]
+FUSED = [(layers, "rms_norm_scales"), (layers, "head_rms_norm"), (swiglu, "swiglu_norm"),
+         (moe, "rms_norm_scales")]
 # Which arguments of each op are scales (the others that are floating point are activations).
 SCALE_ARGS = {"rms_norm_scales": {1}, "head_rms_norm": {1}, "swiglu_norm": {2, 3}}
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -64,7 +67,8 @@ def recording(log: list):
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = fn(*args, **kwargs)
-            log.append((name, _dtypes(args), _dtypes(kwargs.get("residual")), _dtypes(out), tuple(saved)))
+            log.append((name, _dtypes(args), _dtypes(kwargs.get("residual")), _dtypes(out),
+                        tuple(saved)))
             return out
         return recorded
 
@@ -78,8 +82,8 @@ def recording(log: list):
 
 
 def run_case(case: str, world: int) -> dict:
-    """One forward and backward of `case` as training runs it (parallelize, autocast_for, the trainer's
-    loss), with every fused-op call recorded."""
+    """One forward and backward of `case` as training runs it (parallelize, autocast_for, the
+    trainer's loss), with every fused-op call recorded."""
     cfg = make_config(*SMALL, *CASES[case], world_size=world)
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.scale)
@@ -101,8 +105,8 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
 
 def check_design(case: str, calls: list) -> None:
     """What the design says at each fused-op boundary: activations in and out bf16, scales fp32; a
-    saved floating-point tensor is bf16 (an activation) or fp32 (a scale, a statistic, a row normalized
-    in fp32)."""
+    saved floating-point tensor is bf16 (an activation) or fp32 (a scale, a statistic, a row
+    normalized in fp32)."""
     assert calls, case
     ops = {name for name, *_ in calls}
     assert "rms_norm_scales" in ops and ("unified" not in case or "swiglu_norm" in ops), (case, ops)
@@ -116,7 +120,8 @@ def check_design(case: str, calls: list) -> None:
                 assert d == want, (case, name, i, d)
         assert residual in (None, BF16), (case, name, residual)
         assert set(outs if isinstance(outs, tuple) else (outs,)) == {BF16}, (case, name, outs)
-        floats = {d for d in saved if d.is_floating_point}  # the others are indices (a row's expert)
+        # the others are indices (a row's expert)
+        floats = {d for d in saved if d.is_floating_point}
         assert floats <= {BF16, FP32} and FP32 in floats, (case, name, saved)
 
 

@@ -1,8 +1,8 @@
 """A resume or a branch compares the config of the run that wrote its checkpoint with its own
-(scalevec_train/run/resume.py): a change of a key that defines the trajectory is refused, naming the key,
-both values and the fix; `resume_changes` lets a change through on purpose; operational keys and a longer
-run whose past learning rates stay the same pass; every change is printed and kept in resumes.jsonl; a
-resume with nothing changed continues bit for bit and writes no resumes.jsonl."""
+(scalevec_train/run/resume.py): a change of a key that defines the trajectory is refused, naming the
+key, both values and the fix; `resume_changes` lets a change through on purpose; operational keys
+and a longer run whose past learning rates stay the same pass; every change is printed and kept in
+resumes.jsonl; a resume with nothing changed continues bit for bit and writes no resumes.jsonl."""
 
 import json
 import shutil
@@ -30,7 +30,8 @@ def trunk(data_overrides, tmp_path_factory):
 
 def numbers(run_dir) -> list[dict]:
     """What a run computed, step by step (its timings left out)."""
-    return [{k: r[k] for k in ("step", "loss", "grad_norm", "val_loss") if k in r} for r in records(run_dir)]
+    return [{k: r[k] for k in ("step", "loss", "grad_norm", "val_loss") if k in r}
+            for r in records(run_dir)]
 
 
 def copy(run_dir, tmp_path, step: int | None = None):
@@ -48,8 +49,8 @@ def copy(run_dir, tmp_path, step: int | None = None):
 
 def resume(data_overrides, run_dir, *overrides):
     schedule = run_dir.name
-    return run(make_config(*data_overrides, *RUN, "train.steps=6", f"schedule={schedule}", *overrides,
-                           f"run_dir={run_dir}", "resume=auto"))
+    return run(make_config(*data_overrides, *RUN, "train.steps=6", f"schedule={schedule}",
+                           *overrides, f"run_dir={run_dir}", "resume=auto"))
 
 
 @pytest.mark.parametrize("override,key,saved,given", [
@@ -58,8 +59,9 @@ def resume(data_overrides, run_dir, *overrides):
     ("scale=unified", "scale.heterogeneity", "'shared'", "'per_branch'"),
     ("train.seq_len=16", "train.seq_len", "32", "16"),
     ("optim.scale_lr=0.01", "optim.scale_lr", "None", "0.01")])
-def test_a_change_of_the_trajectory_is_refused_naming_the_key_and_both_values(data_overrides, trunk, tmp_path,
-                                                                              override, key, saved, given):
+def test_a_change_of_the_trajectory_is_refused_naming_the_key_and_both_values(data_overrides, trunk,
+                                                                              tmp_path, override,
+                                                                              key, saved, given):
     copied = copy(trunk["constant"], tmp_path, step=3)
     before = records(copied)
     with pytest.raises(ScalevecError) as refused:
@@ -69,14 +71,18 @@ def test_a_change_of_the_trajectory_is_refused_naming_the_key_and_both_values(da
     assert not (copied / "resumes.jsonl").exists() and records(copied) == before  # nothing written
 
 
-def test_resume_changes_lets_a_change_through_on_purpose_and_keeps_it(data_overrides, trunk, tmp_path, capsys):
+def test_resume_changes_lets_a_change_through_on_purpose_and_keeps_it(data_overrides, trunk,
+                                                                      tmp_path, capsys):
     copied = copy(trunk["constant"], tmp_path, step=3)
-    resume(data_overrides, copied, "optim.lr=0.001", "resume_changes=[optim.lr]", "train.log_every=3")
+    resume(data_overrides, copied, "optim.lr=0.001", "resume_changes=[optim.lr]",
+           "train.log_every=3")
     assert "optim.lr 0.003 -> 0.001 (on purpose)" in capsys.readouterr().err
     [entry] = read_resumes(copied)
-    assert entry["step"] == 3 and entry["changes"]["optim.lr"] == {"from": 0.003, "to": 0.001, "kind": "deliberate"}
+    assert entry["step"] == 3 and entry["changes"]["optim.lr"] == {"from": 0.003, "to": 0.001,
+                                                                   "kind": "deliberate"}
     assert entry["changes"]["train.log_every"] == {"from": 1, "to": 3, "kind": "operational"}
-    assert [r["lr"] for r in records(copied) if r["step"] > 3 and "lr" in r] == [0.001]  # step 6, the log
+    # step 6, the log
+    assert [r["lr"] for r in records(copied) if r["step"] > 3 and "lr" in r] == [0.001]
 
 
 def test_a_longer_run_passes_while_every_past_lr_stays_the_same(data_overrides, trunk, tmp_path):
@@ -99,5 +105,6 @@ def test_a_plain_resume_continues_bit_for_bit_and_records_nothing(data_overrides
 
 
 def test_an_unknown_key_in_resume_changes_is_refused(data_overrides):
-    with pytest.raises(ScalevecError, match=r"resume_changes: names no option: \['optim.learning_rate'\]"):
+    with pytest.raises(ScalevecError, match=r"resume_changes: names no option: "
+                                            r"\['optim.learning_rate'\]"):
         make_config(*data_overrides, "resume_changes=[optim.learning_rate]")

@@ -1,8 +1,9 @@
-"""Sweeps (Hydra multirun) whose points never share a run directory (scalevec_train/run/sweep.py and its
-sweeper, hydra_plugins/scalevec_sweeper): each point's run_dir names every key the sweep varies beyond
-those its name already tells apart, the same sweep again finds the same directories, and a sweep whose
-points would share one refuses before anything is written. With Hydra's basic launcher, with the joblib
-launcher (points in parallel processes), and the SLURM launcher's config composing the same names."""
+"""Sweeps (Hydra multirun) whose points never share a run directory (scalevec_train/run/sweep.py and
+its sweeper, hydra_plugins/scalevec_sweeper): each point's run_dir names every key the sweep varies
+beyond those its name already tells apart, the same sweep again finds the same directories, and a
+sweep whose points would share one refuses before anything is written. With Hydra's basic launcher,
+with the joblib launcher (points in parallel processes), and the SLURM launcher's config composing
+the same names."""
 
 from pathlib import Path
 
@@ -19,21 +20,24 @@ from scalevec_train.config import CONFIG_DIR
 from tests.support.launch import latest_step, train_in_process
 from tests.support.presets import TINY_MODEL
 
-RUN = [*TINY_MODEL, "train.seq_len=32", "train.global_batch=2", "train.eval_batches=1", "train.eval_every=0",
-       "train.steps=2", "schedule.warmup_steps=1", "device=cpu", "checkpoint.every=2"]
+RUN = [*TINY_MODEL, "train.seq_len=32", "train.global_batch=2", "train.eval_batches=1",
+       "train.eval_every=0", "train.steps=2", "schedule.warmup_steps=1", "device=cpu",
+       "checkpoint.every=2"]
 DEFAULT = "dense-tiny-baseline-adamw-cosine-s0"
 
 
 def named_points(*arguments: str) -> list[list[str]]:
-    """The points, with their overrides, that the sweeper of `python -m scalevec_train.train -m <arguments>`
-    hands its launcher (the one the arguments choose, instantiated for real), without launching them."""
+    """The points, with their overrides, that the sweeper of
+    `python -m scalevec_train.train -m <arguments>` hands its launcher (the one the arguments
+    choose, instantiated for real), without launching them."""
     loader = ConfigLoaderImpl(config_search_path=create_config_search_path(CONFIG_DIR))
     cfg = loader.load_configuration("config", list(arguments), RunMode.MULTIRUN)
     sweeper = Plugins.instance().instantiate_sweeper(
-        hydra_context=HydraContext(config_loader=loader, callbacks=Callbacks(cfg)), task_function=lambda _: None,
-        config=cfg)
+        hydra_context=HydraContext(config_loader=loader, callbacks=Callbacks(cfg)),
+        task_function=lambda _: None, config=cfg)
     overrides = OverridesParser.create(config_loader=loader).parse_overrides(
-        [*(f"{k}={v}" for k, v in (cfg.hydra.sweeper.params or {}).items()), *cfg.hydra.overrides.task])
+        [*(f"{k}={v}" for k, v in (cfg.hydra.sweeper.params or {}).items()),
+         *cfg.hydra.overrides.task])
     (points,) = sweeper.split_arguments(overrides, None)
     return points
 
@@ -54,7 +58,8 @@ def test_the_sweep_of_the_issue_writes_one_directory_per_learning_rate_and_rerun
     for name, d in dirs.items():
         assert OmegaConf.load(d / "config.yaml").optim.lr == float(name.rsplit("_", 1)[1])
         assert latest_step(d) == 2
-    # the same sweep again continues its runs (finished here: nothing to train), in the same directories
+    # the same sweep again continues its runs (finished here: nothing to train), in the same
+    # directories
     code, out = train_in_process([*sweep, "resume=auto"], {}, tmp_path, capfd, monkeypatch)
     assert code == 0, out[-3000:]
     assert sorted(p.name for p in runs.iterdir() if p.is_dir()) == sorted(dirs)
@@ -62,10 +67,11 @@ def test_the_sweep_of_the_issue_writes_one_directory_per_learning_rate_and_rerun
         f"runs/{name}" for name in sorted(dirs)]
 
 
-def test_points_run_in_parallel_by_joblib_get_their_own_directories(data_overrides, tmp_path, capfd, monkeypatch):
+def test_points_run_in_parallel_by_joblib_get_their_own_directories(data_overrides, tmp_path, capfd,
+                                                                    monkeypatch):
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
-    sweep = ["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "seed=3", "train.z_loss=0,1e-4",
-             *data_overrides, *RUN]
+    sweep = ["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "seed=3",
+             "train.z_loss=0,1e-4", *data_overrides, *RUN]
     code, out = train_in_process(sweep, {}, tmp_path, capfd, monkeypatch)
     assert code == 0, out[-3000:]
     dirs = sorted(p for p in (tmp_path / "runs").iterdir() if p.is_dir())
@@ -87,17 +93,21 @@ def test_a_preset_run_dir_gains_the_keys_it_does_not_name_and_slurm_composes_the
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     slurm = named_points("+experiment=study_lr", "scale=unified", "seed=0", "train.z_loss=0,1e-4",
                          "hydra/launcher=slurm", "hydra.launcher.partition=gpu")
-    assert slurm == points  # the launcher's own choice and options are Hydra's overrides, not the points'
+    # the launcher's own choice and options are Hydra's overrides, not the points'
+    assert slurm == points
 
 
 
-@pytest.mark.parametrize("sweep, message, fix", ids=["run_dir_given", "one_value_twice", "values_read_alike"],
+@pytest.mark.parametrize("sweep, message, fix", ids=["run_dir_given", "one_value_twice",
+                                                     "values_read_alike"],
                          argvalues=[
     (["run_dir=runs/mine", "optim.lr=1e-3,3e-3", "seed=0,1"],
-     "run_dir: the sweep's points [optim.lr=0.001 seed=0], [optim.lr=0.001 seed=1], [optim.lr=0.003 seed=0], "
-     "[optim.lr=0.003 seed=1] would share runs/mine,",
-     "Fix: name optim.lr, seed in run_dir (e.g. run_dir='runs/mine-${optim.lr}'), or leave run_dir out"),
-    (["optim.lr=1e-3,0.001"], "run_dir: the sweep lists the point [optim.lr=0.001 ", "Fix: drop the repeated value."),
+     "run_dir: the sweep's points [optim.lr=0.001 seed=0], [optim.lr=0.001 seed=1], "
+     "[optim.lr=0.003 seed=0], [optim.lr=0.003 seed=1] would share runs/mine,",
+     "Fix: name optim.lr, seed in run_dir (e.g. run_dir='runs/mine-${optim.lr}'), or leave "
+     "run_dir out"),
+    (["optim.lr=1e-3,0.001"], "run_dir: the sweep lists the point [optim.lr=0.001 ",
+     "Fix: drop the repeated value."),
     (["tasks.dir=/data/a,/data_a"],
      f"run_dir: the sweep's points [tasks.dir=/data/a], [tasks.dir=/data_a] would share "
      f"runs/{DEFAULT}-tasks.dir_data_a,",
@@ -105,7 +115,9 @@ def test_a_preset_run_dir_gains_the_keys_it_does_not_name_and_slurm_composes_the
 ])
 def test_a_sweep_whose_points_would_share_a_run_dir_refuses_with_one_line_and_writes_nothing(
         sweep, message, fix, data_overrides, tmp_path, capfd, monkeypatch):
-    code, out = train_in_process(["-m", *sweep, *data_overrides, *RUN], {}, tmp_path, capfd, monkeypatch)
+    code, out = train_in_process(["-m", *sweep, *data_overrides, *RUN], {}, tmp_path, capfd,
+                                 monkeypatch)
     assert code == 2
-    assert out.startswith(f"error: {message}") and fix in out and len(out.strip().splitlines()) == 1, out
+    assert (out.startswith(f"error: {message}") and fix in out
+            and len(out.strip().splitlines()) == 1), out
     assert list(Path(tmp_path).iterdir()) == []

@@ -1,5 +1,6 @@
-"""Small corpora for the data tests: code-like documents written to a folder, their preparation config,
-and the prepared splits read back directly (np.fromfile), independently of the loader under test."""
+"""Small corpora for the data tests: code-like documents written to a folder, their preparation
+config, and the prepared splits read back directly (np.fromfile), independently of the loader under
+test."""
 
 import random
 from pathlib import Path
@@ -9,8 +10,9 @@ import numpy as np
 from scalevec_train.data import DataConfig, PreparedData
 
 VOCAB = 320
-WORDS = ("alpha beta gamma delta import return class def self value index count total None True False "
-         "for while if else elif with yield lambda print range list dict set tuple open read write").split()
+WORDS = ("alpha beta gamma delta import return class def self value index count total None "
+         "True False for while if else elif with yield lambda print range list dict set tuple open "
+         "read write").split()
 
 
 def write_corpus(root: Path, n_docs: int = 20, seed: int = 0) -> dict[str, str]:
@@ -18,7 +20,8 @@ def write_corpus(root: Path, n_docs: int = 20, seed: int = 0) -> dict[str, str]:
     rng = random.Random(seed)
     docs = {}
     for i in range(n_docs):
-        lines = ["    " * rng.randrange(3) + " ".join(rng.choice(WORDS) for _ in range(rng.randrange(3, 10)))
+        lines = ["    " * rng.randrange(3)
+                 + " ".join(rng.choice(WORDS) for _ in range(rng.randrange(3, 10)))
                  + f" {rng.randrange(10_000)}" for _ in range(rng.randrange(20, 40))]
         rel = f"doc{i:02d}.txt" if i % 3 else f"sub/doc{i:02d}.md"
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -31,14 +34,16 @@ def write_corpus(root: Path, n_docs: int = 20, seed: int = 0) -> dict[str, str]:
 
 
 def text_cfg(corpus: Path, cache: Path, **overrides) -> DataConfig:
-    # One encoding process unless a test asks for more: workers take seconds to start on a busy machine.
+    # One encoding process unless a test asks for more: workers take seconds to start on a busy
+    # machine.
     return DataConfig(**{"source": "text_dir", "path": str(corpus), "cache_dir": str(cache),
                          "vocab_size": VOCAB, "val_fraction": 0.2, "num_workers": 1, **overrides})
 
 
 def split_tokens(data: PreparedData, split: str) -> np.ndarray:
     m = data.manifest[split]
-    return np.concatenate([np.fromfile(data.split_dir(split) / s["name"], dtype=np.dtype(m["dtype"]))
+    return np.concatenate([np.fromfile(data.split_dir(split) / s["name"],
+                                       dtype=np.dtype(m["dtype"]))
                            for s in m["shards"]]).astype(np.int64)
 
 
@@ -53,4 +58,5 @@ def split_texts(data: PreparedData, split: str) -> list[str]:
 
 def folder_bytes(root: Path) -> dict[str, bytes]:
     """Every file under `root` by its relative path: what byte-identical preparations share."""
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}

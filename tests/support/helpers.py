@@ -1,5 +1,5 @@
-"""Shared test utilities: composing configs the way the entry points do, loading or running a script,
-writing a run directory as the trainer does."""
+"""Shared test utilities: composing configs the way the entry points do, loading or running a
+script, writing a run directory as the trainer does."""
 
 import contextlib
 import copy
@@ -31,17 +31,17 @@ def make_config(*overrides: str, world_size: int = 1) -> Config:
 
 
 def make_config_at(overrides: Iterable[str], world_sizes: Iterable[int]) -> dict[int, Config]:
-    """make_config at each world size, composed once: Hydra's composition does not depend on the ranks
-    (to_config does), and a compose costs ~0.3 s."""
+    """make_config at each world size, composed once: Hydra's composition does not depend on the
+    ranks (to_config does), and a compose costs ~0.3 s."""
     return {ranks: make_config_shared(*overrides, world_size=ranks) for ranks in world_sizes}
 
 
 def make_configs(points: Iterable[list[str]], world_size: int = 1) -> list[Config]:
-    """make_config of each list of overrides, in order. Points that differ only in option values (not in
-    a config group, nor with a +/~ prefix or a package) share one Hydra compose of the rest, kept for the
-    process (configs/ does not change during a run); their values are then applied by Hydra's own code
-    for them, which compose runs the same way: after composing the defaults, in order. A sweep of N
-    seeds composes once instead of N times."""
+    """make_config of each list of overrides, in order. Points that differ only in option values
+    (not in a config group, nor with a +/~ prefix or a package) share one Hydra compose of the rest,
+    kept for the process (configs/ does not change during a run); their values are then applied by
+    Hydra's own code for them, which compose runs the same way: after composing the defaults, in
+    order. A sweep of N seeds composes once instead of N times."""
     parser, out = OverridesParser.create(), []
     for point in points:
         parsed = parser.parse_overrides(list(point))
@@ -61,15 +61,16 @@ _COMPOSED: dict[tuple[str, ...], DictConfig] = {}
 
 
 def make_config_shared(*overrides: str, world_size: int = 1) -> Config:
-    """make_config through make_configs: a compose shared with every earlier call that chose the same
-    config groups."""
+    """make_config through make_configs: a compose shared with every earlier call that chose the
+    same config groups."""
     return make_configs([list(overrides)], world_size)[0]
 
 
 def hide_package(monkeypatch, name: str) -> None:
-    """Make package `name` look uninstalled for the rest of the test (monkeypatch restores it): it and
-    its submodules already imported are set to None in sys.modules, so that `import name` and
-    `from name.sub import x` raise ModuleNotFoundError and importlib.util.find_spec(name) returns None."""
+    """Make package `name` look uninstalled for the rest of the test (monkeypatch restores it): it
+    and its submodules already imported are set to None in sys.modules, so that `import name` and
+    `from name.sub import x` raise ModuleNotFoundError and importlib.util.find_spec(name) returns
+    None."""
     for key in [key for key in sys.modules if key.startswith(f"{name}.")] + [name]:
         monkeypatch.setitem(sys.modules, key, None)
 
@@ -108,9 +109,9 @@ def call_main(main: Callable[[], object], argv: list[str]) -> int:
 
 def run_main(main: Callable, *args) -> subprocess.CompletedProcess:
     """A script's main called in this process as run_script would run the script: with args as its
-    argv (its parameter, or sys.argv where it takes none), its exit status and what it printed. For a
-    script whose command line one run_script already covers: a child Python importing torch again costs
-    seconds."""
+    argv (its parameter, or sys.argv where it takes none), its exit status and what it printed. For
+    a script whose command line one run_script already covers: a child Python importing torch again
+    costs seconds."""
     argv, out, err = list(map(str, args)), io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = call_main(partial(main, argv) if inspect.signature(main).parameters else main,
@@ -118,7 +119,8 @@ def run_main(main: Callable, *args) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
-def write_run(root: Path, name: str, cfg: dict, rows: list[dict], params: float | None = None) -> Path:
+def write_run(root: Path, name: str, cfg: dict, rows: list[dict],
+              params: float | None = None) -> Path:
     """A run directory as the trainer writes it: config.yaml, metrics.jsonl, and with `params`,
     describe.json's total_params."""
     d = root / name
@@ -131,12 +133,14 @@ def write_run(root: Path, name: str, cfg: dict, rows: list[dict], params: float 
 
 
 # A few CPU steps of tiny batches: one evaluation batch, no periodic evaluation, one data worker.
-SHORT_RUN = ["train.seq_len=32", "train.global_batch=4", "train.micro_batch=4", "train.eval_batches=1",
-             "train.eval_every=0", "schedule.warmup_steps=1", "device=cpu", "data.num_workers=1"]
+SHORT_RUN = ["train.seq_len=32", "train.global_batch=4", "train.micro_batch=4",
+             "train.eval_batches=1", "train.eval_every=0", "schedule.warmup_steps=1", "device=cpu",
+             "data.num_workers=1"]
 
 
 class ListLoader:
-    """A loader that hands out the given batches in order (what a test trains the Trainer on directly)."""
+    """A loader that hands out the given batches in order (what a test trains the Trainer on
+    directly)."""
 
     def __init__(self, batches: list[Batch]):
         self.batches = iter(batches)

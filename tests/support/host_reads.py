@@ -1,13 +1,14 @@
-"""Counting the host's reads of tensor values during training: `torchrun ... tests/support/host_reads.py runs.json`
-trains each run of runs.json (a list of [out, overrides]) one after the other in the one process group,
-as tests/support/train_many.py does, with a counter around every step that does not log, and writes the counts
-of this rank to out (a path per rank: {rank} is replaced). count_reads() does one run in this process.
+"""Counting the host's reads of tensor values during training: `torchrun ...
+tests/support/host_reads.py runs.json` trains each run of runs.json (a list of [out, overrides]) one
+after the other in the one process group, as tests/support/train_many.py does, with a counter around
+every step that does not log, and writes the counts of this rank to out (a path per rank: {rank} is
+replaced). count_reads() does one run in this process.
 
 A read is any aten._local_scalar_dense (item(), float(), int(), bool() of a tensor) and any tolist()
-(which on the CPU reads memory without an aten call). Reads of the optimizer's step counters are counted
-apart: torch's for-loop AdamW keeps them on the host on every device, so reading them never waits for a
-device; every other read would. The counts also say how many tensors the trainer's ConditionalStep keeps
-copies of (none for optimizers that skip a step themselves).
+(which on the CPU reads memory without an aten call). Reads of the optimizer's step counters are
+counted apart: torch's for-loop AdamW keeps them on the host on every device, so reading them never
+waits for a device; every other read would. The counts also say how many tensors the trainer's
+ConditionalStep keeps copies of (none for optimizers that skip a step themselves).
 """
 
 import json
@@ -56,9 +57,9 @@ class ReadCounter(TorchDispatchMode):
 
 
 class CountNonLogSteps(Callback):
-    """Counts from the start of every step that does not log (as the trainer decides it when the step
-    starts) to the end of its last hook: one instance runs before every other callback, one (`closing`)
-    after every other."""
+    """Counts from the start of every step that does not log (as the trainer decides it when the
+    step starts) to the end of its last hook: one instance runs before every other callback, one
+    (`closing`) after every other."""
 
     def __init__(self, counter: ReadCounter, closing: bool):
         self.counter, self.closing = counter, closing
@@ -99,7 +100,8 @@ def count_reads(overrides: list[str], out: Path) -> None:
         train.build, torch.Tensor.tolist = build, original_tolist
     counter, opening, trainer = made[-1]
     Path(str(out).format(rank=process_group.rank())).write_text(json.dumps(
-        {"steps": opening.steps, "reads": counter.reads, "step_counter_reads": counter.step_counter_reads,
+        {"steps": opening.steps, "reads": counter.reads,
+         "step_counter_reads": counter.step_counter_reads,
          "copies": len(trainer.optimizer_step.copies)}))
 
 

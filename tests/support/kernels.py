@@ -1,12 +1,12 @@
-"""What the kernel tests share: scale sites built the model's way, tolerances, the child process that
-runs a file's test_interp_ tests under triton's interpreter, and launches captured without running them
-(dev/kernel_tools/aot.py).
+"""What the kernel tests share: scale sites built the model's way, tolerances, the child process
+that runs a file's test_interp_ tests under triton's interpreter, and launches captured without
+running them (dev/kernel_tools/aot.py).
 
-Triton reads TRITON_INTERPRET when @triton.jit decorates a kernel, i.e. when scalevec_kernels is first
-imported, which in a full test session has happened long before a kernel test file runs. So each kernel
-test file runs itself again in a child process with TRITON_INTERPRET=1 (run_interpreted), and defines
-its test_interp_ tests only in such a process (`TRITON_INTERPRET=1 pytest tests/kernels/FILE` runs them
-directly).
+Triton reads TRITON_INTERPRET when @triton.jit decorates a kernel, i.e. when scalevec_kernels is
+first imported, which in a full test session has happened long before a kernel test file runs. So
+each kernel test file runs itself again in a child process with TRITON_INTERPRET=1
+(run_interpreted), and defines its test_interp_ tests only in such a process (`TRITON_INTERPRET=1
+pytest tests/kernels/FILE` runs them directly).
 """
 
 import collections
@@ -27,13 +27,14 @@ def grads(outputs, inputs, upstream):
 
 
 def scale_site(shape, param: str, gen: torch.Generator) -> ScaleSite:
-    """A scale site built as the model builds it (ScaleSite: s = p for plain; beta * alpha / rms(alpha)
-    for `or` and exp(b) * alpha / rms(alpha) for `er`, with one magnitude and rms per row of a 2-D
-    site), its parameters moved off their initial values so that each one matters."""
+    """A scale site built as the model builds it (ScaleSite: s = p for plain; beta * alpha /
+    rms(alpha) for `or` and exp(b) * alpha / rms(alpha) for `er`, with one magnitude and rms per row
+    of a 2-D site), its parameters moved off their initial values so that each one matters."""
     site = ScaleSite(shape if isinstance(shape, tuple) else (shape,), "input", param)
     with torch.no_grad():
         for name, p in site.named_parameters():
-            p.add_((0.5 if name in ("scale", "alpha") else 0.2) * torch.randn(p.shape, generator=gen))
+            p.add_((0.5 if name in ("scale", "alpha") else 0.2)
+                   * torch.randn(p.shape, generator=gen))
     return site
 
 
@@ -50,23 +51,28 @@ def _version(text: str) -> tuple[int, int]:
 
 
 def run_interpreted(test_file: str) -> None:
-    """Run the test_interp_ tests of test_file in a child process whose triton interprets the kernels."""
+    """Run the test_interp_ tests of test_file in a child process whose triton interprets the
+    kernels."""
     triton = pytest.importorskip("triton")
     import numpy
 
     if _version(triton.__version__) < (3, 7) and _version(numpy.__version__) >= (2, 4):
-        pytest.skip("triton < 3.7 cannot interpret loops under numpy >= 2.4: use triton >= 3.7 or numpy < 2.4")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interp_", test_file]
+        pytest.skip("triton < 3.7 cannot interpret loops under numpy >= 2.4: use triton >= 3.7 or "
+                    "numpy < 2.4")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interp_",
+               test_file]
     child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     # Exit code 5 (nothing collected) would mean the child's kernels were not interpreted either.
     assert child.returncode == 0, child.stdout[-8000:] + child.stderr[-4000:]
 
 
 def host_ops(call) -> tuple[collections.Counter, list[str]]:
-    """The torch ops `call` dispatches on the host, by name (an op's own inner ops, e.g. zeros' fill_,
-    not counted again), and the kernel launches it issues, in order: `call` runs under aot.capture (the
-    kernel path on CPU tensors, each launch recorded instead of run) and torch's profiler."""
+    """The torch ops `call` dispatches on the host, by name (an op's own inner ops, e.g. zeros'
+    fill_, not counted again), and the kernel launches it issues, in order: `call` runs under
+    aot.capture (the kernel path on CPU tensors, each launch recorded instead of run) and torch's
+    profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     from dev.kernel_tools import aot
@@ -80,13 +86,14 @@ def host_ops(call) -> tuple[collections.Counter, list[str]]:
             parent = parent.cpu_parent
         return parent is not None
 
-    ops = collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::") and not inside_op(e))
+    ops = collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::")
+                              and not inside_op(e))
     return ops, launches.calls
 
 
 def rms_norm_variants(n: int, k: int) -> list:
-    """The compile variants (aot.Variant) of K outputs with a residual at width n in bf16, forward and
-    backward, captured on CPU tensors."""
+    """The compile variants (aot.Variant) of K outputs with a residual at width n in bf16, forward
+    and backward, captured on CPU tensors."""
     from dev.kernel_tools import aot
     from scalevec_kernels import rms_norm_scales
 

@@ -1,13 +1,14 @@
 """Launching training processes from tests, and reading what their runs leave behind.
 
 Every process a test starts belongs to a `Processes`, which a fixture owns (conftest.py: `processes`
-for one test, `module_processes` for a module's fixtures): at teardown, passed or failed, whatever is
-still running is killed. A process is marked through its environment, which every descendant inherits
-(torchrun's workers, which run in sessions of their own, and the group torchrun restarts), so none is
-missed, whatever became of its parent.
+for one test, `module_processes` for a module's fixtures): at teardown, passed or failed, whatever
+is still running is killed. A process is marked through its environment, which every descendant
+inherits (torchrun's workers, which run in sessions of their own, and the group torchrun restarts),
+so none is missed, whatever became of its parent.
 
 No test chooses a port: torchrun --standalone binds its rendezvous store to port 0 and hands its
-workers a store of its own, gloo binds its own sockets, and spawned test groups meet in a file:// store.
+workers a store of its own, gloo binds its own sockets, and spawned test groups meet in a file://
+store.
 """
 
 import json
@@ -40,15 +41,16 @@ from tests.support.helpers import REPO, call_main
 # Generous: a 4-rank launch on 2 busy cores takes minutes; only a hang gets near this.
 TIMEOUT = 600
 MARK_ENV = "SCALEVEC_TEST_PROCESS"
-LAUNCH_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                   "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", "HYDRA_FULL_ERROR", FAULT_AT_ENV, MARK_ENV)
+LAUNCH_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                   "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID",
+                   "HYDRA_FULL_ERROR", FAULT_AT_ENV, MARK_ENV)
 
 
 @contextmanager
 def gloo_group(store: str, rank: int, world: int) -> Iterator[None]:
-    """A gloo process group for a spawned test worker (mp.spawn), meeting in the file `store`. Left as the
-    trainer leaves it (parallel.process_group.shutdown): together when the work finished, at once when
-    it failed."""
+    """A gloo process group for a spawned test worker (mp.spawn), meeting in the file `store`. Left
+    as the trainer leaves it (parallel.process_group.shutdown): together when the work finished, at
+    once when it failed."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     finished = False
     try:
@@ -60,24 +62,25 @@ def gloo_group(store: str, rank: int, world: int) -> Iterator[None]:
 
 # What spawned test workers import, imported once by the fork server (spawn()).
 WORKER_IMPORTS = ["pytest", "torch", "torch.distributed", "torch.distributed.checkpoint",
-                  "torch.distributed.fsdp", "torch.multiprocessing", "scalevec_train.train", "tests.support.launch",
-                  "tests.support.train_many"]
+                  "torch.distributed.fsdp", "torch.multiprocessing", "scalevec_train.train",
+                  "tests.support.launch", "tests.support.train_many"]
 
 
 def spawn(fn: Callable, args: tuple = (), nprocs: int = 2) -> None:
-    """mp.spawn(fn, args, nprocs), each process forked from multiprocessing's fork server, which imports
-    WORKER_IMPORTS once per pytest process: a fresh interpreter importing torch and scalevec costs some
-    3 s of CPU per process, a fork a fraction of that. The server is a clean process with one thread (no
-    test runs in it), so forking it is safe. Each process gets this process's environment, stdout and
-    stderr of now (a forked process would have the server's, from when it started). Fails if a process
-    fails, as mp.spawn does."""
+    """mp.spawn(fn, args, nprocs), each process forked from multiprocessing's fork server, which
+    imports WORKER_IMPORTS once per pytest process: a fresh interpreter importing torch and scalevec
+    costs some 3 s of CPU per process, a fork a fraction of that. The server is a clean process with
+    one thread (no test runs in it), so forking it is safe. Each process gets this process's
+    environment, stdout and stderr of now (a forked process would have the server's, from when it
+    started). Fails if a process fails, as mp.spawn does."""
     multiprocessing.set_forkserver_preload(WORKER_IMPORTS)
-    mp.start_processes(_as_spawned, args=(fn, dict(os.environ), _Stdio(), args), nprocs=nprocs, join=True,
-                       start_method="forkserver")
+    mp.start_processes(_as_spawned, args=(fn, dict(os.environ), _Stdio(), args), nprocs=nprocs,
+                       join=True, start_method="forkserver")
 
 
 class _Stdio:
-    """This process's stdout and stderr, handed to a process spawn() starts (duplicated while it starts)."""
+    """This process's stdout and stderr, handed to a process spawn() starts (duplicated while it
+    starts)."""
 
     def __init__(self, fds: tuple = ()):
         self.fds = fds
@@ -99,11 +102,13 @@ def _as_spawned(rank: int, fn: Callable, env: dict[str, str], stdio: _Stdio, arg
     fn(rank, *args)
 
 
-def train_spawned(nprocs: int, runs: list[list[str]], spec: Path, backend: str | None = None) -> None:
-    """What `many_command(nprocs, runs, spec)` launches (tests/support/train_many.py), on nprocs gloo ranks that
-    spawn() forks rather than torchrun's fresh interpreters. Each rank gets the variables torchrun sets
-    (the trainer reads RANK and LOCAL_WORLD_SIZE), and a group that meets in a file next to `spec`.
-    `backend`: what distributed.compile compiles with in the ranks, in place of inductor (compile_backend)."""
+def train_spawned(nprocs: int, runs: list[list[str]], spec: Path,
+                  backend: str | None = None) -> None:
+    """What `many_command(nprocs, runs, spec)` launches (tests/support/train_many.py), on nprocs
+    gloo ranks that spawn() forks rather than torchrun's fresh interpreters. Each rank gets the
+    variables torchrun sets (the trainer reads RANK and LOCAL_WORLD_SIZE), and a group that meets in
+    a file next to `spec`. `backend`: what distributed.compile compiles with in the ranks, in place
+    of inductor (compile_backend)."""
     spec.write_text(json.dumps(runs))
     spawn(_train_many, (nprocs, str(spec.with_suffix(".store")), str(spec), backend), nprocs)
 
@@ -111,7 +116,8 @@ def train_spawned(nprocs: int, runs: list[list[str]], spec: Path, backend: str |
 def _train_many(rank: int, world: int, store: str, spec: str, backend: str | None) -> None:
     from tests.support import train_many
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world))
     # process_group.init() then joins nothing: the group exists
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     with compile_backend(backend):
@@ -120,11 +126,11 @@ def _train_many(rank: int, world: int, store: str, spec: str, backend: str | Non
 
 @contextmanager
 def compile_backend(backend: str | None) -> Iterator[None]:
-    """torch.compile with `backend` in place of inductor within the context (None: unchanged). "eager":
-    dynamo's capture alone (its graphs, breaks, guards and recompiles); "aot_eager": AOT autograd's
-    forward and backward graphs too (as inductor gets them: checkpoint policies, custom ops' fake
-    implementations), without code generation, which costs minutes of C++ compilation on a fresh
-    machine. Only inductor's own numbers need inductor (tests/parallel/test_compile.py)."""
+    """torch.compile with `backend` in place of inductor within the context (None: unchanged).
+    "eager": dynamo's capture alone (its graphs, breaks, guards and recompiles); "aot_eager": AOT
+    autograd's forward and backward graphs too (as inductor gets them: checkpoint policies, custom
+    ops' fake implementations), without code generation, which costs minutes of C++ compilation on a
+    fresh machine. Only inductor's own numbers need inductor (tests/parallel/test_compile.py)."""
     if backend is None:
         yield
         return
@@ -147,12 +153,13 @@ def child_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def train_in_process(args: list[str], env: dict[str, str], cwd: Path, capfd, monkeypatch) -> tuple[int, str]:
-    """`python -m scalevec_train.train <args>` (what train_command(1, ...) starts) in this process: Hydra
-    parses sys.argv, main exits with its code, with the environment of a child (no launch variables)
-    and `env`; returns that code and what was written to stdout and stderr. What the command prints and
-    how it exits is the same here; a process of its own adds seconds of imports, and is needed only
-    where a signal or the launch itself is tested."""
+def train_in_process(args: list[str], env: dict[str, str], cwd: Path, capfd,
+                     monkeypatch) -> tuple[int, str]:
+    """`python -m scalevec_train.train <args>` (what train_command(1, ...) starts) in this process:
+    Hydra parses sys.argv, main exits with its code, with the environment of a child (no launch
+    variables) and `env`; returns that code and what was written to stdout and stderr. What the
+    command prints and how it exits is the same here; a process of its own adds seconds of imports,
+    and is needed only where a signal or the launch itself is tested."""
     from hydra.core.global_hydra import GlobalHydra
 
     from scalevec_train.train import main
@@ -173,8 +180,8 @@ def train_in_process(args: list[str], env: dict[str, str], cwd: Path, capfd, mon
 
 
 def torchrun(nproc: int, restarts: int = 0) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            f"--max-restarts={restarts}"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", f"--max-restarts={restarts}"]
 
 
 def train_command(nproc: int, *overrides: str, restarts: int = 0) -> list[str]:
@@ -197,7 +204,8 @@ class Started:
     def __init__(self, command: list[str], cwd: Path, log: Path, env: dict[str, str]):
         self.command, self.log = command, log
         with log.open("w") as out:
-            self.proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=out,
+                                         stderr=subprocess.STDOUT)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -206,8 +214,8 @@ class Started:
         return f"{' '.join(self.command)}\n{self.output()[-6000:]}"
 
     def wait_until(self, condition: Callable[[], object], what: str, timeout: float = TIMEOUT):
-        """Polls `condition` until it returns a true value, and returns that; fails if the process ends
-        first."""
+        """Polls `condition` until it returns a true value, and returns that; fails if the process
+        ends first."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"the process ended before {what}:\n{self.describe()}"
@@ -237,15 +245,16 @@ class Processes:
         self.started.append(started)
         return started
 
-    def run(self, command: list[str], cwd: Path, env: dict[str, str] | None = None, code: int = 0) -> str:
+    def run(self, command: list[str], cwd: Path, env: dict[str, str] | None = None,
+            code: int = 0) -> str:
         """Runs `command` to its end; fails unless it exits with `code`. Returns its output."""
         started = self.start(command, cwd, env)
         assert started.wait() == code, started.describe()
         return started.output()
 
     def pids(self, *entries: str) -> list[int]:
-        """The live processes carrying this mark (everything started here, and their descendants) and the
-        environment `entries` (NAME=value)."""
+        """The live processes carrying this mark (everything started here, and their descendants)
+        and the environment `entries` (NAME=value)."""
         wanted = [f"{MARK_ENV}={self.mark}".encode(), *(e.encode() for e in entries)]
         return [pid for pid, env in environments().items() if all(w in env for w in wanted)]
 
@@ -256,9 +265,10 @@ class Processes:
         return found[0]
 
     def kill(self) -> None:
-        """SIGKILL every process carrying the mark, until none is left (a launcher being killed may still
-        start one). The started processes (the launchers) go first: a launcher that outlived one of its
-        workers could exit on its own or restart them, whichever order /proc lists the pids in."""
+        """SIGKILL every process carrying the mark, until none is left (a launcher being killed may
+        still start one). The started processes (the launchers) go first: a launcher that outlived
+        one of its workers could exit on its own or restart them, whichever order /proc lists the
+        pids in."""
         for started in self.started:
             started.proc.kill()
         deadline = time.monotonic() + 30
@@ -276,33 +286,35 @@ class Processes:
 
 class Attempts:
     """Attempts of training runs on `nproc` ranks, each in children forked from the workers of one
-    torchrun launch (tests/support/attempts.py): a run can be stopped at a fault point, killed there and resumed
-    many times for a fraction of a second of CPU each, where a launch costs seconds."""
+    torchrun launch (tests/support/attempts.py): a run can be stopped at a fault point, killed there
+    and resumed many times for a fraction of a second of CPU each, where a launch costs seconds."""
 
     def __init__(self, processes: Processes, folder: Path, nproc: int = 2):
         self.folder, self.nproc, self.count = folder, nproc, 0
         folder.mkdir(parents=True)
-        self.started = processes.start([*torchrun(nproc), str(REPO / "tests" / "support" / "attempts.py"), str(folder)],
-                                       folder)
+        self.started = processes.start(
+            [*torchrun(nproc), str(REPO / "tests" / "support" / "attempts.py"), str(folder)],
+            folder)
 
     def run(self, overrides: list[str], fault: str | None = None, kill: str = "all") -> list[int]:
-        """One attempt of a run with `overrides`; returns each rank's exit code (negative: the signal).
-        `fault`: a stop at a fault point (SCALEVEC_FAULT_AT, scalevec_train/infra/faults.py) or a failing
-        write. Once a rank has stopped there, SIGKILL that rank (kill="one": the others fail in their
-        next collective with it) or every rank at once (kill="all"); fails if no rank ever stops."""
+        """One attempt of a run with `overrides`; returns each rank's exit code (negative: the
+        signal). `fault`: a stop at a fault point (SCALEVEC_FAULT_AT,
+        scalevec_train/infra/faults.py) or a failing write. Once a rank has stopped there, SIGKILL
+        that rank (kill="one": the others fail in their next collective with it) or every rank at
+        once (kill="all"); fails if no rank ever stops."""
         pids = self.start(overrides, fault)
         if fault is not None and fault.partition("=")[2] in ("", "stop"):
 
             def stopped() -> list[int]:
                 found = [pid for pid in pids if _state(pid) == "T"]
-                assert found or None in self.exits(), f"attempt {self.count - 1} ended without stopping at " \
-                    f"{fault}: exit codes {self.exits()}\n{self.started.describe()}"
+                assert found or None in self.exits(), f"attempt {self.count - 1} ended without " \
+                    f"stopping at {fault}: exit codes {self.exits()}\n{self.started.describe()}"
                 return found
 
             found = self.started.wait_until(stopped, f"a stop at {fault}")
             victims = found[:1] if kill == "one" else pids
-            # Every rank is stopped before any is killed: a rank still running sees its peer's death in its
-            # next collective, fails and is reaped, and would be gone before its own kill.
+            # Every rank is stopped before any is killed: a rank still running sees its peer's death
+            # in its next collective, fails and is reaped, and would be gone before its own kill.
             for pid in victims:
                 os.kill(pid, signal.SIGSTOP)
             for pid in victims:
@@ -313,9 +325,11 @@ class Attempts:
         """Start the next attempt; returns the pids of its processes, in rank order."""
         i, self.count = self.count, self.count + 1
         spec = self.folder / f"{i}.json"
-        spec.with_suffix(".tmp").write_text(json.dumps({"overrides": overrides, "env": {FAULT_AT_ENV: fault or ""}}))
+        spec.with_suffix(".tmp").write_text(json.dumps({"overrides": overrides,
+                                                        "env": {FAULT_AT_ENV: fault or ""}}))
         spec.with_suffix(".tmp").rename(spec)
-        return [self.started.wait_until(lambda r=r: self._read(f"{i}.rank{r}.pid"), f"attempt {i} started")
+        return [self.started.wait_until(lambda r=r: self._read(f"{i}.rank{r}.pid"),
+                                        f"attempt {i} started")
                 for r in range(self.nproc)]
 
     def pids_of(self, attempt: int) -> list[int]:
@@ -328,7 +342,8 @@ class Attempts:
 
     def wait(self) -> list[int]:
         """The exit codes of the latest attempt, once it has ended."""
-        self.started.wait_until(lambda: None not in self.exits(), f"the end of attempt {self.count - 1}")
+        self.started.wait_until(lambda: None not in self.exits(),
+                                f"the end of attempt {self.count - 1}")
         return self.exits()
 
     def close(self) -> None:
@@ -363,12 +378,14 @@ def environments() -> dict[int, list[bytes]]:
 # What a run directory holds.
 
 def records(run_dir: Path) -> list[dict]:
-    """The metrics records in file order; a line being written right now (a partial last line) is skipped."""
+    """The metrics records in file order; a line being written right now (a partial last line) is
+    skipped."""
     return read_records(run_dir / "metrics.jsonl")
 
 
 def curve(run_dir: Path, key: str = "loss") -> dict[int, float]:
-    """`key` per step; a resumed run logs steps after its checkpoint again, and the last record counts."""
+    """`key` per step; a resumed run logs steps after its checkpoint again, and the last record
+    counts."""
     return {r["step"]: r[key] for r in records(run_dir) if key in r}
 
 
@@ -377,11 +394,13 @@ def latest_step(run_dir: Path) -> int:
 
 
 def complete_steps(run_dir: Path) -> list[int]:
-    return [checkpoint_files.checkpoint_step(p) for p in checkpoint_files.complete_checkpoints(run_dir)]
+    return [checkpoint_files.checkpoint_step(p)
+            for p in checkpoint_files.complete_checkpoints(run_dir)]
 
 
 def copy_run(src: Path, dst: Path, keep_step: int) -> Path:
-    """A copy of run `src` whose checkpoints after `keep_step` are left incomplete (marker removed)."""
+    """A copy of run `src` whose checkpoints after `keep_step` are left incomplete (marker
+    removed)."""
     shutil.copytree(src, dst)
     for ckpt in (dst / "checkpoints").glob("step_*"):
         if int(ckpt.name.split("_")[1]) > keep_step:
@@ -406,8 +425,8 @@ def flat_tensors(tree, prefix: str = "") -> dict[str, torch.Tensor]:
 
 
 def trained_state(ckpt: Path, scratch: Path) -> dict[str, torch.Tensor]:
-    """Parameters and optimizer state (moments, step counts); not the learning rate, which the schedule
-    sets before every step."""
+    """Parameters and optimizer state (moments, step counts); not the learning rate, which the
+    schedule sets before every step."""
     state = checkpoint_state(ckpt, scratch)
     return flat_tensors({"model": state["model"], "optim": state["optim"]["state"]})
 
@@ -423,8 +442,8 @@ def final_model(run_dir: Path, step: int, scratch: Path) -> dict[str, torch.Tens
 
 
 def newest_whole(run_dir: Path) -> int | None:
-    """The step of the checkpoint resume=auto picks; every step_* folder must be complete and whole (its
-    files there and long enough), so that no pick can fail."""
+    """The step of the checkpoint resume=auto picks; every step_* folder must be complete and whole
+    (its files there and long enough), so that no pick can fail."""
     steps = sorted(checkpoint_files.checkpoint_root(run_dir).glob("step_*"))
     for ckpt in steps:
         assert (ckpt / checkpoint_files.COMPLETE).is_file(), f"{ckpt} has no marker"
@@ -436,21 +455,26 @@ def assert_same_checkpoint(got: Path, expected: Path, scratch: Path) -> None:
     """Parameters, optimizer state and every plain-data state (data position, guard counters, ...)
     bit-identical; the config differs only in what the runs were told (run_dir, keep_last, ...)."""
     assert_identical(trained_state(got, scratch), trained_state(expected, scratch))
-    saved, wanted = checkpoint_files.read_train_state(got), checkpoint_files.read_train_state(expected)
-    assert {k: v for k, v in saved.items() if k != "config"} == {k: v for k, v in wanted.items() if k != "config"}
+    saved, wanted = (checkpoint_files.read_train_state(got),
+                     checkpoint_files.read_train_state(expected))
+    assert ({k: v for k, v in saved.items() if k != "config"}
+            == {k: v for k, v in wanted.items() if k != "config"})
 
 
 def assert_same_curve(got: dict[int, float], expected: dict[int, float], steps, rel: float = 1e-5,
                       what: str = "loss") -> None:
     """Per-step values against the reference's. rel 1e-5: fp32 sums in another order (over ranks,
-    shards and micro-batches) move a loss or norm by about 1e-7 relative per step, and the differences
-    grow over a few steps of training; a real difference (one sample, one step) is far above."""
+    shards and micro-batches) move a loss or norm by about 1e-7 relative per step, and the
+    differences grow over a few steps of training; a real difference (one sample, one step) is far
+    above."""
     assert sorted(got) == sorted(steps), what
     for step in steps:
         assert got[step] == pytest.approx(expected[step], rel=rel, abs=0), (what, step)
 
 
-def assert_same_tensors(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], atol: float) -> None:
+def assert_same_tensors(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                        atol: float) -> None:
     assert got.keys() == expected.keys()
     for name, value in expected.items():
-        torch.testing.assert_close(got[name], value, rtol=0, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(got[name], value, rtol=0, atol=atol,
+                                   msg=lambda m, n=name: f"{n}: {m}")

@@ -1,5 +1,5 @@
-"""The small network the Muon tests under FSDP2 train (test_muon_fsdp.py, test_muon_skip.py): a matrix of
-every kind Muon meets, each of its own shape, so that shards split unevenly."""
+"""The small network the Muon tests under FSDP2 train (test_muon_fsdp.py, test_muon_skip.py): a
+matrix of every kind Muon meets, each of its own shape, so that shards split unevenly."""
 
 import torch
 import torch.nn.functional as F

@@ -1,10 +1,12 @@
-"""Several training runs in one torchrun launch, so that a test pays once for starting torchrun and its
-workers: `torchrun ... tests/support/train_many.py runs.json`, runs.json a list of override lists.
+"""Several training runs in one torchrun launch, so that a test pays once for starting torchrun and
+its workers: `torchrun ... tests/support/train_many.py runs.json`, runs.json a list of override
+lists.
 
 Each run is what `python -m scalevec_train.train <overrides>` does (compose and validate the config,
 then scalevec_train.train.run), in the one process group. After a run every rank also writes what it
-holds to <run_dir>/rank<r>.pt: the parameters it holds whole (the scale sites), its shards of the others,
-and the MoE expert biases, so that a test can check how the ranks divide the model and that they agree.
+holds to <run_dir>/rank<r>.pt: the parameters it holds whole (the scale sites), its shards of the
+others, and the MoE expert biases, so that a test can check how the ranks divide the model and that
+they agree.
 """
 
 import json
@@ -41,7 +43,8 @@ def main(spec: Path) -> None:
     try:
         for overrides in json.loads(spec.read_text()):
             run_dir = train.run(compose_config(overrides, process_group.world_size()))
-            # no name here keeps the model: shutdown must free the group it holds (process_group.shutdown)
+            # no name here keeps the model: shutdown must free the group it holds
+            # (process_group.shutdown)
             save_holdings(built.pop().trainer.model, run_dir / f"rank{process_group.rank()}.pt")
         finished = True
     finally:

@@ -1,5 +1,5 @@
-"""Bad input (configs, data, checkpoints), through the command line and in-process: each fails with its
-own message before expensive work, and leaves every run directory byte-identical."""
+"""Bad input (configs, data, checkpoints), through the command line and in-process: each fails with
+its own message before expensive work, and leaves every run directory byte-identical."""
 
 import hashlib
 import io
@@ -23,8 +23,9 @@ from tests.support.helpers import make_config
 from tests.support.launch import child_env, train_command, train_in_process
 from tests.support.presets import SMALL_MODEL
 
-RUN = [*SMALL_MODEL, "model.ffn_dim=128", "train.seq_len=32", "train.global_batch=4", "train.eval_batches=2",
-       "train.eval_every=0", "schedule.warmup_steps=2", "train.steps=40", "train.log_every=1", "checkpoint.every=3"]
+RUN = [*SMALL_MODEL, "model.ffn_dim=128", "train.seq_len=32", "train.global_batch=4",
+       "train.eval_batches=2", "train.eval_every=0", "schedule.warmup_steps=2", "train.steps=40",
+       "train.log_every=1", "checkpoint.every=3"]
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +44,10 @@ def tree_digest(root: Path) -> dict[str, str]:
 def existing(common, tmp_path_factory) -> Path:
     """A finished one-process run with checkpoints at steps 2 and 4."""
     run_dir = tmp_path_factory.mktemp("bad_input") / "existing"
-    run(make_config(*common, "train.micro_batch=2", "train.steps=4", "checkpoint.every=2", f"run_dir={run_dir}"))
-    assert [p.name for p in checkpoint_files.complete_checkpoints(run_dir)] == ["step_000002", "step_000004"]
+    run(make_config(*common, "train.micro_batch=2", "train.steps=4", "checkpoint.every=2",
+                    f"run_dir={run_dir}"))
+    assert ([p.name for p in checkpoint_files.complete_checkpoints(run_dir)]
+            == ["step_000002", "step_000004"])
     return run_dir
 
 
@@ -124,8 +127,8 @@ def existing_run(*overrides: str):
 
 
 def on_copy(damage, *overrides: str):
-    """The existing run copied, one file of its newest checkpoint damaged, resumed with resume=auto and
-    `overrides`."""
+    """The existing run copied, one file of its newest checkpoint damaged, resumed with resume=auto
+    and `overrides`."""
     def setup(ctx: Ctx) -> list[str]:
         ckpt = ctx.checkpoint()
         damage(ckpt)
@@ -133,7 +136,8 @@ def on_copy(damage, *overrides: str):
     return setup
 
 
-# The checks behind the checksums, for a checkpoint read without them (trusted, or written before them).
+# The checks behind the checksums, for a checkpoint read without them (trusted, or written before
+# them).
 UNVERIFIED = "checkpoint.verify=false"
 
 
@@ -172,40 +176,53 @@ class Case:
 
 
 IN_PROCESS = [
-    Case("heads", "config", existing_run("model.dim=100", "model.n_heads=3"), "model.dim: hidden size 100"),
+    Case("heads", "config", existing_run("model.dim=100", "model.n_heads=3"),
+         "model.dim: hidden size 100"),
     Case("seq_len", "config", existing_run("train.seq_len=2048"), "train.seq_len: 2048 is longer"),
     Case("optimizer", "config", existing_run("optim.name=sgd"), "optim.name"),
     Case("warmup", "config", existing_run("schedule.warmup_steps=500"), "schedule.warmup_steps"),
-    Case("max_bad_steps", "config", existing_run("train.max_bad_steps=0"), "train.max_bad_steps: must be"),
-    Case("run_dir_file", "before_data", lambda ctx: [f"run_dir={with_file(ctx)}"], "is a file, so it cannot"),
+    Case("max_bad_steps", "config", existing_run("train.max_bad_steps=0"),
+         "train.max_bad_steps: must be"),
+    Case("run_dir_file", "before_data", lambda ctx: [f"run_dir={with_file(ctx)}"],
+         "is a file, so it cannot"),
     Case("resume_none", "before_data", existing_run("resume=none"), "already holds checkpoints"),
-    Case("resume_missing", "before_data", lambda ctx: [f"resume={ctx.tmp / 'nowhere'}"], "does not exist"),
-    Case("resume_run_dir", "before_data", lambda ctx: [f"resume={ctx.existing}"], "is a run directory"),
+    Case("resume_missing", "before_data", lambda ctx: [f"resume={ctx.tmp / 'nowhere'}"],
+         "does not exist"),
+    Case("resume_run_dir", "before_data", lambda ctx: [f"resume={ctx.existing}"],
+         "is a run directory"),
     Case("resume_incomplete", "before_data", lambda ctx: [f"resume={incomplete_dir(ctx)}"],
          "is not a complete checkpoint"),
     Case("other_scale", "before_data", existing_run("scale=unified"),
          "scale.heterogeneity: 'shared' there, 'per_branch' here"),
     Case("truncated_checkpoint", "before_data", on_copy(lambda c: truncate(c / "__0_0.distcp")),
          "__0_0.distcp: is truncated"),
-    Case("corrupt_metadata", "before_data", on_copy(corrupt_metadata, UNVERIFIED), ".metadata: cannot be read"),
-    Case("code_in_metadata", "before_data", on_copy(code_in_metadata, UNVERIFIED), "unexpected object posix.getcwd"),
-    Case("corrupt_train_state", "before_data", on_copy(lambda c: truncate(c / "train_state.json", 10), UNVERIFIED),
+    Case("corrupt_metadata", "before_data", on_copy(corrupt_metadata, UNVERIFIED),
+         ".metadata: cannot be read"),
+    Case("code_in_metadata", "before_data", on_copy(code_in_metadata, UNVERIFIED),
+         "unexpected object posix.getcwd"),
+    Case("corrupt_train_state", "before_data",
+         on_copy(lambda c: truncate(c / "train_state.json", 10), UNVERIFIED),
          "train_state.json: cannot be read"),
-    Case("other_seq_len", "before_data", existing_run("train.seq_len=16"), "train.seq_len: 32 there, 16 here"),
+    Case("other_seq_len", "before_data", existing_run("train.seq_len=16"),
+         "train.seq_len: 32 there, 16 here"),
     Case("foreign_shard", "before_model",
          lambda ctx: ["data=shards", f"data.path={shards_with(ctx, foreign_tokens)}"],
          "00000.bin: holds token id 65535"),
-    Case("manifest", "before_model", lambda ctx: ["data=shards", f"data.path={shards_with(ctx, bad_manifest)}"],
+    Case("manifest", "before_model",
+         lambda ctx: ["data=shards", f"data.path={shards_with(ctx, bad_manifest)}"],
          "manifest.json: says num_tokens="),
     Case("tokenizer", "before_model", lambda ctx: ["data=shards", f"data.path={ctx.shards()}",
                                                    f"data.tokenizer_path={other_tokenizer(ctx)}"],
          "was written with tokenizer"),
-    Case("vocab", "before_model", lambda ctx: ["data=shards", f"data.path={ctx.shards()}", "model.vocab_size=256"],
+    Case("vocab", "before_model",
+         lambda ctx: ["data=shards", f"data.path={ctx.shards()}", "model.vocab_size=256"],
          "model.vocab_size: 256 is smaller"),
     Case("data_path", "before_model", lambda ctx: ["data.path=/nonexistent/corpus"],
          "/nonexistent/corpus is not a folder"),
-    Case("empty_corpus", "before_model", lambda ctx: [f"data.path={empty_dir(ctx)}"], "empty corpus"),
-    Case("fault_env", "before_data", lambda ctx: [], f"{FAULT_AT_ENV}: 'x' is not", env={FAULT_AT_ENV: "x"}),
+    Case("empty_corpus", "before_model", lambda ctx: [f"data.path={empty_dir(ctx)}"],
+         "empty corpus"),
+    Case("fault_env", "before_data", lambda ctx: [], f"{FAULT_AT_ENV}: 'x' is not",
+         env={FAULT_AT_ENV: "x"}),
 ]
 MESSAGES: dict[str, str] = {}
 
@@ -217,7 +234,8 @@ def fail(what: str):
 
 
 @pytest.mark.parametrize("case", IN_PROCESS, ids=lambda c: c.name)
-def test_bad_input_fails_early_with_its_own_message(case, common, existing, prepared, tmp_path, monkeypatch):
+def test_bad_input_fails_early_with_its_own_message(case, common, existing, prepared, tmp_path,
+                                                    monkeypatch):
     ctx = Ctx(tmp_path, existing, prepared, guarded=[existing])
     overrides = case.setup(ctx)
     before = {d: tree_digest(d) for d in ctx.guarded}
@@ -227,7 +245,8 @@ def test_bad_input_fails_early_with_its_own_message(case, common, existing, prep
         monkeypatch.setattr("scalevec_train.run.build.prepare_data", fail("data preparation"))
     monkeypatch.setattr("scalevec_train.run.build.parallelize", fail("model initialization"))
     with pytest.raises(ScalevecError) as info:
-        run(make_config(*common, "train.micro_batch=2", f"run_dir={tmp_path / 'fresh'}", *overrides))
+        run(make_config(*common, "train.micro_batch=2", f"run_dir={tmp_path / 'fresh'}",
+                        *overrides))
     message = str(info.value)
     assert case.message in message, message
     assert " Fix: " in message and "\n" not in message
@@ -247,28 +266,34 @@ class CliCase:
 
 
 CLI = [
-    CliCase("malformed_override", lambda ctx: ["train.steps"], 1, "Error parsing override 'train.steps'"),
-    CliCase("unknown_preset", lambda ctx: ["model=dense-huge"], 1, "Could not find 'model/dense-huge'"),
+    CliCase("malformed_override", lambda ctx: ["train.steps"], 1,
+            "Error parsing override 'train.steps'"),
+    CliCase("unknown_preset", lambda ctx: ["model=dense-huge"], 1,
+            "Could not find 'model/dense-huge'"),
     CliCase("unknown_key", lambda ctx: ["+train.warmup=5"], 2, "error: train.warmup: unknown key"),
     CliCase("wrong_type", lambda ctx: ["train.steps=many"], 2, "error: train.steps: Value 'many'"),
     CliCase("two_lengths", lambda ctx: ["train.tokens_per_param=10", "train.steps=22"], 2,
-            "error: train.steps: 22 is given, but train.tokens_per_param=10 sets the run's length."),
-    CliCase("world_size", lambda ctx: [], 2, "error: train.global_batch: 4 sequences are not divisible by "
-            "micro_batch * ranks = 2 * 3", env={"WORLD_SIZE": "3"}),
+            "error: train.steps: 22 is given, but train.tokens_per_param=10 sets the "
+            "run's length."),
+    CliCase("world_size", lambda ctx: [], 2,
+            "error: train.global_batch: 4 sequences are not divisible by micro_batch * "
+            "ranks = 2 * 3", env={"WORLD_SIZE": "3"}),
     CliCase("unwritable_run_dir", lambda ctx: [f"run_dir={with_file(ctx) / 'run'}"], 2,
             "would be a folder under the file"),
     CliCase("other_model", lambda ctx: ["model.dim=96"], 2, "model.dim: 64 there, 96 here"),
     CliCase("kernels_on_cpu", lambda ctx: ["model.kernels=triton", "device=cpu"], 2,
             "error: model.kernels: kernels backend 'triton' needs CUDA tensors, got cpu."),
-    CliCase("truncated_shard", lambda ctx: ["data=shards", f"data.path={shards_with(ctx, truncate_shard)}",
-                                           f"run_dir={ctx.tmp / 'fresh'}"], 2, "00000.bin: is truncated"),
+    CliCase("truncated_shard",
+            lambda ctx: ["data=shards", f"data.path={shards_with(ctx, truncate_shard)}",
+                         f"run_dir={ctx.tmp / 'fresh'}"], 2, "00000.bin: is truncated"),
 ]
 
 
-def test_bad_input_on_the_command_line_exits_nonzero_with_one_message(common, existing, prepared, processes,
-                                                                       tmp_path, capfd, monkeypatch):
+def test_bad_input_on_the_command_line_exits_nonzero_with_one_message(
+        common, existing, prepared, processes, tmp_path, capfd, monkeypatch):
     """Every case through the command's argument parsing and exit codes in this process; one of them
-    also as a process of its own, which must exit and print the same (nothing else on its way out)."""
+    also as a process of its own, which must exit and print the same (nothing else on its way
+    out)."""
     before = tree_digest(existing)
     ctxs = {case.name: Ctx(tmp_path / case.name, existing, prepared) for case in CLI}
     args = {}
@@ -277,7 +302,8 @@ def test_bad_input_on_the_command_line_exits_nonzero_with_one_message(common, ex
         args[case.name] = [*common, "train.micro_batch=2", f"run_dir={existing}", "resume=auto",
                            *case.args(ctxs[case.name])]
     real = CLI[-1]  # the one that gets furthest (data preparation) before it fails
-    started = processes.start(train_command(1, *args[real.name]), ctxs[real.name].tmp, child_env(**real.env))
+    started = processes.start(train_command(1, *args[real.name]), ctxs[real.name].tmp,
+                              child_env(**real.env))
     for case in CLI:
         ctx = ctxs[case.name]
         code, out = train_in_process(args[case.name], case.env, ctx.tmp, capfd, monkeypatch)
@@ -289,14 +315,15 @@ def test_bad_input_on_the_command_line_exits_nonzero_with_one_message(common, ex
         assert not (ctx.tmp / "fresh").exists()
         MESSAGES[f"cli:{case.name}"] = out.strip()
     assert started.wait() == real.code, started.describe()
-    assert started.output().strip() == MESSAGES[f"cli:{real.name}"]  # stdout and stderr, nothing but the error
+    # stdout and stderr, nothing but the error
+    assert started.output().strip() == MESSAGES[f"cli:{real.name}"]
     assert tree_digest(existing) == before
 
 
 def test_the_error_line_reaches_stderr_in_one_write(common, tmp_path, capfd, monkeypatch):
-    """The ranks of a launch share one log: each rank's error line must be one write, or another rank's
-    can land between a line and its end (seen under load in tests/training/test_faults.py, where stderr
-    is unbuffered)."""
+    """The ranks of a launch share one log: each rank's error line must be one write, or another
+    rank's can land between a line and its end (seen under load in tests/training/test_faults.py,
+    where stderr is unbuffered)."""
     writes = []
 
     class Recorded(io.StringIO):
@@ -305,8 +332,8 @@ def test_the_error_line_reaches_stderr_in_one_write(common, tmp_path, capfd, mon
             return super().write(text)
 
     monkeypatch.setattr(sys, "stderr", Recorded())
-    code, _ = train_in_process([*common, "optim.lr=-1", f"run_dir={tmp_path / 'run'}"], {}, tmp_path, capfd,
-                               monkeypatch)
+    code, _ = train_in_process([*common, "optim.lr=-1", f"run_dir={tmp_path / 'run'}"], {},
+                               tmp_path, capfd, monkeypatch)
     assert code == 2
     (line,) = [w for w in writes if "error:" in w]
     assert line.startswith("error: optim.lr") and " Fix: " in line
@@ -314,7 +341,8 @@ def test_the_error_line_reaches_stderr_in_one_write(common, tmp_path, capfd, mon
 
 
 def test_every_bad_input_has_its_own_message():
-    """Runs after the cases above (file order); at least 20 distinct failures, none sharing a message."""
+    """Runs after the cases above (file order); at least 20 distinct failures, none sharing a
+    message."""
     if len(MESSAGES) < len(IN_PROCESS) + len(CLI):
         pytest.skip("needs the bad-input tests of this file to run first")
     assert len(MESSAGES) >= 20

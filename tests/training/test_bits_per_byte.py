@@ -1,7 +1,7 @@
 """val_bpb: the evaluator's bits per byte against a direct computation (decode the counted targets,
 count their UTF-8 bytes, sum the NLL of the model's logits), for a SentencePiece tokenizer and two
-tokenizer.json ones (byte-level BPE; Metaspace with byte fallback), and the one axis that tokenizers of
-different vocabularies share."""
+tokenizer.json ones (byte-level BPE; Metaspace with byte fallback), and the one axis that tokenizers
+of different vocabularies share."""
 
 import json
 import math
@@ -22,12 +22,14 @@ from tests.support.presets import TINY_MODEL
 T = 16
 # ASCII first (the first token is an input only), then spaces, newlines, multi-byte characters that
 # byte fallback spells out, and a tail
-TEXT = ("Hello world, this is the text.\n    return größer + 日本語 🙂 ≠ ∑ x\n\tdef f(x): pass  \n" * 3
+TEXT = (("Hello world, this is the text.\n    return größer + 日本語 🙂 ≠ ∑ x\n"
+         "\tdef f(x): pass  \n") * 3
         + "the end\n")
 
 
 def lines() -> list[str]:
-    return [line for line in (TEXT * 4 + "plain words and more words for merges\n" * 20).split("\n") if line]
+    return [line for line in (TEXT * 4 + "plain words and more words for merges\n" * 20).split("\n")
+            if line]
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +40,10 @@ def sentencepiece(tmp_path_factory) -> tokenizer.Tokenizer:
 
 
 def hf_tokenizer(tmp_path: Path, kind: str, vocab: int) -> tokenizer.Tokenizer:
-    """A BPE tokenizer.json trained on lines(): byte-level (GPT-2), or Llama-2 style ("▁" for spaces,
-    characters outside the vocabulary as <0xNN> byte pieces of the model's vocabulary)."""
-    tokenizers = pytest.importorskip("tokenizers", reason="Hugging Face tokenizers is not installed")
+    """A BPE tokenizer.json trained on lines(): byte-level (GPT-2), or Llama-2 style ("▁" for
+    spaces, characters outside the vocabulary as <0xNN> byte pieces of the model's vocabulary)."""
+    tokenizers = pytest.importorskip("tokenizers",
+                                     reason="Hugging Face tokenizers is not installed")
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     byte_level = kind == "byte_level"
@@ -50,12 +53,13 @@ def hf_tokenizer(tmp_path: Path, kind: str, vocab: int) -> tokenizer.Tokenizer:
         tok.decoder = decoders.ByteLevel()
     else:
         tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
-        tok.decoder = decoders.Sequence([decoders.Metaspace(prepend_scheme="never"), decoders.ByteFallback(),
-                                         decoders.Fuse()])
+        tok.decoder = decoders.Sequence([decoders.Metaspace(prepend_scheme="never"),
+                                         decoders.ByteFallback(), decoders.Fuse()])
     alphabet = pre_tokenizers.ByteLevel.alphabet() if byte_level else []
-    tok.train_from_iterator([line for line in lines() if not any(ord(c) > 127 for c in line)] if not byte_level
-                            else lines(), trainers.BpeTrainer(vocab_size=vocab, special_tokens=["</s>"],
-                                                              initial_alphabet=alphabet, show_progress=False))
+    tok.train_from_iterator([line for line in lines() if not any(ord(c) > 127 for c in line)]
+                            if not byte_level else lines(),
+                            trainers.BpeTrainer(vocab_size=vocab, special_tokens=["</s>"],
+                                                initial_alphabet=alphabet, show_progress=False))
     spec = json.loads(tok.to_str())
     if not byte_level:  # the non-ASCII characters of TEXT are left to byte fallback
         pieces = spec["model"]["vocab"]
@@ -66,10 +70,11 @@ def hf_tokenizer(tmp_path: Path, kind: str, vocab: int) -> tokenizer.Tokenizer:
     return tokenizer.load(tmp_path / "tokenizer.json")
 
 
-def windows(tok: tokenizer.Tokenizer, documents: bool, skip: int = 3) -> tuple[list[Batch], list[int]]:
-    """Two batches of rows of T cut from one stream, EOS + TEXT + EOS padding (EOS stands for no bytes),
-    so that the counted targets, in order, are one stretch of the stream; the first row's first `skip`
-    targets are not counted. Returns the batches and the counted targets."""
+def windows(tok: tokenizer.Tokenizer, documents: bool,
+            skip: int = 3) -> tuple[list[Batch], list[int]]:
+    """Two batches of rows of T cut from one stream, EOS + TEXT + EOS padding (EOS stands for no
+    bytes), so that the counted targets, in order, are one stretch of the stream; the first row's
+    first `skip` targets are not counted. Returns the batches and the counted targets."""
     ids = tok.encode(TEXT)
     assert tok.decode(ids) == TEXT
     rows = 2 * math.ceil(len(ids) / (2 * T))
@@ -79,7 +84,8 @@ def windows(tok: tokenizer.Tokenizer, documents: bool, skip: int = 3) -> tuple[l
     targets[0, :skip] = IGNORE
     doc_ids = document_ids(inputs, tok.eos_id()) if documents else None
     half = rows // 2
-    batches = [Batch(inputs[i:i + half], targets[i:i + half], None if doc_ids is None else doc_ids[i:i + half])
+    batches = [Batch(inputs[i:i + half], targets[i:i + half],
+                     None if doc_ids is None else doc_ids[i:i + half])
                for i in (0, half)]
     return batches, stream[1 + skip:].tolist()
 
@@ -88,7 +94,8 @@ def text_bytes(tok: tokenizer.Tokenizer, ids: list[int]) -> int:
     return len(tok.decode([i for i in ids if i != tok.eos_id()]).encode())
 
 
-def evaluate(model: torch.nn.Module, batches: list[Batch], tok: tokenizer.Tokenizer) -> tuple[float, float, int]:
+def evaluate(model: torch.nn.Module, batches: list[Batch],
+             tok: tokenizer.Tokenizer) -> tuple[float, float, int]:
     validation = Validation(batches, token_bytes=tokenizer.token_bytes(tok))
     val_loss, val_bpb = validation.evaluate(model, torch.device("cpu"), nullcontext)[""]
     return val_loss.item(), val_bpb.item(), validation.bytes[""]
@@ -100,10 +107,13 @@ def check_against_direct(tok: tokenizer.Tokenizer, documents: bool) -> None:
     model = Transformer(cfg.model, cfg.scale)
     model.init_weights(seed=3)
     _, val_bpb, n_bytes = evaluate(model, batches, tok)
-    assert n_bytes == text_bytes(tok, counted) == len(TEXT.encode()) - len(tok.decode(tok.encode(TEXT)[:3]).encode())
+    assert (n_bytes == text_bytes(tok, counted)
+            == len(TEXT.encode()) - len(tok.decode(tok.encode(TEXT)[:3]).encode()))
     with torch.no_grad():
-        nll = sum(F.cross_entropy(model(b.inputs, **({"doc_ids": b.doc_ids} if documents else {})).flatten(0, 1),
-                                  b.targets.flatten(), ignore_index=IGNORE, reduction="sum") for b in batches)
+        nll = sum(F.cross_entropy(model(b.inputs, **({"doc_ids": b.doc_ids} if documents
+                                                     else {})).flatten(0, 1),
+                                  b.targets.flatten(), ignore_index=IGNORE, reduction="sum")
+                  for b in batches)
     assert val_bpb == pytest.approx(nll.item() / math.log(2) / n_bytes, rel=1e-5)
 
 
@@ -129,8 +139,9 @@ class Uniform(torch.nn.Module):
 
 
 def test_tokenizers_of_different_vocabularies_share_one_axis(sentencepiece, tmp_path):
-    """The same text under two tokenizers of different vocabularies: both count the text's bytes, so a
-    uniform model's val_bpb is log2(vocab) * tokens / bytes, while its val_loss is ln(vocab) per token."""
+    """The same text under two tokenizers of different vocabularies: both count the text's bytes, so
+    a uniform model's val_bpb is log2(vocab) * tokens / bytes, while its val_loss is ln(vocab) per
+    token."""
     vocabularies = []
     for tok in (sentencepiece, hf_tokenizer(tmp_path, "byte_level", 700)):
         batches, counted = windows(tok, documents=False, skip=0)
@@ -139,6 +150,7 @@ def test_tokenizers_of_different_vocabularies_share_one_axis(sentencepiece, tmp_
         tokens = len(tok.encode(TEXT))  # the EOS padding counts as tokens of no bytes: add it
         tokens += sum(1 for i in counted if i == tok.eos_id())
         assert val_loss == pytest.approx(math.log(tok.get_piece_size()), rel=1e-6)
-        assert val_bpb == pytest.approx(math.log2(tok.get_piece_size()) * tokens / n_bytes, rel=1e-6)
+        assert val_bpb == pytest.approx(math.log2(tok.get_piece_size()) * tokens / n_bytes,
+                                        rel=1e-6)
         vocabularies.append(tok.get_piece_size())
     assert vocabularies[0] != vocabularies[1]

@@ -20,7 +20,8 @@ from tests.support.launch import gloo_group, spawn
 from tests.support.presets import SMALL_MODEL
 
 EOS, SEQ = 1, 16
-# EOS positions per row: 3, 0, 1 and 2 documents end in the rows, so they count 13, 16, 15, 14 targets
+# EOS positions per row: 3, 0, 1 and 2 documents end in the rows, so they count 13, 16, 15, 14
+# targets
 EOS_AT = [[2, 6, 11], [], [8], [4, 5]]
 MODEL = [*SMALL_MODEL, "model.ffn_dim=64", "model.vocab_size=64", "model.attention_mask=document",
          "model.rope_reset=true", "scale=unified"]
@@ -35,7 +36,8 @@ def rows() -> Batch:
     return Batch(inputs, targets.masked_fill(inputs == EOS, IGNORE), document_ids(inputs, EOS))
 
 
-ONE_STEP, CPU = Schedule(steps=1, lr_at=lambda step: 1.0, log_every=1), Compute(torch.device("cpu"), nullcontext)
+ONE_STEP, CPU = (Schedule(steps=1, lr_at=lambda step: 1.0, log_every=1),
+                 Compute(torch.device("cpu"), nullcontext))
 
 
 class Capture(Callback):
@@ -51,7 +53,8 @@ def model() -> Transformer:
 
 
 def reference(coef: float) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """(CE, z-loss term, gradients) of the mean over all counted targets of the batch in one forward."""
+    """(CE, z-loss term, gradients) of the mean over all counted targets of the batch in one
+    forward."""
     m, batch = model(), rows()
     logits = m(batch.inputs, doc_ids=batch.doc_ids).flatten(0, 1)
     targets = batch.targets.flatten()
@@ -67,8 +70,8 @@ def train_step(m, batches: list[Batch], coef: float):
     optimizer.param_groups[0]["base_lr"] = 0.0
     capture = Capture()
     trainer = Trainer(m, optimizer, ListLoader(batches), ONE_STEP,
-                      StepRecipe(accum=len(batches), tokens_per_step=4 * SEQ, grad_clip=0.0, z_loss_coef=coef,
-                                 documents=True), CPU, [capture])
+                      StepRecipe(accum=len(batches), tokens_per_step=4 * SEQ, grad_clip=0.0,
+                                 z_loss_coef=coef, documents=True), CPU, [capture])
     result = trainer.train_step()
     return result, capture.grads
 
@@ -99,7 +102,8 @@ def test_the_plain_mean_of_micro_batch_means_would_differ():
     """The weighting matters here: the mean of the four rows' means is another loss."""
     want_ce, _, _ = reference(0.0)
     m = model()
-    means = [F.cross_entropy(m(b.inputs, doc_ids=b.doc_ids).flatten(0, 1), b.targets.flatten(), ignore_index=IGNORE)
+    means = [F.cross_entropy(m(b.inputs, doc_ids=b.doc_ids).flatten(0, 1), b.targets.flatten(),
+                             ignore_index=IGNORE)
              for b in split(rows(), 4)]
     assert abs(torch.stack(means).mean().item() - want_ce.item()) > 1e-4
 
@@ -113,7 +117,8 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
         parts = split(rows(), 4)
         mine = [parts[rank], parts[rank + 2]]  # rank 0 counts 13 + 15 targets, rank 1 16 + 14
         result, grads = train_step(m, mine, 1e-2)
-        torch.save({"loss": result.loss, "z": result.z_loss, "grads": grads}, f"{out}/rank{rank}.pt")
+        torch.save({"loss": result.loss, "z": result.z_loss, "grads": grads},
+                   f"{out}/rank{rank}.pt")
 
 
 def test_two_ranks_of_two_micro_batches_give_the_global_mean(tmp_path):
@@ -133,13 +138,15 @@ def test_z_loss_against_its_closed_form_and_autograd():
     targets = torch.randint(0, 11, (2, 5), generator=gen)
     targets[0, 1] = targets[1, 4] = IGNORE
     counted = (targets != IGNORE).double()
-    log_z = torch.log(torch.exp(logits.detach()).sum(-1))  # log of the partition function, written out
+    # log of the partition function, written out
+    log_z = torch.log(torch.exp(logits.detach()).sum(-1))
     want = (log_z ** 2 * counted).sum() / counted.sum()
     got = z_loss(logits, targets)
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
     got.backward()
     # d/dlogits mean(log Z^2) = 2 log Z softmax(logits) / count, zero where not counted
-    closed = 2 * log_z[..., None] * torch.softmax(logits.detach(), -1) * counted[..., None] / counted.sum()
+    closed = (2 * log_z[..., None] * torch.softmax(logits.detach(), -1) * counted[..., None]
+              / counted.sum())
     torch.testing.assert_close(logits.grad, closed, rtol=1e-5, atol=1e-7)
 
 
@@ -162,8 +169,8 @@ def test_z_loss_under_causal_attention_is_added_and_logged_apart(accum):
     optimizer.param_groups[0]["base_lr"] = 0.0
     capture = Capture()
     trainer = Trainer(m, optimizer, ListLoader(split(batch, accum)), ONE_STEP,
-                      StepRecipe(accum=accum, tokens_per_step=4 * SEQ, grad_clip=0.0, z_loss_coef=1e-2), CPU,
-                      [capture])
+                      StepRecipe(accum=accum, tokens_per_step=4 * SEQ, grad_clip=0.0,
+                                 z_loss_coef=1e-2), CPU, [capture])
     result = trainer.train_step()
     torch.testing.assert_close(result.loss, ce.detach(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(result.z_loss, z.detach(), rtol=1e-5, atol=1e-8)

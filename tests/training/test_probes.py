@@ -1,8 +1,8 @@
-"""train.diagnostics_every (training/diagnostics.py): off, a run is what it was; on, its losses are the
-same and every diag/* value equals the one computed here, by hand, from the checkpointed weights of the
-step (and the step before, for the update) and a plain PyTorch forward of the diagnostic batch, for the
-baseline and the unified strategy (causal, and within documents) and an MoE model; on 2 gloo ranks with
-compiled blocks the values are those of one eager process."""
+"""train.diagnostics_every (training/diagnostics.py): off, a run is what it was; on, its losses are
+the same and every diag/* value equals the one computed here, by hand, from the checkpointed weights
+of the step (and the step before, for the update) and a plain PyTorch forward of the diagnostic
+batch, for the baseline and the unified strategy (causal, and within documents) and an MoE model; on
+2 gloo ranks with compiled blocks the values are those of one eager process."""
 
 import math
 from contextlib import nullcontext
@@ -28,22 +28,26 @@ ON = "train.diagnostics_every=2"
 MOE = [*TINY_MOE, "model.moe.num_experts=4", "model.vocab_size=512"]
 NUMBERS = ("step", "loss", "grad_norm", "val_loss", "val_bpb")
 
-# The maps that read each input-side site under a strategy, written out here from docs/concepts/scale-vectors.md:
-# {map path within a block: the site path within the block}; maps not listed have no input-side scale.
+# The maps that read each input-side site under a strategy, written out here from
+# docs/concepts/scale-vectors.md: {map path within a block: the site path within the block}; maps
+# not listed have no input-side scale.
 INPUT_SITES = {
     "baseline": {"attn.wq": "attn_norm.sites.attn", "attn.wk": "attn_norm.sites.attn",
                  "attn.wv": "attn_norm.sites.attn", "ffn.w_gate": "ffn_norm.sites.ffn",
                  "ffn.w_up": "ffn_norm.sites.ffn"},
     # HG: one site per branch (dual_norm adds output sites only, behind normalizations)
-    "unified": {"attn.wq": "attn_norm.sites.q", "attn.wk": "attn_norm.sites.k", "attn.wv": "attn_norm.sites.v",
-                "ffn.w_gate": "ffn_norm.sites.gate", "ffn.w_up": "ffn_norm.sites.up"},
-    # an MoE layer under baseline: the router, every expert and the shared expert read the one ffn site
-    "moe": {"attn.wq": "attn_norm.sites.attn", "attn.wk": "attn_norm.sites.attn", "attn.wv": "attn_norm.sites.attn",
-            "ffn.router": "ffn_norm.sites.ffn", "ffn.experts.w_gate": "ffn_norm.sites.ffn",
-            "ffn.experts.w_up": "ffn_norm.sites.ffn", "ffn.shared.w_gate": "ffn_norm.sites.ffn",
-            "ffn.shared.w_up": "ffn_norm.sites.ffn"},
+    "unified": {"attn.wq": "attn_norm.sites.q", "attn.wk": "attn_norm.sites.k",
+                "attn.wv": "attn_norm.sites.v", "ffn.w_gate": "ffn_norm.sites.gate",
+                "ffn.w_up": "ffn_norm.sites.up"},
+    # an MoE layer under baseline: the router, every expert and the shared expert read the one ffn
+    # site
+    "moe": {"attn.wq": "attn_norm.sites.attn", "attn.wk": "attn_norm.sites.attn",
+            "attn.wv": "attn_norm.sites.attn", "ffn.router": "ffn_norm.sites.ffn",
+            "ffn.experts.w_gate": "ffn_norm.sites.ffn", "ffn.experts.w_up": "ffn_norm.sites.ffn",
+            "ffn.shared.w_gate": "ffn_norm.sites.ffn", "ffn.shared.w_up": "ffn_norm.sites.ffn"},
 }
-CASES = {"baseline": ["scale=baseline"], "unified": ["scale=unified"], "moe": [*MOE, "scale=baseline"]}
+CASES = {"baseline": ["scale=baseline"], "unified": ["scale=unified"],
+         "moe": [*MOE, "scale=baseline"]}
 
 
 def diag(record: dict) -> dict[str, float]:
@@ -74,7 +78,8 @@ def column_stats(w: torch.Tensor, g: torch.Tensor | None, before: torch.Tensor) 
            "update_ratio": torch.linalg.vector_norm(w - before) / torch.linalg.vector_norm(before)}
     if g is not None:
         e = torch.linalg.vector_norm(w * g.unsqueeze(-2), dim=-2).flatten().double()
-        out |= {"eff_col_rms": e.square().mean().sqrt(), "eff_col_cv": e.std(unbiased=False) / e.mean(),
+        out |= {"eff_col_rms": e.square().mean().sqrt(),
+                "eff_col_cv": e.std(unbiased=False) / e.mean(),
                 "col_gain": e.square().mean().sqrt() / c.square().mean().sqrt()}
         gs = g.abs().expand(w.shape[:-2] + w.shape[-1:]).flatten().double()
         out["g_col_corr"] = 0.0 if gs.std() == 0 else torch.corrcoef(torch.stack([gs, c]))[0, 1]
@@ -135,8 +140,8 @@ def rope(x: torch.Tensor, theta: float, positions: torch.Tensor) -> torch.Tensor
 
 
 def output_side(lin, y: torch.Tensor, head_dim: int, eps: float) -> torch.Tensor:
-    """What the strategies here put on a map's output: nothing, or u * N(y) per head (q, k, v) or over
-    the whole width (gate, up)."""
+    """What the strategies here put on a map's output: nothing, or u * N(y) per head (q, k, v) or
+    over the whole width (gate, up)."""
     if lin.out_site is None:
         return y
     u = lin.out_site()
@@ -148,9 +153,9 @@ def output_side(lin, y: torch.Tensor, head_dim: int, eps: float) -> torch.Tensor
 @torch.no_grad()
 def expected_activations(model, tokens: torch.Tensor, doc_ids: torch.Tensor | None,
                          inputs: dict[str, float] | None = None) -> dict[str, float]:
-    """A layer-by-layer forward in plain PyTorch, fp32, causal or within the documents doc_ids number (each
-    a contiguous run of a row, RoPE positions restarting at each); its logits must be the model's.
-    `inputs`, where given, gets the outliers of every block map's input."""
+    """A layer-by-layer forward in plain PyTorch, fp32, causal or within the documents doc_ids
+    number (each a contiguous run of a row, RoPE positions restarting at each); its logits must be
+    the model's. `inputs`, where given, gets the outliers of every block map's input."""
     cfg, eps, out = model.cfg, model.cfg.norm_eps, {}
     inputs = {} if inputs is None else inputs
     seq = tokens.shape[1]
@@ -177,7 +182,8 @@ def expected_activations(model, tokens: torch.Tensor, doc_ids: torch.Tensor | No
         q = rope(heads["q"], cfg.rope_theta, positions)
         k = rope(heads["k"], cfg.rope_theta, positions).repeat_interleave(group, 1)
         v = heads["v"].repeat_interleave(group, 1)
-        scores = (q @ k.transpose(-1, -2) / math.sqrt(cfg.head_dim)).masked_fill(~allowed, -math.inf)
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(cfg.head_dim)).masked_fill(~allowed,
+                                                                                 -math.inf)
         out[f"{p}/attn/max_logit"] = float(scores.max())
         attended = (scores.softmax(-1) @ v).transpose(1, 2).flatten(2)
         outliers(f"{p}/attn.wo", attended, inputs)
@@ -185,13 +191,15 @@ def expected_activations(model, tokens: torch.Tensor, doc_ids: torch.Tensor | No
         out[f"{p}/resid_mid_rms"] = rms(h)
         b = {br: norm(h, eps) * site() for br, site in block.ffn_norm.sites.items()}
         out |= {f"{p}/ffn_norm.{br}/rms": rms(v) for br, v in b.items()}
-        if cfg.moe is not None:  # the layer itself: its inside is not measured, its input and output are
+        # the layer itself: its inside is not measured, its input and output are
+        if cfg.moe is not None:
             x = h + block.ffn(b)
             continue
         ffn, shared = block.ffn, b.get("ffn")
         outliers(f"{p}/ffn.w_gate", b.get("gate", shared), inputs)
         outliers(f"{p}/ffn.w_up", b.get("up", shared), inputs)
-        gate = output_side(ffn.w_gate, b.get("gate", shared) @ ffn.w_gate.weight.T, cfg.head_dim, eps)
+        gate = output_side(ffn.w_gate, b.get("gate", shared) @ ffn.w_gate.weight.T, cfg.head_dim,
+                           eps)
         up = output_side(ffn.w_up, b.get("up", shared) @ ffn.w_up.weight.T, cfg.head_dim, eps)
         for name, y in (("w_gate", gate), ("w_up", up)):
             if getattr(ffn, name).out_norm is not None:
@@ -207,39 +215,44 @@ def expected_activations(model, tokens: torch.Tensor, doc_ids: torch.Tensor | No
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_values_are_those_computed_from_the_weights_and_a_plain_forward(tmp_path, data_overrides, case):
-    overrides = [*data_overrides, *TINY_MODEL, *SHORT_RUN, *STEPS, ON, *CASES[case], "checkpoint.every=1",
-                 f"run_dir={tmp_path / 'r'}"]
+def test_values_are_those_computed_from_the_weights_and_a_plain_forward(
+        tmp_path, data_overrides, case):
+    overrides = [*data_overrides, *TINY_MODEL, *SHORT_RUN, *STEPS, ON, *CASES[case],
+                 "checkpoint.every=1", f"run_dir={tmp_path / 'r'}"]
     out = run(make_config(*overrides))
     got = diag(next(r for r in records(out) if r["step"] == 4 and diag(r)))
     model, _ = scalevec_train.load(step_dir(out, 4))
     before, _ = scalevec_train.load(step_dir(out, 3))
     cfg = make_config(*overrides)
     t = cfg.train  # the val split's first micro-batch:
-    batch = validation_batches(prepare_data(cfg.data), t.seq_len, t.micro_batch, t.eval_batches * t.global_batch, 0, 1,
+    batch = validation_batches(prepare_data(cfg.data), t.seq_len, t.micro_batch,
+                               t.eval_batches * t.global_batch, 0, 1,
                                cfg.model.attention_mask == "document")[0]
     inputs = {}
-    expected = expected_weights(model, before, case) | expected_activations(model, batch.inputs, batch.doc_ids,
-                                                                             inputs) | inputs
+    expected = (expected_weights(model, before, case)
+                | expected_activations(model, batch.inputs, batch.doc_ids, inputs) | inputs)
     assert sorted(got) == sorted(expected)
     for key, value in expected.items():
         assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
-    # the preconditioning is there to see: the input-side scales have left 1 and reshaped the columns
+    # the preconditioning is there to see: the input-side scales have left 1 and reshaped the
+    # columns
     assert any(abs(v - 1) > 1e-4 for k, v in got.items() if k.endswith("/col_gain"))
 
 
 def test_activations_within_documents(data_overrides):
-    """Attention and RoPE positions within documents (the corpus's documents outlast a training row, so
-    here rows of several documents are made up), on a unified model whose sites have left 1."""
-    cfg = make_config(*data_overrides, *TINY_MODEL, "scale=unified", "model.attention_mask=document",
-                      "model.rope_reset=true")
+    """Attention and RoPE positions within documents (the corpus's documents outlast a training row,
+    so here rows of several documents are made up), on a unified model whose sites have left 1."""
+    cfg = make_config(*data_overrides, *TINY_MODEL, "scale=unified",
+                      "model.attention_mask=document", "model.rope_reset=true")
     model = Transformer(cfg.model, cfg.scale)
     model.init_weights(0)
     with torch.no_grad():
         for _, site in scale_sites(model):
             for p in site.parameters():
-                p.mul_(1 + 0.3 * torch.rand(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    tokens = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+                p.mul_(1 + 0.3
+                       * torch.rand(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 32),
+                           generator=torch.Generator().manual_seed(0))
     doc_ids = torch.tensor([[0] * 10 + [1] * 12 + [2] * 10, [0] * 3 + [1] * 29])
     got = activation_stats(model, tokens, doc_ids, nullcontext)
     expected = expected_activations(model, tokens, doc_ids)
@@ -248,21 +261,24 @@ def test_activations_within_documents(data_overrides):
         assert float(got[key]) == pytest.approx(value, rel=1e-5, abs=1e-6), key
     # the documents matter: attending across them gives other largest logits
     causal = expected_activations(model, tokens, None)
-    assert any(causal[k] != pytest.approx(v, rel=1e-3) for k, v in expected.items() if k.endswith("max_logit"))
+    assert any(causal[k] != pytest.approx(v, rel=1e-3) for k, v in expected.items()
+               if k.endswith("max_logit"))
 
 
-def test_two_ranks_with_compiled_blocks_measure_what_one_eager_process_does(tmp_path, data_overrides):
-    """FSDP2 shards every matrix (row-wise) and the expert stacks (by expert) over 2 ranks; the blocks are
-    compiled, so the diagnostic forward must step around the compiled forward (its hooks see nothing
-    inside a graph). Compiled with aot_eager: what dynamo captures, and the graphs' forward and backward,
-    are inductor's; that inductor's numbers are eager's is tests/parallel/test_compile.py's (its code
-    generation costs minutes of CPU on a fresh machine). Baseline strategies: unified's cancelled
-    magnitudes drift apart on different world sizes (tests/parallel/test_world_sizes.py), and with them
-    what they scale."""
+def test_two_ranks_with_compiled_blocks_measure_what_one_eager_process_does(
+        tmp_path, data_overrides):
+    """FSDP2 shards every matrix (row-wise) and the expert stacks (by expert) over 2 ranks; the
+    blocks are compiled, so the diagnostic forward must step around the compiled forward (its hooks
+    see nothing inside a graph). Compiled with aot_eager: what dynamo captures, and the graphs'
+    forward and backward, are inductor's; that inductor's numbers are eager's is
+    tests/parallel/test_compile.py's (its code generation costs minutes of CPU on a fresh machine).
+    Baseline strategies: unified's cancelled magnitudes drift apart on different world sizes
+    (tests/parallel/test_world_sizes.py), and with them what they scale."""
     prepare_data(make_config(*data_overrides).data)
-    runs = {name: [*data_overrides, *TINY_MODEL, *SHORT_RUN, *STEPS, ON, *CASES[name], "train.global_batch=4",
-                   "train.micro_batch=2"] for name in ("baseline", "moe")}
-    spec = [[*o, "distributed.compile=true", f"run_dir={tmp_path / name}-2"] for name, o in runs.items()]
+    runs = {name: [*data_overrides, *TINY_MODEL, *SHORT_RUN, *STEPS, ON, *CASES[name],
+                   "train.global_batch=4", "train.micro_batch=2"] for name in ("baseline", "moe")}
+    spec = [[*o, "distributed.compile=true", f"run_dir={tmp_path / name}-2"]
+            for name, o in runs.items()]
     train_spawned(2, spec, tmp_path / "runs.json", backend="aot_eager")
     for name, o in runs.items():
         one = run(make_config(*o, f"run_dir={tmp_path / name}-1"))

@@ -2,9 +2,9 @@
 optimizer's own step followed by the model's update after it, bit for bit; a skipped one leaves
 parameters, optimizer state and the model's buffers (the MoE expert biases, which
 model.update_after_step moves) exactly as they were, so that the next step equals that of a run that
-never had it. For torch's for-loop AdamW (copies kept), the fused AdamW (on CPU here, on CUDA in real
-runs) and Muon with its AdamW groups, which take the flag themselves (StepsWhere), with the `er` sites'
-log decay and the MoE bias update taking it too: nothing copied."""
+never had it. For torch's for-loop AdamW (copies kept), the fused AdamW (on CPU here, on CUDA in
+real runs) and Muon with its AdamW groups, which take the flag themselves (StepsWhere), with the
+`er` sites' log decay and the MoE bias update taking it too: nothing copied."""
 
 import pytest
 import torch
@@ -34,7 +34,8 @@ def setup(optim: str):
 
 def backward(model, seed: int, poison: bool = False) -> None:
     tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(seed))
-    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()) + model.auxiliary_loss()
+    loss = (F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+            + model.auxiliary_loss())
     (loss * float("nan") if poison else loss).backward()
 
 
@@ -42,7 +43,8 @@ def snapshot(model, optimizer) -> dict[str, torch.Tensor]:
     out = {f"model/{k}": v.clone() for k, v in model.state_dict().items()}
     out.update({f"buffer/{k}": v.clone() for k, v in model.named_buffers()})
     for i, state in enumerate(optimizer.state.values()):
-        out.update({f"optim/{i}/{k}": v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)})
+        out.update({f"optim/{i}/{k}": v.clone() for k, v in state.items()
+                    if isinstance(v, torch.Tensor)})
     return out
 
 
@@ -56,8 +58,10 @@ def assert_identical(a: dict, b: dict) -> None:
 def test_taken_steps_are_the_optimizers_own_and_skipped_ones_change_nothing(optim):
     model, optimizer, step_where = setup(optim)
     ref_model, ref_optimizer, _ = setup(optim)
-    # what the flag must reach besides the optimizer's update: the er magnitudes' log decay, the MoE biases
-    assert any(g.get("log_weight_decay") for g in optimizer.param_groups) and model.compute_metrics()
+    # what the flag must reach besides the optimizer's update: the er magnitudes' log decay, the MoE
+    # biases
+    assert (any(g.get("log_weight_decay") for g in optimizer.param_groups)
+            and model.compute_metrics())
     for seed in (1, 2):  # taken: the same as optimizer.step()
         backward(model, seed)
         step_where(torch.tensor(True))
@@ -82,7 +86,8 @@ def test_taken_steps_are_the_optimizers_own_and_skipped_ones_change_nothing(opti
     ref_model.update_after_step()
     assert_identical(snapshot(model, optimizer), snapshot(ref_model, ref_optimizer))
     assert isinstance(optimizer, StepsWhere) == (optim != "adamw")
-    assert bool(step_where.copies) == (optim == "adamw")  # copies kept only where the flag is not taken
+    # copies kept only where the flag is not taken
+    assert bool(step_where.copies) == (optim == "adamw")
 
 
 @pytest.mark.parametrize("optim", ["adamw", "muon"])

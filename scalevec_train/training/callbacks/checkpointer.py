@@ -1,4 +1,5 @@
-"""Saving checkpoints during a run: periodically, at the last step, and at the step of an early stop."""
+"""Saving checkpoints during a run: periodically, at the last step, and at the step of an early
+stop."""
 
 from pathlib import Path
 
@@ -8,8 +9,8 @@ from scalevec_train.training.trainer import Callback, Trainer
 
 class Checkpointer(Callback):
     """Saves every `every` steps (0: never in between), at the end and when the run stops early; the
-    last save is complete once the fit ends. `last_path` is the newest checkpoint written. A step that
-    saves reads back (the callbacks' state is current); a stop comes only at such a step."""
+    last save is complete once the fit ends. `last_path` is the newest checkpoint written. A step
+    that saves reads back (the callbacks' state is current); a stop comes only at such a step."""
 
     def __init__(self, manager: CheckpointManager, every: int):
         self.manager, self.every = manager, every

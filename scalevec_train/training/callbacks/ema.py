@@ -1,10 +1,11 @@
-"""An exponential moving average (EMA) of the weights, kept beside the run (train.ema.half_life_tokens):
-a cheap stand-in for a learning-rate cooldown (a WSD branch), evaluated as the run goes and written as a
-model by `python -m scalevec_train.average <run> ema=last`.
+"""An exponential moving average (EMA) of the weights, kept beside the run
+(train.ema.half_life_tokens): a cheap stand-in for a learning-rate cooldown (a WSD branch),
+evaluated as the run goes and written as a model by
+`python -m scalevec_train.average <run> ema=last`.
 
 After every optimizer step each floating-point tensor of the model's state (every parameter, sharded
-ones and the fp32 replicated scale sites alike, and the MoE routers' expert_bias, which goes with the
-router weights as in checkpoint averaging) moves towards the new weights:
+ones and the fp32 replicated scale sites alike, and the MoE routers' expert_bias, which goes with
+the router weights as in checkpoint averaging) moves towards the new weights:
 
     ema_n = ema_(n-1) + w_n * (weights_n - ema_(n-1)),   w_n = (1 - d) / (1 - d^n),
 
@@ -14,12 +15,12 @@ no trace of the initial weights, however long the half-life. A skipped step (non
 weight and moves nothing here either: the trainer's verdict selects w_n = 0 on the device, with no
 host read.
 
-The EMA is fp32 and laid out like the parameters (DTensor shards on each rank under FSDP2, whole tensors
-for the replicated sites), so it costs one fp32 copy of each rank's share of the parameters (and an
-evaluation of it one more copy of the weights, for the time of the evaluation). It is a
-tensor state of the run's checkpoints (`ema.weights.<name>`, `ema.count`), so that it resumes exactly and
-reshards to another world size with the model; a checkpoint written without it starts the EMA afresh
-from the resumed weights.
+The EMA is fp32 and laid out like the parameters (DTensor shards on each rank under FSDP2, whole
+tensors for the replicated sites), so it costs one fp32 copy of each rank's share of the parameters
+(and an evaluation of it one more copy of the weights, for the time of the evaluation). It is a
+tensor state of the run's checkpoints (`ema.weights.<name>`, `ema.count`), so that it resumes
+exactly and reshards to another world size with the model; a checkpoint written without it starts
+the EMA afresh from the resumed weights.
 """
 
 import sys
@@ -41,20 +42,23 @@ def ema_decay(half_life_tokens: float, tokens_per_step: int) -> float:
 
 
 class WeightEMA(Periodic, Stateful):
-    """Keeps the EMA of `model`'s weights with decay `decay` per step (see the module docstring) and, at
-    the steps Periodic says (train.eval_every, as the Evaluator), records the metrics of `validation` of
-    the EMA weights: val_loss_ema (and val_bpb_ema; for a data mixture also each source's
-    val_loss_ema/<name>), swapped into the model for the evaluation and back (the training state is left
-    as it was, bit for bit). Stateful through the checkpoint's tensors (DCP), not train_state.json:
-    build.py adds it there."""
+    """Keeps the EMA of `model`'s weights with decay `decay` per step (see the module docstring)
+    and, at the steps Periodic says (train.eval_every, as the Evaluator), records the metrics of
+    `validation` of the EMA weights: val_loss_ema (and val_bpb_ema; for a data mixture also each
+    source's val_loss_ema/<name>), swapped into the model for the evaluation and back (the training
+    state is left as it was, bit for bit). Stateful through the checkpoint's tensors (DCP), not
+    train_state.json: build.py adds it there."""
 
     def __init__(self, model: Transformer, decay: float, validation: Validation, every: int):
         self.decay, self.validation, self.every = decay, validation, every
         # the model's own tensors, by their checkpoint names (in-place updates show through)
-        self.live = {name: t for name, t in get_model_state_dict(model).items() if t.is_floating_point()}
-        self.weights = {name: torch.empty_like(t, dtype=torch.float32) for name, t in self.live.items()}
+        self.live = {name: t for name, t in get_model_state_dict(model).items()
+                     if t.is_floating_point()}
+        self.weights = {name: torch.empty_like(t, dtype=torch.float32)
+                        for name, t in self.live.items()}
         device = next(iter(self.live.values())).device
-        self.count = torch.zeros((), dtype=torch.float64, device=device)  # steps taken, on the device
+        # steps taken, on the device
+        self.count = torch.zeros((), dtype=torch.float64, device=device)
         self.loaded = False
 
     def state_dict(self) -> dict:
@@ -70,15 +74,16 @@ class WeightEMA(Periodic, Stateful):
         self.loaded = True
 
     def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(EMA, model tensor) as local tensors (a DTensor's local view is a new object every time)."""
+        """(EMA, model tensor) as local tensors (a DTensor's local view is a new object every
+        time)."""
         return [(local(self.weights[name]), local(t)) for name, t in self.live.items()]
 
     @torch.no_grad()
     def on_fit_start(self, trainer: Trainer) -> None:
         if not self.loaded:
             if trainer.step and is_main():
-                print(f"ema: the checkpoint of step {trainer.step} holds no EMA of the weights; it starts "
-                      "here, from the resumed weights.", file=sys.stderr)
+                print(f"ema: the checkpoint of step {trainer.step} holds no EMA of the weights; it "
+                      "starts here, from the resumed weights.", file=sys.stderr)
             for ema, live in self._pairs():
                 ema.copy_(live)
             self.count.zero_()
@@ -88,7 +93,8 @@ class WeightEMA(Periodic, Stateful):
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         taken = result.taken
         self.count += taken
-        weight = torch.where(taken, (1 - self.decay) / (1 - self.decay ** self.count.clamp(min=1)), 0.0)
+        weight = torch.where(taken, (1 - self.decay) / (1 - self.decay ** self.count.clamp(min=1)),
+                             0.0)
         weight = weight.float()
         for ema, live in self._pairs():
             ema.lerp_(live.to(ema.dtype), weight)

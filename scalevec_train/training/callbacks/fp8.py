@@ -1,4 +1,5 @@
-"""The FP8 weights' scales, computed after every optimizer step where FSDP all-gathers them in FP8."""
+"""The FP8 weights' scales, computed after every optimizer step where FSDP all-gathers them in
+FP8."""
 
 from torch import nn
 
@@ -7,9 +8,10 @@ from scalevec_train.training.trainer import Callback, StepResult, Trainer
 
 
 class Fp8Scales(Callback):
-    """Under model.fp8=tensorwise on NCCL (parallel/fp8.py): the scales of the weights FSDP all-gathers in
-    FP8, from their new values, in one all-reduce after each step (a skipped step leaves the weights and so
-    the scales as they were), instead of one all-reduce per weight in the next forward's all-gathers."""
+    """Under model.fp8=tensorwise on NCCL (parallel/fp8.py): the scales of the weights FSDP
+    all-gathers in FP8, from their new values, in one all-reduce after each step (a skipped step
+    leaves the weights and so the scales as they were), instead of one all-reduce per weight in the
+    next forward's all-gathers."""
 
     def __init__(self, weights: list[nn.Parameter]):
         self.weights = weights

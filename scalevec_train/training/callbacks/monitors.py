@@ -8,7 +8,8 @@ class SpeedMonitor(Callback):
     """Tokens per second over the steps since the last log (the steps' own wall time: evaluation and
     checkpoints do not count), per device, and MFU where the device's peak is known."""
 
-    def __init__(self, tokens_per_step: int, flops_per_token: float, peak_flops: float | None, world: int):
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak_flops: float | None,
+                 world: int):
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.peak, self.world = peak_flops, world
         self.steps, self.seconds = 0, 0.0
@@ -27,8 +28,8 @@ class SpeedMonitor(Callback):
 
 
 class ModelMetrics(Callback):
-    """The model's compute_metrics() (MoE load balance) in every logged record, from rank 0 (the only
-    one that writes records)."""
+    """The model's compute_metrics() (MoE load balance) in every logged record, from rank 0 (the
+    only one that writes records)."""
 
     def on_log(self, trainer: Trainer) -> None:
         if is_main():

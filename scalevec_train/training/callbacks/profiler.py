@@ -8,20 +8,24 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from scalevec_train.training.trainer import Callback, StepResult, Trainer
 
-# allocation events the CUDA memory history keeps (torch's default): a step's worth at the sizes here
+# allocation events the CUDA memory history keeps (torch's default): a step's worth at the sizes
+# here
 MEMORY_ENTRIES = 100_000
 
 
 class StepProfiler(Callback):
-    """Profiles each step in `steps` on its own: from before its first forward to after its optimizer
-    step, as `ProfilerStep#<step>`, written to `out/step_<step>.rank<r>.json` (a Chrome trace, which
-    names the fused ops by their torch.library names, scalevec::rms_norm_fwd and the like); on CUDA also
-    the allocations of the step as `out/step_<step>.rank<r>.memory.pickle`. Other steps are untouched."""
+    """Profiles each step in `steps` on its own: from before its first forward to after its
+    optimizer step, as `ProfilerStep#<step>`, written to `out/step_<step>.rank<r>.json` (a Chrome
+    trace, which names the fused ops by their torch.library names, scalevec::rms_norm_fwd and the
+    like); on CUDA also the allocations of the step as `out/step_<step>.rank<r>.memory.pickle`.
+    Other steps are untouched."""
 
-    priority = -1  # first: the trace holds the training step, not the evaluations or checkpoints of other hooks
+    # first: the trace holds the training step, not the evaluations or checkpoints of other hooks
+    priority = -1
 
     def __init__(self, steps: list[int], out: Path, rank: int, record_shapes: bool = False):
-        self.steps, self.out, self.rank, self.record_shapes = set(steps), Path(out), rank, record_shapes
+        self.steps, self.out, self.rank, self.record_shapes = (set(steps), Path(out), rank,
+                                                               record_shapes)
         self._profile: profile | None = None
         self._marker: record_function | None = None
 

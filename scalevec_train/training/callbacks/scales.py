@@ -1,6 +1,6 @@
-"""The scale sites' statistics (docs/concepts/scale-vectors.md, "What is logged"): every log step, mean, std,
-min and max of each site's s (and of its magnitude beta under or/er) and the norm of its parameters'
-gradient, per layer and over layers by site name."""
+"""The scale sites' statistics (docs/concepts/scale-vectors.md, "What is logged"): every log step,
+mean, std, min and max of each site's s (and of its magnitude beta under or/er) and the norm of its
+parameters' gradient, per layer and over layers by site name."""
 
 import torch
 from torch import nn
@@ -29,8 +29,9 @@ class ScaleMonitor(Callback):
 
 def site_prefix(path: str, magnitude: bool = False) -> str:
     """The metric prefix of the site at module path `path` (of its magnitude, beta or b, when
-    `magnitude`); a statistic follows it: `scale/L<i>/<name>/<stat>` in layer i, `scale/<name>/<stat>` for
-    a site outside the layers and for a name's aggregate over the layers."""
+    `magnitude`); a statistic follows it: `scale/L<i>/<name>/<stat>` in layer i,
+    `scale/<name>/<stat>` for a site outside the layers and for a name's aggregate over the
+    layers."""
     layer, name = site_display_name(path)
     name += ".beta" if magnitude else ""
     return f"scale/{name}" if layer is None else f"scale/L{layer}/{name}"
@@ -39,9 +40,11 @@ def site_prefix(path: str, magnitude: bool = False) -> str:
 @torch.no_grad()
 def site_stats(model: nn.Module) -> dict[str, float]:
     """Mean, std, min and max of every learnable site's s (and beta for or/er), per layer and
-    aggregated over layers by site name: keys `scale/<name>/<stat>` and `scale/L<i>/<name>/<stat>`."""
+    aggregated over layers by site name: keys `scale/<name>/<stat>` and
+    `scale/L<i>/<name>/<stat>`."""
     per_name: dict[str, list[torch.Tensor]] = {}
-    # Collected on the device and read back in one transfer: one host sync per log step, not per value.
+    # Collected on the device and read back in one transfer: one host sync per log step, not per
+    # value.
     keys: list[str] = []
     values: list[torch.Tensor] = []
 
@@ -72,10 +75,10 @@ def site_stats(model: nn.Module) -> dict[str, float]:
 
 @torch.no_grad()
 def site_grad_norms(model: nn.Module) -> dict[str, float]:
-    """The gradient norm of every learnable site's parameters (and, for or/er, of its magnitude beta or
-    b alone), per layer and over layers by site name: `scale/L<i>/<name>/grad_norm`,
-    `scale/<name>/grad_norm`, `scale/<name>.beta/grad_norm`. Call between backward and zero_grad;
-    a magnitude cancelled by a normalization shows a gradient norm of (almost) 0."""
+    """The gradient norm of every learnable site's parameters (and, for or/er, of its magnitude beta
+    or b alone), per layer and over layers by site name: `scale/L<i>/<name>/grad_norm`,
+    `scale/<name>/grad_norm`, `scale/<name>.beta/grad_norm`. Call between backward and zero_grad; a
+    magnitude cancelled by a normalization shows a gradient norm of (almost) 0."""
     squares: dict[str, list[torch.Tensor]] = {}
     for path, site in scale_sites(model):
         if site.param == "fixed":

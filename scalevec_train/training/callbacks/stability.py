@@ -1,5 +1,6 @@
-"""What keeps a run alive (docs/guides/reliability.md): the non-finite-step guard with the loss-spike log, and
-a clean stop with a checkpoint on SIGTERM. Both read the device only on steps that read back."""
+"""What keeps a run alive (docs/guides/reliability.md): the non-finite-step guard with the
+loss-spike log, and a clean stop with a checkpoint on SIGTERM. Both read the device only on steps
+that read back."""
 
 import sys
 
@@ -12,12 +13,13 @@ from scalevec_train.training.trainer import Callback, StepResult, Trainer
 
 
 class StabilityGuard(Callback):
-    """Counts skipped (non-finite) steps and flags loss spikes, logging and warning about each; stops
-    the run with a DivergedError after `max_bad_steps` non-finite steps in a row. The trainer skips
-    non-finite steps on the device; this guard reads their losses and gradient norms when a step reads
-    back, and judges the steps since the last such step one by one, in order (a step's record is
-    written then). So a run stops at the first step that reads back (a log step) at or after the streak;
-    steps between that were finite were taken. Its state (StepGuard's) is checkpointed as `guard`."""
+    """Counts skipped (non-finite) steps and flags loss spikes, logging and warning about each;
+    stops the run with a DivergedError after `max_bad_steps` non-finite steps in a row. The trainer
+    skips non-finite steps on the device; this guard reads their losses and gradient norms when a
+    step reads back, and judges the steps since the last such step one by one, in order (a step's
+    record is written then). So a run stops at the first step that reads back (a log step) at or
+    after the streak; steps between that were finite were taken. Its state (StepGuard's) is
+    checkpointed as `guard`."""
 
     checkpoint_key = "guard"
 
@@ -25,7 +27,8 @@ class StabilityGuard(Callback):
         self.guard = StepGuard(max_bad_steps, spike_factor)
         self.unread: list[tuple[int, float, torch.Tensor]] = []  # (step, lr, [loss, grad_norm])
         self.last_good = 0  # the last step taken
-        self.diverged_at: tuple[int, int] | None = None  # the first streak of max_bad_steps: (first, last)
+        # the first streak of max_bad_steps: (first, last)
+        self.diverged_at: tuple[int, int] | None = None
 
     def state_dict(self) -> dict:
         if self.unread:
@@ -70,32 +73,35 @@ class StabilityGuard(Callback):
             self.diverged_at = (step - self.guard.streak + 1, step)
 
     def _stop(self, trainer: Trainer) -> None:
-        """Stop at this step: the steps since the last read-back are judged, so the last good one is known."""
+        """Stop at this step: the steps since the last read-back are judged, so the last good one is
+        known."""
         first, last = self.diverged_at
         trainer.request_stop("diverged", DivergedError(
             f"training (steps {first}-{last})",
-            f"{last - first + 1} steps in a row had a non-finite loss or gradient norm (train.max_bad_steps="
-            f"{self.guard.max_bad_steps}). The checkpoint of step {trainer.step} holds the parameters and optimizer "
-            f"state of step {self.last_good}, the last good one, and the data position after step {trainer.step}.",
-            "lower optim.lr, lengthen schedule.warmup_steps or set train.grad_clip, then continue with "
-            "resume=auto, naming what you changed on purpose (e.g. optim.lr=3e-4 'resume_changes=[optim.lr]'); "
-            "or look at the data of those steps."))
+            f"{last - first + 1} steps in a row had a non-finite loss or gradient norm "
+            f"(train.max_bad_steps={self.guard.max_bad_steps}). The checkpoint of step "
+            f"{trainer.step} holds the parameters and optimizer state of step {self.last_good}, "
+            f"the last good one, and the data position after step {trainer.step}.",
+            "lower optim.lr, lengthen schedule.warmup_steps or set train.grad_clip, then continue "
+            "with resume=auto, naming what you changed on purpose (e.g. optim.lr=3e-4 "
+            "'resume_changes=[optim.lr]'); or look at the data of those steps."))
 
     def on_log(self, trainer: Trainer) -> None:
         trainer.record("skipped_steps", self.guard.skipped)
 
     def _message(self, step: int, verdict: dict, loss: float, grad_norm: float) -> str:
         if "bad_step" in verdict:
-            return (f"step {step} skipped: loss {loss}, gradient norm {grad_norm} ({self.guard.streak} in a "
-                    f"row; the run stops at train.max_bad_steps={self.guard.max_bad_steps}).")
+            return (f"step {step} skipped: loss {loss}, gradient norm {grad_norm} "
+                    f"({self.guard.streak} in a row; the run stops at "
+                    f"train.max_bad_steps={self.guard.max_bad_steps}).")
         return (f"loss spike at step {step}: {loss:.4g} is more than train.spike_factor="
                 f"{self.guard.spike_factor} times the running average {verdict['loss_ema']:.4g}.")
 
 
 class SigtermStop(Callback):
-    """While the run fits, SIGTERM (what schedulers send before pre-emption or at a time limit) stops it,
-    on every rank at the same step, with a checkpoint (Checkpointer): at the next step that reads back
-    (a log step), where the ranks compare their flags."""
+    """While the run fits, SIGTERM (what schedulers send before pre-emption or at a time limit)
+    stops it, on every rank at the same step, with a checkpoint (Checkpointer): at the next step
+    that reads back (a log step), where the ranks compare their flags."""
 
     def __init__(self):
         self.signal = StopSignal()

@@ -1,6 +1,7 @@
-"""Bounded waits: collectives get distributed.timeout_s once this process's first step has finished (until
-then distributed.init_timeout_s, for joining, data preparation, the checkpoint load and the first compile),
-and from then on the hang watchdog (parallel/watchdog.py) ends a run that makes no progress."""
+"""Bounded waits: collectives get distributed.timeout_s once this process's first step has finished
+(until then distributed.init_timeout_s, for joining, data preparation, the checkpoint load and the
+first compile), and from then on the hang watchdog (parallel/watchdog.py) ends a run that makes no
+progress."""
 
 import sys
 from pathlib import Path
@@ -13,9 +14,10 @@ from scalevec_train.training.trainer import Callback, Trainer
 
 
 class HangWatchdog(Callback):
-    """Starts the watchdog with the fit (`cfg.hang_s` 0: none), arms it and shortens the collectives'
-    timeout after the first step, and stops it when the fit ends. The phases it watches are marked by
-    the trainer, the loaders, the evaluations and the checkpoint manager (infra/progress.py)."""
+    """Starts the watchdog with the fit (`cfg.hang_s` 0: none), arms it and shortens the
+    collectives' timeout after the first step, and stops it when the fit ends. The phases it watches
+    are marked by the trainer, the loaders, the evaluations and the checkpoint manager
+    (infra/progress.py)."""
 
     def __init__(self, cfg: DistributedConfig, run_dir: Path):
         self.cfg, self.run_dir = cfg, run_dir
@@ -24,7 +26,8 @@ class HangWatchdog(Callback):
 
     def on_fit_start(self, trainer: Trainer) -> None:
         if self.cfg.hang_s:
-            self.watchdog = Watchdog(progress.current, self.cfg.hang_s, self.run_dir, self.cfg.sigterm_grace_s).start()
+            self.watchdog = Watchdog(progress.current, self.cfg.hang_s, self.run_dir,
+                                     self.cfg.sigterm_grace_s).start()
 
     def on_step_done(self, trainer: Trainer) -> None:
         if not self.first_done:

@@ -1,5 +1,6 @@
-"""dev/kernel_tools/aot.py: a compiled variant's occupancy and its limits on each architecture, and a
-spilling tile caught by the check every preset's variant passes (tests/kernels/test_compile_ahead.py)."""
+"""dev/kernel_tools/aot.py: a compiled variant's occupancy and its limits on each architecture, and
+a spilling tile caught by the check every preset's variant passes
+(tests/kernels/test_compile_ahead.py)."""
 
 import pytest
 
