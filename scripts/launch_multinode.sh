@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Multi-node launcher: run this once on every node; the nodes meet at a c10d rendezvous hosted on
-# MASTER_ADDR and start NPROC_PER_NODE training processes each. Arguments go to scalevec_train.train.
+# MASTER_ADDR and start NPROC_PER_NODE training processes each. Arguments go to
+# scalevec_train.train.
 #
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 scripts/launch_multinode.sh model=dense-1b   # on node0
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 scripts/launch_multinode.sh model=dense-1b   # on node1
