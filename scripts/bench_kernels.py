@@ -344,7 +344,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "the kernels run")
     parser.add_argument("--table", metavar="PATH",
                         help="write the fused and compiled times (forward + backward, "
-                             "at the largest M; device time with --profile) as the "
+                             "at the largest M; GPU time with --profile) as the "
                              "JSON that model.kernels=auto reads: commit it as "
                              "kernels/scalevec_kernels/measured/<date>-<device>.json")
     args = parser.parse_args(argv)
