@@ -33,9 +33,10 @@ PLAN=(kernels train-1b train-1b-kernels moe-2b gpu-tests torchtitan)
 # The estimates are the walls measured on an H200 on 2026-11-26
 # (docs/benchmarks/2026-11-26-h200.md), rounded up by a quarter or more, and scaled by the work a
 # phase added since; the limits leave room for a slower compile.
-# fp8 is not measured yet: its estimate is train-1b's for each of its three precisions (no profile)
-# and the kernels phase's for its GEMM table; it runs in a command of its own (bash
-# dev/gpu_session.sh fp8).
+# fp8's training runs are not measured yet (on 2026-12-04 they failed at their first compiled step,
+# and the phase took 254 s with its GEMM table): its estimate is train-1b's for each of its three
+# precisions (no profile) and the kernels phase's for its GEMM table; it runs in a command of its
+# own (bash dev/gpu_session.sh fp8).
 declare -A EST=([kernels]=100 [train-1b]=90 [train-1b-kernels]=60 [moe-2b]=90 [gpu-tests]=70
                 [torchtitan]=80 [train-1b-eager]=35 [muon]=35 [train-2b]=100 [suite]=90 [fp8]=370)
 declare -A LIMIT=([kernels]=160 [train-1b]=180 [train-1b-kernels]=120 [moe-2b]=160 [gpu-tests]=150
@@ -115,18 +116,18 @@ phase_muon() {
     --micro-batch 4 -- optim=muon
 }
 # Not in the default plan (its estimate and the default plan's exceed one deadline): FP8
-# (model.fp8), the time of a forward and backward of every distinct map shape of dense-0.5b,
-# dense-1b and dense-2b at 16384 tokens in bf16 and under each recipe, compiled, then dense-1b
-# baseline and unified compiled in bf16, under tensorwise and under rowwise (torchao's size filter:
-# model.fp8_filter=auto), as train-1b runs it
+# (model.fp8), dense-1b baseline and unified compiled in bf16, under tensorwise and under rowwise
+# (torchao's size filter: model.fp8_filter=auto), as train-1b runs it, then the time of a forward
+# and backward of every distinct map shape of dense-0.5b, dense-1b and dense-2b at 16384 tokens in
+# bf16 and under each recipe, compiled (last: a limit cuts only its later rows)
 phase_fp8() {
-  cmd "$py" scripts/bench_fp8.py --presets dense-0.5b,dense-1b,dense-2b --m 16384
-  local rc=$? fp8
+  local rc=0 fp8
   for fp8 in none tensorwise rowwise; do
     [ -n "$dry" ] || echo "model.fp8=$fp8"
     cmd "$py" scripts/bench_train.py --presets dense-1b --scales baseline,unified --seq-len 4096 \
       --micro-batch 4 -- model.fp8=$fp8 || rc=1
   done
+  cmd "$py" scripts/bench_fp8.py --presets dense-0.5b,dense-1b,dense-2b --m 16384 || rc=1
   return "$rc"
 }
 # Not in the default plan: the CPU suite on the GPU host (name the phase to run it)

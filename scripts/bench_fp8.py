@@ -58,7 +58,7 @@ def shapes(preset: str) -> dict[tuple[int, int], dict]:
             name = row.name.removeprefix("layers.0.").removesuffix(".weight").split(".")[-1]
             if name not in entry["maps"]:
                 entry["maps"].append(name)
-            if row.fp8:
+            if row.fp8 and recipe not in entry["auto"]:
                 entry["auto"].append(recipe)
     return out
 

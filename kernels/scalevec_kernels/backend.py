@@ -58,9 +58,9 @@ def use_triton(backend: str, x: Tensor, misfit: str | None, device_type: str | N
                shape: tuple | None = None) -> bool:
     """Whether a call on x runs the kernels: `auto` takes them when they can, except inside
     torch.compile where the latest measurements on a GPU found torch.compile's code of the reference
-    faster for the op and `shape` (choice.pick's arguments); `triton` insists on them. `misfit` says
-    why the call does not fit the kernels, None when it does. `device_type` decides as if x were on
-    that device (the capture of dev/kernel_tools/aot.py answers for CUDA on CPU tensors)."""
+    faster for the op and `shape` (choice.faster's arguments); `triton` insists on them. `misfit`
+    says why the call does not fit the kernels, None when it does. `device_type` decides as if x
+    were on that device (the capture of dev/kernel_tools/aot.py answers for CUDA on CPU tensors)."""
     device_type = (device_type or x.device.type).split(":")[0]
     check_backend(backend, device_type)
     if backend == "torch":
@@ -69,7 +69,7 @@ def use_triton(backend: str, x: Tensor, misfit: str | None, device_type: str | N
         if misfit is not None or device_type != "cuda" or triton is None:
             return False
         return (shape is None or not torch.compiler.is_compiling()
-                or choice.pick(*shape)[0] == "fused")
+                or choice.faster(*shape) == "fused")
     if misfit is not None:
         raise KernelError(misfit, f"{_USE_OTHER}.")
     return True

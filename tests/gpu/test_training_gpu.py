@@ -138,7 +138,7 @@ def test_moe_grouped_mm_matches_the_loop_in_bf16():
     for backend in ("grouped_mm", "loop"):
         layer.experts.backend = backend
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            outs[backend] = layer({"ffn": x}).float()
+            outs[backend] = layer({branch: x for branch in layer.reads}).float()
     layer.experts.backend = "loop"
     reference = layer({"ffn": x}).float()
     loop_err = (outs["loop"] - reference).abs().max().item()

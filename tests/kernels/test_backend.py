@@ -64,7 +64,7 @@ def test_auto_picks_by_the_latest_visits_measurements():
     files)."""
     from scalevec_kernels import choice
 
-    table = choice.table()
+    table = choice.TABLE
     assert ((table["device"], table["date"], table["triton"])
             == ("NVIDIA H200", "2026-11-26", "3.6.0"))
     # measured: compile faster for the SwiGLU at dense-1b's width (1377.7 against 1534.8 us), shared
@@ -81,6 +81,23 @@ def test_auto_picks_by_the_latest_visits_measurements():
     assert impl == "fused" and why.startswith("not measured (no width within 2x of 512 "
                                               "with per-expert scales)")
     assert choice.pick("rms_norm", 64, 1)[0] == "fused"  # a head's 64 features: not measured
+
+
+def test_auto_decides_inside_a_real_compile_by_the_measurements():
+    """torch.compile traces auto's decision to a constant (fullgraph: a graph break is an error):
+    a measured shape of each pick, one standing on a nearest width, one measured nowhere."""
+    pytest.importorskip("triton")
+    from scalevec_kernels import backend
+
+    shapes = {("swiglu_norm", 8192, 1, 0): False, ("rms_norm", 1024, 3, 0): True,
+              ("rms_norm", 2560, 1, 0): False, ("swiglu_norm", 512, 1, 64): True}
+    for shape, fused in shapes.items():
+        torch._dynamo.reset()  # each shape traced afresh, as a model's first step is
+
+        @torch.compile(fullgraph=True, backend="eager")
+        def step(x, shape=shape):
+            return x + 1 if backend.use_triton("auto", x, None, "cuda", shape) else x - 1
+        assert step(torch.zeros(2)).tolist() == ([1.0, 1.0] if fused else [-1.0, -1.0]), shape
 
 
 def test_auto_takes_the_reference_inside_compile_where_compile_measured_faster(monkeypatch):
