@@ -167,8 +167,12 @@ def trend_markdown(points: Sequence[TrendPoint], trends: dict[str, Trend | None]
             "| rung | head share | tokens per parameter | compute (FLOPs) | "
             + " | ".join(f"seed {s}" for s in seeds)
             + " |", "|---|---:|---:|---:|" + "---:|" * len(seeds)]
-    for p in sorted(points,
-                    key=lambda p: (p.compute / p.budget if p.budget else p.compute, p.budget)):
+    # rung by rung (in the order of their smallest compute), budgets ascending: a trunk's steps
+    # are rounded, so compute over budget differs by a hair between a rung's budgets
+    first: dict[str, float] = {}
+    for p in sorted(points, key=lambda p: p.compute):
+        first.setdefault(p.rung, p.compute)
+    for p in sorted(points, key=lambda p: (first[p.rung], p.budget)):
         rows.append(f"| {p.rung} | {p.head_share:.0%} | {p.budget:g} | {p.compute:.4g} | "
                     + " | ".join(_reading(p.readings.get(s)) for s in seeds) + " |")
     rows += ["\nThe stable phase: the multiplier at a rung's 5 tokens per parameter over its 2.5, "

@@ -5,6 +5,7 @@ multiplier read from the curves is M, its elasticity b, and the strategy's law L
 the exponent alpha (1 + b)."""
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from scalevec_analysis.efficiency import find_reference
 from scalevec_analysis.runs import Run
 from scalevec_analysis.trend import (
     exponent_difference,
+    Interval,
     fit_trend,
     head_shares,
     trend_markdown,
@@ -116,3 +118,14 @@ def test_head_shares_and_the_exponents_difference(analysed):
     assert "| l4 | " in text and "> " in text  # the bounds at 10 are shown as bounds
     # the stable phase: M(5) / M(2.5) = 2^b on every seed
     assert f"| l2 | {2 ** B:.3f} | {2 ** B:.3f} | {2 ** B:.3f} |" in text
+
+
+def test_the_table_goes_rung_by_rung_with_budgets_ascending(analysed):
+    """A trunk's steps are rounded (dense-l3: 439, 878 and 1755 steps), so a rung's compute is not
+    exactly proportional to its budget: the rows still go rung by rung, budgets ascending."""
+    points = [replace(p, compute=p.compute * 0.999) if (p.rung, p.budget) == ("l3", 10.0) else p
+              for p in analysed[-1]]
+    text = trend_markdown(points, {}, Interval(0.0, -1.0, 1.0))
+    table = text.split("\n\n")[1].splitlines()[2:]
+    assert [row.split(" | ")[0][2:] + "/" + row.split(" | ")[2] for row in table] == [
+        f"{rung}/{budget:g}" for rung in RUNGS for budget in BUDGETS]
