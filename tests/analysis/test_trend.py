@@ -14,8 +14,8 @@ from scalevec_analysis import compute_efficiency, efficiency_series
 from scalevec_analysis.efficiency import find_reference
 from scalevec_analysis.runs import Run
 from scalevec_analysis.trend import (
-    exponent_difference,
     Interval,
+    exponent_difference,
     fit_trend,
     head_shares,
     trend_markdown,

@@ -131,12 +131,11 @@ def small_model(*overrides: str) -> Transformer:
     return parallelize(model, cfg.distributed, CPU, seed=0, dtype=cfg.train.dtype)
 
 
-@pytest.mark.parametrize("scale", ["baseline", "unified"])
-@pytest.mark.parametrize("recipe", sorted(SNR_FLOOR))
-def test_every_converted_map_is_within_its_snr_floor_of_bf16(recipe, scale):
-    """Each map's FP8 matmul on the inputs a bf16 forward gives it, against F.linear under the same
-    autocast: the output, and the gradients of its input and weight for one output gradient."""
-    model = small_model(f"scale={scale}", f"model.fp8={recipe}", "model.fp8_filter=all")
+def assert_maps_within_snr_floors(model: Transformer, tokens: torch.Tensor, recipe: str) -> None:
+    """Each map's FP8 matmul on the inputs a bf16 forward of `tokens` gives it, against F.linear
+    under the same autocast: the output, and the gradients of its input and weight for one output
+    gradient, each within the recipe's SNR floor (also the GPU test's, on CUDA's own FP8 matmul)."""
+    device = tokens.device
     inputs, matmuls = {}, {}
     for name, m in model.named_modules():
         if isinstance(m, Linear):
@@ -148,27 +147,33 @@ def test_every_converted_map_is_within_its_snr_floor_of_bf16(recipe, scale):
                 inputs[name] = x.detach()
                 return matmuls[name](x, w)
             m.matmul = recorded
-    tokens = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         model(tokens)
-    assert len(inputs) == 14
+    assert len(inputs) == 2 * len(MAPS)
     for name, x in inputs.items():
         linear = model.get_submodule(name)
-        grad = torch.randn(*x.shape[:-1], linear.weight.shape[0],
-                           generator=torch.Generator().manual_seed(1))
+        grad = torch.randn(*x.shape[:-1], linear.weight.shape[0], device=device,
+                           generator=torch.Generator(device).manual_seed(1))
         results = []
         for matmul in (matmuls[name], F.linear):
             x_, w = x.clone().requires_grad_(), linear.weight.detach().clone().requires_grad_()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
                 y = matmul(x_, w)
             y.backward(grad.bfloat16())
             results.append((y, x_.grad, w.grad))
         (y, gx, gw), (y_ref, gx_ref, gw_ref) = results
         assert y.dtype == y_ref.dtype == torch.bfloat16 and gw.dtype == torch.float32
-        floors = SNR_FLOOR[recipe]
         for what, got, want, floor in zip(("output", "input grad", "weight grad"), (y, gx, gw),
-                                          (y_ref, gx_ref, gw_ref), floors, strict=True):
-            assert snr_db(got, want) >= floor, (name, what)
+                                          (y_ref, gx_ref, gw_ref), SNR_FLOOR[recipe], strict=True):
+            assert snr_db(got, want) >= floor, (name, what, snr_db(got, want))
+
+
+@pytest.mark.parametrize("scale", ["baseline", "unified"])
+@pytest.mark.parametrize("recipe", sorted(SNR_FLOOR))
+def test_every_converted_map_is_within_its_snr_floor_of_bf16(recipe, scale):
+    model = small_model(f"scale={scale}", f"model.fp8={recipe}", "model.fp8_filter=all")
+    tokens = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    assert_maps_within_snr_floors(model, tokens, recipe)
 
 
 def loss_and_grads(model: Transformer,
