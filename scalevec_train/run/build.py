@@ -114,6 +114,11 @@ def build(cfg: Config) -> Run:
     if start.train_state is not None:
         train_loader.load_state_dict(start.train_state["loader"])
 
+    if cfg.distributed.compile:
+        # Graphs compiled for an earlier run in this process (a sweep's jobs under Hydra's basic
+        # launcher) fit none of this run's blocks when its maps differ (FP8's matmuls) and count
+        # against dynamo's recompile limit, which fullgraph makes an error: the third run met it.
+        torch._dynamo.reset()
     model = parallelize(model, cfg.distributed, device, cfg.seed, cfg.train.dtype)
     if init_weights is not None:
         init_from_hf(model, init_weights)

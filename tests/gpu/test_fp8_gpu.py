@@ -13,7 +13,7 @@ from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.train import run
 from tests.gpu.test_training_gpu import FAST
 from tests.parallel.test_fp8 import SNR_FLOOR, assert_maps_within_snr_floors
-from tests.parallel.test_fp8_training import LOSS_BOUND, MEAN_BOUND
+from tests.parallel.test_fp8_training import LOSS_BOUND, MEAN_BOUND, RECIPES, RUN, STEPS
 from tests.support.helpers import make_config
 from tests.support.launch import curve
 
@@ -22,7 +22,6 @@ pytestmark = pytest.mark.skipif(
     reason="needs a CUDA device with FP8 matmuls (compute capability 8.9 or newer)")
 
 CUDA = torch.device("cuda")
-STEPS = 30
 
 
 @pytest.mark.parametrize("recipe", sorted(SNR_FLOOR))
@@ -40,13 +39,14 @@ def test_every_converted_map_on_cuda_is_within_its_snr_floor_of_bf16(recipe):
 @pytest.mark.parametrize("scale", ["baseline", "unified"])
 def test_compiled_training_under_fp8_on_cuda_stays_within_its_bound_of_bf16(data_overrides,
                                                                             tmp_path, scale):
-    common = [*data_overrides, *FAST, f"scale={scale}", f"train.steps={STEPS}", "train.log_every=1",
-              "model.fp8_filter=all", "distributed.compile=true"]
+    """The CPU test's runs (tests/parallel/test_fp8_training.py, whose bounds were measured on
+    them), on CUDA and compiled."""
+    common = [*data_overrides, *RUN, f"scale={scale}", "device=cuda", "distributed.compile=true"]
     curves = {recipe: curve(run(make_config(*common, f"model.fp8={recipe}",
                                             f"run_dir={tmp_path / recipe}")))
-              for recipe in ("none", "tensorwise", "rowwise")}
+              for recipe in RECIPES}
     bf16 = curves["none"]
-    assert len(bf16) == STEPS and bf16[STEPS] < bf16[1] - 0.5  # it learns
+    assert len(bf16) == STEPS and bf16[STEPS] < bf16[1] - 1  # it learns
     last = [s for s in bf16 if s > STEPS - 10]
     for recipe in ("tensorwise", "rowwise"):
         gaps = [abs(curves[recipe][s] - bf16[s]) for s in bf16]

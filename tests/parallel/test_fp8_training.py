@@ -1,7 +1,8 @@
 """FP8 training end to end on the CPU (emulated): a tiny model's training loss under tensorwise and
 rowwise stays within a stated bound of bf16's over 30 steps, under baseline and unified, with the
 diagnostics of FP8 recorded; a checkpoint trained in FP8 resumes without it and one trained without
-it resumes in FP8 (the same parameters and states)."""
+it resumes in FP8 (the same parameters and states); compiled runs in FP8 follow each other in one
+process (a sweep's jobs) within dynamo's recompile limit."""
 
 import json
 import shutil
@@ -13,7 +14,7 @@ from scalevec_train.checkpoint.files import step_dir
 from scalevec_train.run.resume import read_resumes
 from scalevec_train.train import run
 from tests.support.helpers import SHORT_RUN, make_config
-from tests.support.launch import curve, records, trained_state
+from tests.support.launch import compile_backend, curve, records, trained_state
 from tests.support.presets import SMALL_MODEL
 
 STEPS = 30
@@ -88,3 +89,16 @@ def test_a_checkpoint_resumes_across_fp8_on_and_off(data_overrides, runs, tmp_pa
     # from the same weights at step 15, the next loss is the trained run's within FP8's bound
     assert got[16] != same_weights[16] and abs(got[16] - same_weights[16]) <= LOSS_BOUND
     assert got[16] != other[16]
+
+
+def test_compiled_runs_one_after_another_in_one_process_stay_within_the_recompile_limit(
+        data_overrides, tmp_path):
+    """Each run's blocks compile to 4 graphs (the first block without a residual to add, the others
+    with one; training and evaluation), and each FP8 run's maps hold matmuls of their own, so
+    without a reset per run the third run's graphs pass dynamo's limit of 8, an error under
+    fullgraph. Dynamo's capture alone (no code generation): the count is dynamo's."""
+    with compile_backend("eager"):
+        for recipe in RECIPES:
+            run(make_config(*data_overrides, *RUN, "scale=unified", f"model.fp8={recipe}",
+                            "train.steps=4", "distributed.compile=true",
+                            f"run_dir={tmp_path / recipe}"))
