@@ -100,5 +100,5 @@ def test_compiled_runs_one_after_another_in_one_process_stay_within_the_recompil
     with compile_backend("eager"):
         for recipe in RECIPES:
             run(make_config(*data_overrides, *RUN, "scale=unified", f"model.fp8={recipe}",
-                            "train.steps=4", "distributed.compile=true",
+                            "train.steps=2", "distributed.compile=true",
                             f"run_dir={tmp_path / recipe}"))
