@@ -40,7 +40,11 @@ def nearest(op: str, n: int, k: int = 1, experts: int = 0) -> dict | None:
 def faster(op: str, n: int, k: int = 1, experts: int = 0) -> str:
     """"fused" or "compile" for a call (nearest's arguments): what `auto` runs inside
     torch.compile."""
-    m = nearest(op, n, k, experts)
+    return _winner(nearest(op, n, k, experts))
+
+
+def _winner(m: dict | None) -> str:
+    """The faster of a measurement; the fused kernel (one pass over the row) where none stands."""
     return "fused" if m is None or m["fused"] <= m["compile"] else "compile"
 
 
@@ -55,6 +59,6 @@ def pick(op: str, n: int, k: int = 1, experts: int = 0) -> tuple[str, str]:
     t = TABLE
     where = f"{t['device']}, {t['date']}, torch {t['torch']}, Triton {t['triton']}"
     shape = "measured" if m["n"] == n else f"nearest measured width {m['n']}"
-    return faster(op, n, k, experts), (
+    return _winner(m), (
         f"{shape}: fused {m['fused']:g} us, compile {m['compile']:g} us "
         f"({m['time']} time, {t['rows']} rows, forward + backward; {where})")
