@@ -209,12 +209,25 @@ def capture(sm_count: int = 132) -> Iterator[Launches]:
             for name in names:
                 patch(module, name, _Recorder(getattr(module, name), launches))
         patch(backend, "sm_count", lambda device: sm_count)
-        for module in _ROUTING_MODULES:
-            patch(module, "use_triton", functools.partial(backend.use_triton, device_type="cuda"))
-        yield launches
+        with routed_as_cuda():
+            yield launches
     finally:
         for module, name, value in reversed(saved):
             setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def routed_as_cuda() -> Iterator[None]:
+    """Within the block, each op decides its path for tensors on any device as it would for CUDA
+    tensors (the kernels then run where they can: under triton's interpreter on CPU tensors)."""
+    saved = [module.use_triton for module in _ROUTING_MODULES]
+    for module in _ROUTING_MODULES:
+        module.use_triton = functools.partial(backend.use_triton, device_type="cuda")
+    try:
+        yield
+    finally:
+        for module, use_triton in zip(_ROUTING_MODULES, saved, strict=True):
+            module.use_triton = use_triton
 
 
 def _cuobjdump() -> str:

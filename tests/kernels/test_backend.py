@@ -112,4 +112,3 @@ def test_auto_takes_the_reference_inside_compile_where_compile_measured_faster(m
     assert backend.use_triton("auto", x, None, "cuda", rms3)
     assert backend.use_triton("triton", x, None, "cuda", swiglu)  # triton insists
     assert not backend.use_triton("auto", x, None, "cpu", rms3)
-

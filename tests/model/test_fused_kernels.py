@@ -10,13 +10,13 @@ the choice between the fused kernels and compile's code traced inside torch.comp
 The interpreter runs in a child process (tests/support/kernels.py says why).
 """
 
-import functools
-import importlib
+from contextlib import nullcontext
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from dev.kernel_tools import aot
 from scalevec_kernels.backend import INTERPRETED
 from scalevec_train.model.strategies import scale_sites
 from scalevec_train.model.transformer import Transformer
@@ -93,29 +93,19 @@ if INTERPRETED:
 
     def unified_logits_and_grads(kernels: str, as_cuda: bool, backend=None):
         """(logits, {name: grad}, model) of a one-block unified model 1024 wide with perturbed
-        scales; `as_cuda`: each kernel module's call routed as for CUDA tensors
-        (dev/kernel_tools/aot.py's capture does the same), the kernels interpreted on CPU tensors;
+        scales; `as_cuda`: the calls routed as for CUDA tensors (aot.routed_as_cuda), the kernels
+        interpreted on CPU tensors;
         `backend`: its block compiled with fullgraph by that torch.compile backend."""
         cfg = make_config("scale=unified", "model.dim=1024", "model.n_heads=8",
                           "model.n_kv_heads=8", "model.ffn_dim=2048", "model.n_layers=1",
                           "model.vocab_size=128", "device=cpu", f"model.kernels={kernels}")
         model = perturbed(Transformer(cfg.model, cfg.scale))
-        modules = [importlib.import_module(f"scalevec_kernels.{m}")
-                   for m in ("rms_norm", "swiglu_norm", "head_rms_norm")]
-        saved = [m.use_triton for m in modules]
-        if as_cuda:
-            for m in modules:
-                m.use_triton = functools.partial(m.use_triton, device_type="cuda")
-        try:
-            with compile_backend(backend):
-                for block in model.layers:
-                    wrap_block(block, "none", backend is not None)
-                logits = model(torch.randint(0, 128, (2, 16),
-                                             generator=torch.Generator().manual_seed(2)))
-                logits.logsumexp(-1).mean().backward()
-        finally:
-            for m, use_triton in zip(modules, saved, strict=True):
-                m.use_triton = use_triton
+        with aot.routed_as_cuda() if as_cuda else nullcontext(), compile_backend(backend):
+            for block in model.layers:
+                wrap_block(block, "none", backend is not None)
+            logits = model(torch.randint(0, 128, (2, 16),
+                                         generator=torch.Generator().manual_seed(2)))
+            logits.logsumexp(-1).mean().backward()
         return logits, {n: p.grad for n, p in model.named_parameters()}, model
 
     def test_interp_auto_compiled_on_the_cuda_path_matches_the_eager_reference():
