@@ -128,7 +128,8 @@ PARTS = {
 # upward from dense-l3 (whose grid picked 3e-3 for both arms, the sites at scale_lr 0.01: the grids
 # start there), and its MoE twin. dense-l4's grid trunks also branch to 2.5 tokens per parameter:
 # where the short budget picks the long one's LR, the larger rungs' grids run at 2.5 only. In the
-# queue's order; what is cut when the budget runs out goes last: dense-l6's third seed, then moe-l4.
+# queue's order: moe-l4 (runs of under an hour, each kept once it finishes) before dense-l6 (whose
+# trunks take about three hours of a core each); dense-l6's third seed last.
 GROW = dict(seeds=(0, 1), tiebreak=2, scale_lr=0.01, sites=False, branch_grid=True)
 SCALING = {
     "dense_l4": Part("adamw", (0.001, 0.003, 0.01), final=(0, 1, 2), rungs=("dense-l4",),
@@ -145,9 +146,9 @@ SCALING = {
     "moe_l3": Part("adamw", (), final=(0, 1, 2), rungs=("moe-l3",), around=("moe_l2", "moe-l2"),
                    stage=4, **GROW),
     "dense_l6": Part("adamw", (), final=(0, 1), rungs=("dense-l6",),
-                     around=("dense_l4", "dense-l4"), grid_tpp=2.5, stage=5, **GROW),
+                     around=("dense_l4", "dense-l4"), grid_tpp=2.5, stage=6, **GROW),
     "moe_l4": Part("adamw", (), final=(0, 1, 2), rungs=("moe-l4",), around=("moe_l3", "moe-l3"),
-                   grid_tpp=2.5, stage=6, **GROW),
+                   grid_tpp=2.5, stage=5, **GROW),
     "dense_l6_s2": Part("adamw", (), final=(2,), rungs=("dense-l6",),
                         tuned_on=("dense_l6", "dense-l6"), stage=7, **GROW),
 }
