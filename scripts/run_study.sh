@@ -34,7 +34,8 @@
 #                                        unified at dense-l3 in bf16, FP8 tensorwise and rowwise
 #                                        (every map in FP8), 3 seeds, with unified's ablations (no
 #                                        gate/up output sites, plain sites, one site per norm); runs
-#                                        to runs/fp8/, tables to docs/results/fp8/
+#                                        to runs/fp8/, tables to docs/results/fp8/, each finished
+#                                        run's record to docs/results/fp8/runs/ (as scaling's)
 #   bash scripts/run_study.sh ladder_grid_l3 ["adamw muon"]  the ladder's LR grid again on
 #                                        dense-l3 (both strategies of the optimizers named, seed 0),
 #                                        then each arm at its dense-l3 pick with 3 seeds (trunks),
@@ -115,14 +116,25 @@ task_run() {
 # ladder's settings, diagnostics on (they change no number), in runs/adamw_l3/<rung>-<name>-s<seed>,
 # the name giving every key the run varies.
 diag_every() { case $1 in dense-l1) echo 30 ;; *) echo 180 ;; esac; }
-arm_run() {  # rung name seed overrides...: into ARMS (runs/adamw_l3), logs in ARMS_logs
-  local rung=$1 name=$2 seed=$3 root=${ARMS:-runs/adamw_l3}
+arm_run() {  # rung name seed overrides...: into ARMS (runs/adamw_l3), logs in ARMS_logs; with
+             # ARMS_ARCHIVE set, a run kept there is done, and a run that finishes or diverges is
+             # kept there (scripts/lr_grid.py --archive: the records, no checkpoints)
+  local rung=$1 name=$2 seed=$3 root=${ARMS:-runs/adamw_l3} rc=0
   shift 3
-  local log=${root}_logs/$rung-$name-s$seed.log
+  local run=$rung-$name-s$seed
+  local log=${root}_logs/$run.log
+  if test -n "${ARMS_ARCHIVE:-}"; then
+    test -f "$ARMS_ARCHIVE/$run/metrics.jsonl" -o -f "$ARMS_ARCHIVE/$run.failed" && return
+  fi
   $PY -m scalevec_train.train +experiment=ladder model=$rung seed=$seed $(rung_args "$rung") \
-    train.diagnostics_every=$(diag_every "$rung") "$@" \
-    run_dir=$root/$rung-$name-s$seed > "$log" 2>&1 ||
-    { echo "error: study run $rung $name s$seed failed; its log: $log" >&2; return 1; }
+    train.diagnostics_every=$(diag_every "$rung") "$@" run_dir=$root/$run > "$log" 2>&1 || rc=$?
+  if test -n "${ARMS_ARCHIVE:-}"; then
+    # a divergence (exit status 3) is kept as a result; any other failure stops the study
+    $PY scripts/lr_grid.py --archive "$ARMS_ARCHIVE" done "$root" "$root/$run" $rc
+  elif test $rc != 0; then
+    echo "error: study run $rung $name s$seed failed; its log: $log" >&2
+    return 1
+  fi
 }
 on_two_workers() {  # each input line: a function above and its arguments; longest jobs first
   export -f rung_args ladder_run study800_run task_run diag_every arm_run
@@ -406,9 +418,11 @@ ARMS
     # sites at 1e-2), 3 seeds; and unified's ablations under each precision: no output-side gate/up
     # sites (DNP on q, k, v only), plain sites (no magnitude-direction), one scale site per norm (no
     # HG). Diagnostics on: the maps' input outliers, FP8's underflow and its gradients' SNR against
-    # bf16's. Runs to runs/fp8/, tables to docs/results/fp8/
+    # bf16's. Runs to runs/fp8/, tables to docs/results/fp8/, each finished run's record to
+    # docs/results/fp8/runs/ (commit it: from a fresh clone the study goes on from there)
     A=runs/fp8
     out=docs/results/fp8
+    K=$out/runs
     mkdir -p ${A}_logs $out
     # name | overrides, every arm at dense-l3 with model.fp8_filter=all
     fp8_arms() {
@@ -432,7 +446,7 @@ FP8ARMS
     }
     # seed by seed, the main arms of a seed before its ablations: whatever has finished answers for
     # its seeds
-    export ARMS=$A
+    export ARMS=$A ARMS_ARCHIVE=$K
     for seed in 0 1 2; do
       fp8_arms | while IFS='|' read -r name args; do
         echo arm_run dense-l3 $name $seed model.fp8_filter=all $args
@@ -441,11 +455,11 @@ FP8ARMS
     # each strategy (and ablation) in bf16 against its two FP8 recipes; then baseline against
     # unified, one precision at a time, with the diagnostics beside the losses
     for arm in $(fp8_arms | cut -d'|' -f1 | grep -v -- -model.fp8.); do
-      compare fp8/$arm model.fp8=none $A/dense-l3-$arm{,-model.fp8.tensorwise,-model.fp8.rowwise}-s*
+      compare fp8/$arm model.fp8=none $K/dense-l3-$arm{,-model.fp8.tensorwise,-model.fp8.rowwise}-s*
     done
     for suffix in "" -model.fp8.tensorwise -model.fp8.rowwise; do
       $PY scripts/compare_runs.py \
-        $A/dense-l3-{baseline,unified}-adamw-lr0.003-scale_lr0.01$suffix-s0 --diagnostics \
+        $K/dense-l3-{baseline,unified}-adamw-lr0.003-scale_lr0.01$suffix-s0 --diagnostics \
         --out $out/diagnostics${suffix:-"-bf16"}
     done
     ;;

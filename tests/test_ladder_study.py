@@ -6,6 +6,7 @@ vary."""
 
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -192,3 +193,50 @@ def test_the_fp8_study_names_every_key_its_arms_vary_and_runs_every_map_in_fp8(t
     assert (cfg.run_dir == f"runs/fp8/dense-l3-{name}-s2" and cfg.model.fp8 == "rowwise"
             and cfg.seed == 2)
     assert cfg.model.fp8_filter == "all" and cfg.train.diagnostics_every == 180
+
+
+def test_the_fp8_study_keeps_each_finished_or_diverged_run_and_skips_what_it_kept(tmp_path):
+    """With ARMS_ARCHIVE set, arm_run archives a run that finished (its records, no checkpoints)
+    or diverged (exit status 3: a note), trains neither again from a fresh root, and stops on any
+    other failure."""
+    text = SCRIPT.read_text()
+    functions = "".join(re.search(rf"^{name}\(\) {{.*?^}}\n", text, flags=re.S | re.M).group(0)
+                        for name in ("rung_args", "diag_every", "arm_run"))
+    # PY stands in for training (a finished run of 4 steps, or the exit status in $tmp/rc) and runs
+    # the real scripts/lr_grid.py
+    fake = tmp_path / "py"
+    fake.write_text(f"""#!/bin/bash
+if [ "$1" = -m ]; then
+  echo "$@" >> {tmp_path}/commands
+  rc=$(cat {tmp_path}/rc); [ "$rc" = 0 ] || exit $rc
+  d=${{@: -1}}; d=${{d#run_dir=}}
+  mkdir -p $d/checkpoints/step_000004 && touch $d/checkpoints/step_000004/COMPLETE
+  printf 'train:\\n  steps: 4\\n' > $d/config.yaml
+  echo '{{"step": 4, "val_loss": 2.5}}' > $d/metrics.jsonl
+  exit 0
+fi
+exec {SCRIPT.parents[1] / ".venv/bin/python"} "$@"
+""")
+    fake.chmod(0o755)
+    (tmp_path / "scripts").symlink_to(SCRIPT.parent)
+    env = {**os.environ, "PY": str(fake), "ARMS": "runs/fp8", "ARMS_ARCHIVE": "kept"}
+
+    def arm(name: str, rc: int) -> int:
+        (tmp_path / "rc").write_text(str(rc))
+        (tmp_path / "runs" / "fp8_logs").mkdir(parents=True, exist_ok=True)
+        return subprocess.run(["bash", "-c", f"{functions}arm_run dense-l3 {name} 0"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True).returncode
+
+    def trained() -> int:
+        path = tmp_path / "commands"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    assert arm("a", 0) == 0 and trained() == 1
+    kept = tmp_path / "kept" / "dense-l3-a-s0"
+    assert sorted(p.name for p in kept.iterdir()) == ["config.yaml", "metrics.jsonl"]
+    assert arm("b", 3) == 0 and (tmp_path / "kept" / "dense-l3-b-s0.failed").is_file()
+    assert arm("c", 1) == 1 and not (tmp_path / "kept" / "dense-l3-c-s0").exists()
+    assert trained() == 3
+    shutil.rmtree(tmp_path / "runs")  # a fresh clone: only the archive is left
+    assert arm("a", 0) == 0 and arm("b", 0) == 0 and trained() == 3
+    assert arm("c", 0) == 0 and trained() == 4
