@@ -82,6 +82,9 @@ class Part:
     scale_lr: float | None = None  # the sites' LR during the grid
     sites: bool = True  # with scale_lr: the sites' LR one step either side of the pick
     final: tuple[int, ...] = ()  # seeds at the pick, with WSD branches
+    # False: the final's budgets below 10 as WSD runs of their own, and no trunk (a rung whose
+    # trunk outlasts the machine's run directories)
+    trunks: bool = True
     overrides: tuple[str, ...] = ()
     tag: str = ""  # in every run's name, for the overrides
     rungs: tuple[str, ...] = RUNGS
@@ -128,8 +131,10 @@ PARTS = {
 # upward from dense-l3 (whose grid picked 3e-3 for both arms, the sites at scale_lr 0.01: the grids
 # start there), and its MoE twin. dense-l4's grid trunks also branch to 2.5 tokens per parameter:
 # where the short budget picks the long one's LR, the larger rungs' grids run at 2.5 only. In the
-# queue's order: moe-l4 (runs of under an hour, each kept once it finishes) before dense-l6 (whose
-# trunks take about three hours of a core each); dense-l6's third seed last.
+# queue's order; what is cut when the budget runs out goes last: dense-l6's third seed, then moe-l4.
+# dense-l6's trunk would take about three hours of a core, longer than a run directory lasts here:
+# its picks run at 2.5 and 5 tokens per parameter only, each a WSD run of its own (the same
+# schedule, steps and data as the trunk's branch).
 GROW = dict(seeds=(0, 1), tiebreak=2, scale_lr=0.01, sites=False, branch_grid=True)
 SCALING = {
     "dense_l4": Part("adamw", (0.001, 0.003, 0.01), final=(0, 1, 2), rungs=("dense-l4",),
@@ -146,11 +151,12 @@ SCALING = {
     "moe_l3": Part("adamw", (), final=(0, 1, 2), rungs=("moe-l3",), around=("moe_l2", "moe-l2"),
                    stage=4, **GROW),
     "dense_l6": Part("adamw", (), final=(0, 1), rungs=("dense-l6",),
-                     around=("dense_l4", "dense-l4"), grid_tpp=2.5, stage=6, **GROW),
+                     around=("dense_l4", "dense-l4"), grid_tpp=2.5, trunks=False, stage=5,
+                     **GROW),
     "moe_l4": Part("adamw", (), final=(0, 1, 2), rungs=("moe-l4",), around=("moe_l3", "moe-l3"),
-                   grid_tpp=2.5, stage=5, **GROW),
+                   grid_tpp=2.5, stage=6, **GROW),
     "dense_l6_s2": Part("adamw", (), final=(2,), rungs=("dense-l6",),
-                        tuned_on=("dense_l6", "dense-l6"), stage=7, **GROW),
+                        tuned_on=("dense_l6", "dense-l6"), trunks=False, stage=7, **GROW),
 }
 PARTS.update(SCALING)
 
@@ -326,6 +332,9 @@ class Arm:
 
     def final_runs(self, pick) -> list[Run]:
         lr, slr, _ = pick
+        if not self.part.trunks:
+            return [replace(self.run(lr, s, slr, tpp), standalone=True)
+                    for s in self.part.final for tpp in BRANCHES]
         trunks = [self.run(lr, s, slr) for s in self.part.final]
         return trunks + [self.run(lr, t.seed, slr, tpp) for t in trunks for tpp in BRANCHES]
 
@@ -353,7 +362,7 @@ class Arm:
             if self.state.loss(r) is not None:
                 continue
             trunk = self.run(r.lr, r.seed, r.scale_lr)
-            if r.tpp == 10.0 or self.state.loss(trunk) not in (None, FAILED):
+            if r.tpp == 10.0 or r.standalone or self.state.loss(trunk) not in (None, FAILED):
                 out.append(r)
         return out
 

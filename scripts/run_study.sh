@@ -393,13 +393,13 @@ ARMS
   scaling)
     # Does unified's gain grow with scale (docs/results/)? The AdamW ladder at each arm's own best
     # LR on dense-l4 and dense-l6 and on moe-l2..l4 (scripts/lr_grid.py's SCALING parts, in the
-    # queue's order: moe-l4 before dense-l6, dense-l6's third seed last), then each rung's grid,
-    # picks and tables. Every finished run is kept in docs/results/scaling/runs/ (commit it): from
+    # order that cuts dense-l6's third seed first, then moe-l4; dense-l6 without trunks), then each
+    # rung's grid, picks and tables. Every finished run is kept in docs/results/scaling/runs/ (commit it): from
     # a fresh clone the study goes on from there
     L=runs/scaling
     out=docs/results/scaling
     export GRID_ARCHIVE=$out/runs
-    parts="dense_l4 dense_l1_l3 moe_l2 moe_l3 moe_l4 dense_l6 dense_l6_s2"
+    parts="dense_l4 dense_l1_l3 moe_l2 moe_l3 dense_l6 moe_l4 dense_l6_s2"
     grid_pool $L $parts
     $PY scripts/lr_grid.py --archive $GRID_ARCHIVE report $L $out $parts
     # per family: the multipliers per rung, budget and seed, their trend with its interval, the

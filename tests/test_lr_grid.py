@@ -197,6 +197,30 @@ def test_a_short_grid_and_a_check_budget_and_stages_and_fixed_picks(root, monkey
                                       "| dense-l3 | baseline adamw | 0.003 | 0.03 |"]
 
 
+def test_a_part_without_trunks_trains_the_picks_budgets_as_runs_of_their_own(root, monkeypatch):
+    """trunks=False: the pick's seeds run at 2.5 and 5 tokens per parameter, each a WSD run of its
+    own (no branch_from, no trunk at 10); the grid's own 2.5 runs count for its seeds."""
+    part = lr_grid.Part("adamw", (0.001, 0.003, 0.01), seeds=(0,), scale_lr=0.01, sites=False,
+                        final=(0, 1), rungs=("dense-l1",), scales=("baseline",), grid_tpp=2.5,
+                        trunks=False)
+    monkeypatch.setitem(lr_grid.PARTS, "no_trunks", part)
+    for lr, loss in (("0.001", 5.0), ("0.003", 4.7), ("0.01", 4.9)):
+        finish(root, name(lr, 0, tpp="2.5"), loss)
+    arm = lr_grid.Arm(part, "dense-l1", "baseline", lr_grid.State(root))
+    runs = arm.needed()
+    assert sorted(r.name for r in runs) == sorted([name("0.003", 0, tpp="5"),
+                                                   name("0.003", 1, tpp="2.5"),
+                                                   name("0.003", 1, tpp="5")])
+    for r in runs:
+        overrides = r.overrides(root)
+        assert not any(o.startswith(("branch_from=", "train.tokens_per_param=")) for o in overrides)
+        assert r.standalone and f"run_dir={root / r.name}" in overrides
+    # the queue hands them out as they are: no trunk is asked for
+    assert lr_grid.next_run(root, os.getpid(), ["no_trunks"]) == 0
+    (claim,) = Path(f"{root}_logs").glob("*.claim")
+    assert "tpp10" not in claim.name
+
+
 def test_a_grid_not_yet_known_has_a_table_of_whole_rows(root, monkeypatch):
     """A grid around another part's pick, that pick still pending: no LR columns, every row as wide
     as the header."""
