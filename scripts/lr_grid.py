@@ -26,7 +26,7 @@ A part is an optimizer with its grid (PARTS below); per rung and strategy (an ar
   4. sites: at the best LR, the scale sites' LR one grid step down and up (same seeds); the pick is
      the best of the three;
   5. final: the pick with the final seeds, trunks and their WSD branches to 2.5 and 5 tokens per
-     parameter.
+     parameter (a part without trunks: WSD runs of their own at 2.5 and 5).
 A part `tuned_on` another part's rung skips 1-4: every rung takes that rung's pick (the ladder tuned
 once).
 A part `around` another part's rung starts its grid at that rung's pick and one step either side (a
