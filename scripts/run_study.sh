@@ -394,8 +394,8 @@ ARMS
     # Does unified's gain grow with scale (docs/results/)? The AdamW ladder at each arm's own best
     # LR on dense-l4 and dense-l6 and on moe-l2..l4 (scripts/lr_grid.py's SCALING parts, in the
     # order that cuts dense-l6's third seed first, then moe-l4; dense-l6 without trunks), then each
-    # rung's grid, picks and tables. Every finished run is kept in docs/results/scaling/runs/ (commit it): from
-    # a fresh clone the study goes on from there
+    # rung's grid, picks and tables. Every finished run is kept in docs/results/scaling/runs/
+    # (commit it): from a fresh clone the study goes on from there
     L=runs/scaling
     out=docs/results/scaling
     export GRID_ARCHIVE=$out/runs
