@@ -149,6 +149,13 @@ def test_ladder_runs_go_where_the_experiment_puts_them_and_a_variant_to_a_folder
                for c in variant[1:])
 
 
+def script_functions(*names: str) -> str:
+    """The shell functions `names` as the script defines them, to run on their own."""
+    text = SCRIPT.read_text()
+    return "".join(re.search(rf"^{name}\(\) {{.*?^}}\n", text, flags=re.S | re.M).group(0)
+                   for name in names)
+
+
 def fp8_study_arms() -> dict[str, list[str]]:
     """{name: overrides} of the fp8 study's arms, from the script."""
     block = re.search(r"<<'FP8ARMS'\n(.*?)\nFP8ARMS\n", SCRIPT.read_text(), flags=re.S).group(1)
@@ -175,9 +182,7 @@ def test_the_fp8_study_names_every_key_its_arms_vary_and_runs_every_map_in_fp8(t
         precisions.setdefault(strategy, set()).add(cfg.model.fp8)
     assert len(precisions) == 5 and all(p == {"none", "tensorwise", "rowwise"}
                                         for p in precisions.values())
-    text = SCRIPT.read_text()
-    functions = "".join(re.search(rf"^{name}\(\) {{.*?^}}\n", text, flags=re.S | re.M).group(0)
-                        for name in ("rung_args", "diag_every", "arm_run"))
+    functions = script_functions("rung_args", "diag_every", "arm_run")
     record = tmp_path / "record"
     record.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "commands"}\n')
     record.chmod(0o755)
@@ -199,9 +204,7 @@ def test_the_fp8_study_keeps_each_finished_or_diverged_run_and_skips_what_it_kep
     """With ARMS_ARCHIVE set, arm_run archives a run that finished (its records, no checkpoints)
     or diverged (exit status 3: a note), trains neither again from a fresh root, and stops on any
     other failure."""
-    text = SCRIPT.read_text()
-    functions = "".join(re.search(rf"^{name}\(\) {{.*?^}}\n", text, flags=re.S | re.M).group(0)
-                        for name in ("rung_args", "diag_every", "arm_run"))
+    functions = script_functions("rung_args", "diag_every", "arm_run")
     # PY stands in for training (a finished run of 4 steps, or the exit status in $tmp/rc) and runs
     # the real scripts/lr_grid.py
     fake = tmp_path / "py"
