@@ -462,6 +462,8 @@ FP8ARMS
         $K/dense-l3-{baseline,unified}-adamw-lr0.003-scale_lr0.01$suffix-s0 --diagnostics \
         --out $out/diagnostics${suffix:-"-bf16"}
     done
+    # the per-seed table and each arm's penalty against the baseline's, by seed
+    $PY scripts/fp8_table.py $K > $out/per_seed.md
     ;;
   *)
     echo "error: unknown part '$1'. \
