@@ -11,7 +11,8 @@ from scalevec_kernels import BACKENDS
 from scalevec_train.infra.errors import ScalevecError, check_choices, choice
 
 # options that change how the model computes, not its weights
-COMPUTE_ONLY = ("kernels", "attention_mask", "rope_reset", "attention_backend", "fp8", "fp8_filter")
+COMPUTE_ONLY = ("kernels", "attention_mask", "rope_reset", "attention_backend", "fp8", "fp8_filter",
+                "fp8_keep")
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
@@ -135,6 +136,10 @@ class ModelConfig:
     # thresholds for the recipe, below which FP8 was slower than bf16 on an H100) | all (every map
     # whose dims divide by 16)
     fp8_filter: str = choice("auto", Literal["auto", "all"])
+    # block maps (q, k, v, o, gate, up, down) kept in bf16 under model.fp8 whatever the filter
+    # says: e.g. [down], whose input carries unified's outliers
+    # (docs/results/what-fp8-does-to-scale-vectors.md)
+    fp8_keep: list[str] = field(default_factory=list)
     # how the init, the learning rates and the forward's multipliers follow width and depth
     # (docs/concepts/parameterization.md): sp (one init std and one LR at every size) | mup (muP for
     # width, Tensor Programs V; CompleteP for depth, Dey et al. 2025: an LR tuned at the base shape
@@ -193,6 +198,10 @@ class ModelConfig:
                                 "set model.attention_mask=document, or model.rope_reset=false.")
         if self.moe is not None:
             self.moe.validate(self.dim)
+        unknown = [m for m in self.fp8_keep if m not in ATTN_MAPS + FFN_MAPS]
+        if unknown:
+            raise ScalevecError("model.fp8_keep", f"unknown block maps {unknown}.",
+                                f"name maps among {', '.join(ATTN_MAPS + FFN_MAPS)}.")
         for key in ("base_dim", "base_layers", "base_head_dim"):
             value = getattr(self, key)
             if value is None:

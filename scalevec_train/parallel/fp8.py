@@ -2,12 +2,12 @@
 torchao, and imports it only when model.fp8 is not none.
 
 - Which maps convert (map_precisions, also what describe lists): the block maps q, k, v, o, gate,
-  up, down whose dims divide by 16 (the FP8 matmul's requirement) and, under model.fp8_filter=auto,
-  that torchao's size filter for the recipe keeps (rowwise's for rowwise_with_gw_hp, which torchao's
-  filter does not take). Never the embedding, the head (tied or not), the routers (fp32), the MoE
-  experts (torchao's FP8 grouped matmul is a prototype of CUDA Triton kernels that wants each
-  expert's rows in multiples of 16, which dropless routing does not give) or a scale site (fp32: the
-  sites are not matrices).
+  up, down that model.fp8_keep does not name, whose dims divide by 16 (the FP8 matmul's requirement)
+  and, under model.fp8_filter=auto, that torchao's size filter for the recipe keeps (rowwise's for
+  rowwise_with_gw_hp, which torchao's filter does not take). Never the embedding, the head (tied or
+  not), the routers (fp32), the MoE experts (torchao's FP8 grouped matmul is a prototype of CUDA
+  Triton kernels that wants each expert's rows in multiples of 16, which dropless routing does not
+  give) or a scale site (fp32: the sites are not matrices).
 - The matmul (convert): the maps are not nn.Linear, so torchao's module swap finds none of them;
   each converted map's Linear.matmul becomes torchao's float8 matmul (the autograd function its
   Float8Linear calls) with the recipe's config, emulated off CUDA. Parameters, their names and
@@ -44,6 +44,11 @@ _NOT_A_BLOCK_MAP = (
 )
 
 
+# a block map's attribute name -> its name in model.fp8_keep (and scale.targets)
+_MAP_NAMES = {"wq": "q", "wk": "k", "wv": "v", "wo": "o", "w_gate": "gate", "w_up": "up",
+              "w_down": "down"}
+
+
 @dataclass(frozen=True)
 class MapPrecision:
     """One matrix of the model and the precision its matmul runs in under model.fp8."""
@@ -70,8 +75,11 @@ def map_precisions(model: Transformer) -> list[MapPrecision]:
             rows.append(MapPrecision(name, shape, False, why))
             continue
         out, inner = shape
+        kind = _MAP_NAMES[name.split(".")[-2]]
         if cfg.fp8 == "none":
             fp8, why = False, "model.fp8=none"
+        elif kind in cfg.fp8_keep:
+            fp8, why = False, f"model.fp8_keep names {kind}"
         elif out % 16 or inner % 16:
             fp8, why = False, (f"{out}x{inner}: a dim not divisible by 16, "
                                "which the FP8 matmul needs")

@@ -102,6 +102,22 @@ def test_the_filter_converts_the_maps_torchao_thresholds_pick_on_every_preset(pr
                                                       for i in range(cfg.model.n_layers)}
 
 
+def test_the_maps_fp8_keep_names_stay_bf16_and_an_unknown_name_is_refused():
+    cfg = make_config_shared("model=dense-tiny", "model.fp8=tensorwise", "model.fp8_filter=all",
+                             "model.fp8_keep=[down,q]")
+    with torch.device("meta"):
+        rows = {r.name: r for r in map_precisions(Transformer(cfg.model, cfg.scale))}
+    layers = range(cfg.model.n_layers)
+    assert ({name for name, r in rows.items() if r.fp8}
+            == {f"layers.{i}.{PATHS[m]}.weight" for i in layers for m in MAPS
+                if m not in ("down", "q")})
+    assert rows["layers.1.ffn.w_down.weight"].why == "model.fp8_keep names down"
+    # the weights do not change: a checkpoint resumes with or without it
+    assert "fp8_keep" not in cfg.model.architecture()
+    with pytest.raises(ScalevecError, match=r"model.fp8_keep: unknown block maps \['w_down'\]"):
+        make_config_shared("model=dense-tiny", "model.fp8_keep=[w_down]")
+
+
 def test_no_other_matrix_converts_and_each_says_why():
     cfg = make_config_shared("model=moe-tiny", "model.tie_embeddings=false", "model.fp8=rowwise",
                              "model.fp8_filter=all")
