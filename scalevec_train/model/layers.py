@@ -82,6 +82,7 @@ class Linear(nn.Module):
     def __init__(self, plan: MapPlan, cfg: ModelConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(plan.d_out, plan.d_in))
+        self.map_name = plan.ref.name  # q, k, ..., down: what scale.targets and model.fp8_keep name
         self.in_site = None if plan.in_site is None else ScaleSite.of(plan.in_site)
         self.out_site = None if plan.out_site is None else ScaleSite.of(plan.out_site)
         self.out_norm = plan.out_norm

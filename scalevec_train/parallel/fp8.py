@@ -44,11 +44,6 @@ _NOT_A_BLOCK_MAP = (
 )
 
 
-# a block map's attribute name -> its name in model.fp8_keep (and scale.targets)
-_MAP_NAMES = {"wq": "q", "wk": "k", "wv": "v", "wo": "o", "w_gate": "gate", "w_up": "up",
-              "w_down": "down"}
-
-
 @dataclass(frozen=True)
 class MapPrecision:
     """One matrix of the model and the precision its matmul runs in under model.fp8."""
@@ -75,7 +70,7 @@ def map_precisions(model: Transformer) -> list[MapPrecision]:
             rows.append(MapPrecision(name, shape, False, why))
             continue
         out, inner = shape
-        kind = _MAP_NAMES[name.split(".")[-2]]
+        kind = maps[name].map_name
         if cfg.fp8 == "none":
             fp8, why = False, "model.fp8=none"
         elif kind in cfg.fp8_keep:
