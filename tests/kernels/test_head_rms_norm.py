@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from scalevec_kernels import KernelError, head_rms_norm, head_rms_norm_reference
 from scalevec_kernels.backend import INTERPRETED
-from tests.support.kernels import EPS, assert_scale_grad_close, grads, run_interpreted, scale_site
+from tests.support.kernels import EPS, assert_scale_grad_close, grads, scale_site
 
 
 def test_head_reference_normalizes_each_head():
@@ -28,11 +28,6 @@ def test_head_reference_normalizes_each_head():
 def test_bad_scale_shape_raises():
     with pytest.raises(KernelError, match="scale has shape"):
         head_rms_norm(torch.randn(2, 4, 8), torch.ones(3, 8), EPS)
-
-
-@pytest.mark.skipif(INTERPRETED, reason="this process runs the test_interp_ tests itself")
-def test_triton_kernels_in_interpreter():
-    run_interpreted(__file__)
 
 
 if INTERPRETED:

@@ -18,7 +18,6 @@ from tests.support.kernels import (
     assert_scale_grad_close,
     grads,
     host_ops,
-    run_interpreted,
     scale_site,
 )
 
@@ -126,11 +125,6 @@ def test_a_call_issues_its_launches_and_allocations_alone():
     assert calls == ["rms_norm._fwd_kernel", "rms_norm._bwd_kernel", "partials._reduce_kernel"]
     # y, the empty h, rstd; dx, the scale's gradient, the partials
     assert ops == {"aten::empty": 3 + 3}
-
-
-@pytest.mark.skipif(INTERPRETED, reason="this process runs the test_interp_ tests itself")
-def test_triton_kernels_in_interpreter():
-    run_interpreted(__file__)
 
 
 if INTERPRETED:

@@ -17,7 +17,7 @@ from scalevec_kernels import (
     swiglu_norm_reference,
 )
 from scalevec_kernels.backend import INTERPRETED
-from tests.support.kernels import EPS, grads, host_ops, run_interpreted
+from tests.support.kernels import EPS, grads, host_ops
 
 # The module (the package's name swiglu_norm is the function).
 swiglu_kernels = importlib.import_module("scalevec_kernels.swiglu_norm")
@@ -108,11 +108,6 @@ def test_a_call_issues_its_launches_and_allocations_alone():
     assert calls == ["swiglu_norm._fwd_kernel", "swiglu_norm._bwd_kernel",
                      "partials._reduce_kernel"]
     assert ops == {"aten::empty": 2 + 5}  # out, rstd; dgate, dup, two scale gradients, the partials
-
-
-@pytest.mark.skipif(INTERPRETED, reason="this process runs the test_interp_ tests itself")
-def test_triton_kernels_in_interpreter():
-    run_interpreted(__file__)
 
 
 if INTERPRETED:

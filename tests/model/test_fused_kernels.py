@@ -23,7 +23,6 @@ from scalevec_train.model.transformer import Transformer
 from scalevec_train.optim.groups import build_optimizer
 from scalevec_train.parallel.wrap import wrap_block
 from tests.support.helpers import make_config
-from tests.support.kernels import run_interpreted
 from tests.support.launch import compile_backend
 
 SMALL = ["model.n_layers=1", "model.vocab_size=128"]
@@ -141,8 +140,3 @@ if INTERPRETED:
         for name, g in want.items():
             bound = 1e-6 * largest if name in noise else 1e-4 * g.abs().max()
             assert (got[name] - g).abs().max() <= bound, name
-
-else:
-
-    def test_the_model_through_the_interpreted_kernels():
-        run_interpreted(__file__)

@@ -35,7 +35,6 @@ from scalevec_train.parallel.data_parallel import parallelize
 from scalevec_train.parallel.wrap import wrap_block
 from scalevec_train.training.trainer import training_loss
 from tests.support.helpers import REPO, make_config
-from tests.support.kernels import run_interpreted
 from tests.support.launch import compile_backend
 
 PRESETS = sorted(p.stem for p in (REPO / "configs" / "scale").glob("*.yaml"))
@@ -164,11 +163,6 @@ if INTERPRETED:
     def test_interp_blocks_compile_as_one_graph_on_the_fused_ops(family, ac):
         compiled_step(tiny([*MODELS[family], "scale=unified", "model.kernels=triton"]), ac,
                       "aot_eager")
-
-else:
-
-    def test_blocks_compile_as_one_graph_on_the_fused_ops():
-        run_interpreted(__file__)
 
 
 def train(model: Transformer, overrides: list[str], optim: str) -> list[float]:

@@ -4,15 +4,17 @@ running them (dev/kernel_tools/aot.py).
 
 Triton reads TRITON_INTERPRET when @triton.jit decorates a kernel, i.e. when scalevec_kernels is
 first imported, which in a full test session has happened long before a kernel test file runs. So
-each kernel test file runs itself again in a child process with TRITON_INTERPRET=1
-(run_interpreted), and defines its test_interp_ tests only in such a process (`TRITON_INTERPRET=1
-pytest tests/kernels/FILE` runs them directly).
+a test file defines its test_interp_ tests only under TRITON_INTERPRET=1, and
+tests/kernels/test_interpreted.py runs those of every file in one child process with it set
+(run_interpreted: one start of Python, torch and triton for all of them; `TRITON_INTERPRET=1 pytest
+FILE` runs one file's directly).
 """
 
 import collections
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ import torch
 from scalevec_train.model.strategies import ScaleSite
 
 EPS = 1e-6
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def grads(outputs, inputs, upstream):
@@ -50,8 +53,13 @@ def _version(text: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def run_interpreted(test_file: str) -> None:
-    """Run the test_interp_ tests of test_file in a child process whose triton interprets the
+def interpreted_files() -> list[Path]:
+    """The test files that define test_interp_ tests, found by their source."""
+    return sorted(p for p in TESTS.rglob("test_*.py") if "def test_interp_" in p.read_text())
+
+
+def run_interpreted(test_files: list[Path]) -> None:
+    """Run the test_interp_ tests of test_files in one child process whose triton interprets the
     kernels."""
     triton = pytest.importorskip("triton")
     import numpy
@@ -62,7 +70,7 @@ def run_interpreted(test_file: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interp_",
-               test_file]
+               *map(str, test_files)]
     child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     # Exit code 5 (nothing collected) would mean the child's kernels were not interpreted either.
     assert child.returncode == 0, child.stdout[-8000:] + child.stderr[-4000:]
