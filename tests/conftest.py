@@ -22,6 +22,10 @@ if not GPU_TESTS:
     # more, and on cores shared with other processes OpenMP threads spin waiting for a descheduled
     # sibling, which made single-process training tests up to 10x slower beside a busy process.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Inductor compiles in the process that compiles: its default pool of compile workers (one per
+    # core) starts Python and imports torch in each process that compiles, for the few kernels of a
+    # tiny model.
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
