@@ -194,9 +194,11 @@ class Run:
                 f"seed={self.seed}", *self.part.overrides]
         if self.scale_lr is not None:
             args.append(f"optim.scale_lr={fmt(self.scale_lr)}")
-        if self.tpp != 10.0 and not self.standalone:
-            trunk = Run(self.rung, self.scale, self.part, self.lr, self.scale_lr, self.seed)
-            args += [f"train.tokens_per_param={self.tpp:g}", f"branch_from={root / trunk.name}"]
+        if self.tpp != 10.0:
+            args.append(f"train.tokens_per_param={self.tpp:g}")
+            if not self.standalone:
+                trunk = Run(self.rung, self.scale, self.part, self.lr, self.scale_lr, self.seed)
+                args.append(f"branch_from={root / trunk.name}")
         return args + [f"run_dir={root / self.name}"]
 
 

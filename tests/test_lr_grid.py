@@ -213,7 +213,10 @@ def test_a_part_without_trunks_trains_the_picks_budgets_as_runs_of_their_own(roo
                                                    name("0.003", 1, tpp="5")])
     for r in runs:
         overrides = r.overrides(root)
-        assert not any(o.startswith(("branch_from=", "train.tokens_per_param=")) for o in overrides)
+        assert not any(o.startswith("branch_from=") for o in overrides)
+        # the budget its name gives, which the ladder's 10 would otherwise be
+        assert [o for o in overrides if o.startswith("train.tokens_per_param=")] == [
+            f"train.tokens_per_param={r.tpp:g}"]
         assert r.standalone and f"run_dir={root / r.name}" in overrides
     # the queue hands them out as they are: no trunk is asked for
     assert lr_grid.next_run(root, os.getpid(), ["no_trunks"]) == 0
